@@ -1,0 +1,1 @@
+"""Benchmarks behind `mpic bench ...`: each prints a table, writes JSON and a PNG plot."""

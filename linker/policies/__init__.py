@@ -1,0 +1,1 @@
+"""Token-selection policies, one file each on one small base class (see base.py)."""

@@ -1,0 +1,30 @@
+"""`mpic` command line (CLI process). Each subcommand lives beside the code it drives and imports
+its heavy dependencies (torch, vLLM, Ray) inside the function, so `mpic --help` stays fast."""
+
+from __future__ import annotations
+
+import typer
+
+from mpic.benchmarks import offline as bench_offline
+from mpic.benchmarks import retriever as bench_retriever
+from mpic.benchmarks import storage as bench_storage
+from mpic.engine import tiny_models
+from mpic import demo, serve_command
+
+app = typer.Typer(no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching.")
+model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (each writes JSON and a PNG plot).")
+app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
+
+model_app.command("make-tiny")(tiny_models.make_tiny_command)
+bench_app.command("offline")(bench_offline.command)
+bench_app.command("storage")(bench_storage.command)
+bench_app.command("retriever")(bench_retriever.command)
+app.command("demo")(demo.command)
+app.command("serve")(serve_command.command)
+
+
+def main() -> None:
+    """Entry point of the `mpic` console script."""
+    app()

@@ -1,0 +1,1 @@
+"""MRAG retrieval: CLIP embeddings (open_clip), FAISS indexes, dynamic-library refresh."""
