@@ -1,0 +1,30 @@
+"""The linked KV as the selective prefill sees it (DESIGN.md "Selective prefill").
+
+Two implementations share this protocol: a dense one over [L, N, H_kv, D] tensors (reference
+runner, `mpic.linker.dense_kv`) and a paged one writing into vLLM's KV blocks (vLLM worker,
+`mpic.engine.vllm_paged_kv`). Indices are prompt indices 0..N-1; causality is by prompt index.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LinkedKV(Protocol):
+    """Per-layer keys/values of a whole prompt: cached (rotated) KV for reused item tokens,
+    dummy (zero) KV for text, overwritten by fresh KV for recomputed tokens as the pass runs."""
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite the slots `index` (int64 [S], ascending) of `layer` with k, v [S, H_kv, D]."""
+        ...
+
+    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """The keys currently linked at `index` of `layer`: [S, H_kv, D] (CacheBlend's deviation)."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Attention of queries q [S, H, D] at prompt indices `index` (int64 [S], ascending) over
+        every linked key of `layer` whose prompt index <= the query's: -> [S, H, D]."""
+        ...
