@@ -1,0 +1,91 @@
+"""Local disk tier: encoded entry blobs in a local folder, LRU by bytes (process that owns the
+store: Serve replica or vLLM worker; one folder per node).
+
+Files are written atomically through `FileSystemObjectStore` (temp + os.replace) and read with
+the streaming, checksum-verifying codec. The LRU index is rebuilt from file mtimes at start-up.
+A corrupt file is deleted on sight; the next tier then serves the entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from mpic.errors import CorruptEntryError
+from mpic.storage.entry_codec import read_entry
+from mpic.storage.fs_store import FileSystemObjectStore
+from mpic.storage.object_store import ObjectNotFoundError
+from mpic.types import CacheEntry
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """LRU-by-bytes cache of entry blobs under `root` (keys are entry keys)."""
+
+    name = "disk"
+
+    def __init__(self, root: Path, capacity_bytes: int, *, fsync: bool = False) -> None:
+        self.store = FileSystemObjectStore(root, fsync=fsync)
+        self.capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()
+        found = [self.store.stat(k) for k in self.store.list()]
+        for info in sorted(found, key=lambda i: i.mtime):
+            self._index[info.key] = info.size
+        self.used = sum(self._index.values())
+        self.evicted = 0
+        self.store.clean_tmp(older_than_s=0.0)
+
+    def get(self, key: str) -> tuple[CacheEntry, int] | None:
+        """(verified entry, blob bytes), or None if absent; CorruptEntryError after deleting a
+        bad file."""
+        with self._lock:
+            if key not in self._index:
+                return None
+            self._index.move_to_end(key)
+        try:
+            stream = self.store.open_read(key)
+        except ObjectNotFoundError:
+            self._forget(key)
+            return None
+        try:
+            return read_entry(stream)[0], stream.size
+        except CorruptEntryError:
+            log.warning("disk tier: corrupt entry %s deleted", key)
+            self.discard(key)
+            raise
+        finally:
+            stream.close()
+
+    def put(self, key: str, blob: bytes) -> None:
+        """Store `blob` (atomic), then evict LRU files until the tier fits."""
+        if len(blob) > self.capacity:
+            return
+        self.store.put(key, blob)
+        with self._lock:
+            self.used += len(blob) - self._index.pop(key, 0)
+            self._index[key] = len(blob)
+            victims = []
+            while self.used > self.capacity and self._index:
+                victim, size = self._index.popitem(last=False)
+                self.used -= size
+                victims.append(victim)
+        for victim in victims:
+            self.store.delete(victim)
+            self.evicted += 1
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self.used -= self._index.pop(key, 0)
+
+    def discard(self, key: str) -> None:
+        """Delete `key`'s file if present."""
+        self._forget(key)
+        self.store.delete(key)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index

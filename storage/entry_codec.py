@@ -1,0 +1,179 @@
+"""Cache-entry codec: `mpic.types.CacheEntry` <-> bytes, and the entry content address (any
+process that stores or loads KV: Serve replicas, vLLM workers, benchmarks).
+
+The blob is a plain safetensors file (readable by `safetensors.torch.load`): tensors `keys`,
+`values` [L, T, H_kv, D], `positions` int64 [T] or [3, T], `input_embeds` [T, hidden], laid out
+in name order, and `__metadata__["mpic"]` = JSON {format, entry_id, model_fingerprint,
+media_type, extra, dtype, num_tokens, sha256}. `sha256` covers the tensor data section, so a
+decode verifies every byte of KV it hands out and raises `CorruptEntryError` on any mismatch,
+truncation or garbage. Decoding is zero-copy: tensors are views into the buffer that was read.
+The streaming reader overlaps sha256 with reading (hashlib and readinto release the GIL), so a
+disk-tier load costs about max(read, hash) rather than their sum (MPIC section 3.2: loads must
+be cheap enough to run beside recomputation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import threading
+from queue import SimpleQueue
+
+import torch
+
+from mpic.errors import CorruptEntryError
+from mpic.storage.object_store import ReadStream
+from mpic.types import CacheEntry
+
+FORMAT = "mpic-entry/1"
+_TENSORS = ("input_embeds", "keys", "positions", "values")
+_CHUNK = 8 << 20
+_MAX_HEADER = 16 << 20
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def entry_key(model_fingerprint: str, canonical_context: str, media: bytes) -> str:
+    """sha256 hex over (model fingerprint, canonical context, media bytes): DESIGN.md's content
+    address of a cache entry. Fields are length-prefixed so no two triples collide."""
+    h = hashlib.sha256(b"mpic-entry-key/1")
+    for part in (model_fingerprint.encode(), canonical_context.encode(), media):
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.hexdigest()
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def encode(entry: CacheEntry) -> bytes:
+    """Serialize `entry` (tensors moved to CPU) into one safetensors blob with checksum."""
+    tensors = {"input_embeds": entry.input_embeds, "keys": entry.keys,
+               "positions": entry.positions.to(torch.int64), "values": entry.values}
+    header: dict[str, object] = {}
+    raws, offset, digest = [], 0, hashlib.sha256()
+    for name in _TENSORS:
+        t = tensors[name]
+        if t.dtype not in _NAMES:
+            raise ValueError(f"{name}: unsupported dtype {t.dtype}")
+        raw = _raw(t)
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+        digest.update(raw)
+        raws.append(raw)
+    meta = {"format": FORMAT, "entry_id": entry.entry_id,
+            "model_fingerprint": entry.model_fingerprint, "media_type": entry.media_type,
+            "extra": entry.extra, "dtype": str(entry.keys.dtype).removeprefix("torch."),
+            "num_tokens": entry.num_tokens, "sha256": digest.hexdigest()}
+    header["__metadata__"] = {"mpic": json.dumps(meta, sort_keys=True)}
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)
+    return b"".join([struct.pack("<Q", len(hbytes)), hbytes, *raws])
+
+
+def _parse_header(hbytes: bytes | memoryview) -> tuple[dict, dict]:
+    try:
+        header = json.loads(bytes(hbytes))
+        meta = json.loads(header.pop("__metadata__")["mpic"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptEntryError(f"entry header unreadable: {e}") from e
+    if meta.get("format") != FORMAT or set(header) != set(_TENSORS):
+        raise CorruptEntryError(f"not an {FORMAT} blob")
+    return header, meta
+
+
+def _data_size(header: dict) -> int:
+    try:
+        return max(int(h["data_offsets"][1]) for h in header.values())
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CorruptEntryError(f"entry header malformed: {e}") from e
+
+
+def _build(header: dict, meta: dict, buf: bytearray | memoryview, base: int,
+           digest: str) -> CacheEntry:
+    if digest != meta.get("sha256"):
+        raise CorruptEntryError(f"entry {meta.get('entry_id')}: checksum mismatch")
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for name, h in header.items():
+            b, e = (int(x) for x in h["data_offsets"])
+            dtype = _DTYPES[h["dtype"]]
+            count = (e - b) // dtype.itemsize
+            t = (torch.frombuffer(buf, dtype=dtype, count=count, offset=base + b) if count
+                 else torch.empty(0, dtype=dtype))
+            out[name] = t.view(*h["shape"])
+        entry = CacheEntry(entry_id=meta["entry_id"], model_fingerprint=meta["model_fingerprint"],
+                           keys=out["keys"], values=out["values"], positions=out["positions"],
+                           input_embeds=out["input_embeds"], media_type=meta["media_type"],
+                           extra=meta["extra"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CorruptEntryError(f"entry tensors malformed: {e}") from e
+    if entry.keys.dim() != 4 or entry.keys.shape != entry.values.shape:
+        raise CorruptEntryError("entry keys/values shapes disagree")
+    return entry
+
+
+def decode(blob: bytes | bytearray | memoryview) -> CacheEntry:
+    """Bytes -> verified CacheEntry (tensors view `blob`); CorruptEntryError if anything is off."""
+    view = memoryview(blob).cast("B")
+    if view.readonly:  # tensors must own writable memory: copy once
+        view = memoryview(bytearray(view))
+    if len(view) < 8:
+        raise CorruptEntryError("entry truncated (no header)")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > min(_MAX_HEADER, len(view) - 8):
+        raise CorruptEntryError("entry truncated or header length garbage")
+    header, meta = _parse_header(view[8:8 + n])
+    data = view[8 + n:]
+    if len(data) != _data_size(header):
+        raise CorruptEntryError(f"entry data is {len(data)} bytes, header says "
+                                f"{_data_size(header)} (truncated or garbage)")
+    return _build(header, meta, view, 8 + n, hashlib.sha256(data).hexdigest())
+
+
+def _read_exact(stream: ReadStream, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = stream.readinto(view[got:])
+        if not n:
+            raise CorruptEntryError(f"entry truncated: {got} of {len(view)} bytes")
+        got += n
+
+
+def read_entry(stream: ReadStream) -> tuple[CacheEntry, bytearray]:
+    """Read one blob from `stream` into a fresh buffer, hashing chunk i while reading chunk i+1.
+    Returns the verified CacheEntry (its tensors view the buffer) and the whole blob buffer."""
+    buf = bytearray(max(stream.size, 8))
+    view = memoryview(buf)
+    _read_exact(stream, view[:8])
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > min(_MAX_HEADER, stream.size - 8):
+        raise CorruptEntryError("entry truncated or header length garbage")
+    _read_exact(stream, view[8:8 + n])
+    header, meta = _parse_header(view[8:8 + n])
+    size = _data_size(header)
+    if stream.size != 8 + n + size:
+        raise CorruptEntryError(f"entry object is {stream.size} bytes, expected {8 + n + size}")
+    digest, chunks = hashlib.sha256(), SimpleQueue()
+    hasher = threading.Thread(target=_hash_chunks, args=(digest, chunks), daemon=True)
+    hasher.start()
+    try:
+        for start in range(8 + n, len(buf), _CHUNK):
+            _read_exact(stream, view[start:start + _CHUNK])
+            chunks.put(view[start:start + _CHUNK])
+    finally:
+        chunks.put(None)
+        hasher.join()
+    return _build(header, meta, buf, 8 + n, digest.hexdigest()), buf
+
+
+def _hash_chunks(digest: hashlib._Hash, chunks: SimpleQueue) -> None:
+    while (chunk := chunks.get()) is not None:
+        digest.update(chunk)
