@@ -1,0 +1,148 @@
+"""The ONE configuration of the Ray Serve application (CLI process, Serve controller, replicas).
+
+`ServeAppConfig` is loaded from YAML (`deployments/serve_config.yaml` carries it under
+`applications[0].args`, the k8s RayService under `serveConfigV2`) and passed down unchanged to
+every deployment; `deployment_options(...)` turns one `DeploymentConfig` into the keyword
+arguments of `serve.deployment(...)` (Ray Serve LLM style).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from mpic.errors import InvalidRequestError
+from mpic.storage.config import StorageConfig
+
+DEPLOYMENT_NAMES = ("Ingress", "Encoder", "Retriever", "Linker", "LLMWorker")
+"""The Serve deployment names; the k8s test checks serveConfigV2 against this tuple."""
+
+
+class AutoscalingOptions(BaseModel):
+    """Ray Serve in-tree autoscaling of one deployment (`autoscaling_config`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas Serve may start.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Ongoing requests per replica Serve aims for (Ray >= 2.60 name)."
+    )
+    upscale_delay_s: float = Field(3.0, ge=0, description="How long load must stay high.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="How long load must stay low.")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas report load.")
+    look_back_period_s: float = Field(5.0, gt=0, description="Window the load is averaged over.")
+
+
+class DeploymentConfig(BaseModel):
+    """Resources and scaling of one deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per replica (fractions ok).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (LLM worker on GPU nodes).")
+    max_ongoing_requests: int = Field(16, ge=1, description="Concurrent requests per replica.")
+    autoscaling: AutoscalingOptions = Field(
+        default_factory=AutoscalingOptions, description="Replica range and scaling target."
+    )
+
+
+class AuthConfig(BaseModel):
+    """Where API keys come from (see `mpic.deployments.auth`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["production", "dev"] = Field(
+        "production",
+        description="production: keys only from MPIC_API_KEYS / MPIC_ADMIN_KEYS / keys_file; "
+        "dev: also the documented dev keys (embedded default only).",
+    )
+    keys_file: str | None = Field(
+        None, description='YAML/JSON file {"api_keys": {key: user}, "admin_keys": [key, ...]}.'
+    )
+
+
+class EngineConfig(BaseModel):
+    """Which engine backs the LLM worker and the encoder, and on which model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["reference", "vllm"] = Field(
+        "reference", description="reference: the HF reference runner; vllm: vLLM + MPIC connector."
+    )
+    model: str = Field(".mpic/models/llava-tiny", description="HF model folder.")
+    family: Literal["llava", "qwen2-vl"] = Field("llava", description="Used by make-tiny.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
+    max_tokens_default: int = Field(16, ge=1, description="max_tokens when a request omits it.")
+    system_prompt: str = Field(
+        "You are a helpful assistant.", description="Canonical context entries are cached in."
+    )
+
+
+class LimitsConfig(BaseModel):
+    """Upload and request limits enforced by the ingress."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_upload_bytes: int = Field(8 << 20, ge=1, description="Larger uploads get HTTP 413.")
+
+
+class ServeAppConfig(BaseModel):
+    """Everything the application needs; one object for the app builder, YAML and k8s."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("mpic", description="Serve application name.")
+    route_prefix: str = Field("/", description="HTTP route prefix of the ingress.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Model and engine.")
+    store: StorageConfig = Field(
+        default_factory=StorageConfig, description="Object store and tiers (mpic.storage)."
+    )
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    default_policy: str = Field("mpic-32", description="Policy when `mpic.policy` is absent.")
+    default_collection: str = Field(
+        "default", description='Collection `"retrieval": "auto"` searches.'
+    )
+    ingress: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Ingress.")
+    encoder: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Encoder.")
+    retriever: DeploymentConfig = Field(
+        default_factory=DeploymentConfig, description="Retriever (CLIP + FAISS)."
+    )
+    linker: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Linker.")
+    llm_worker: DeploymentConfig = Field(
+        default_factory=DeploymentConfig, description="LLM worker (engine + MPIC linking)."
+    )
+
+
+def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
+    """Keyword arguments of `serve.deployment(cls, **opts)` for one deployment."""
+    a = cfg.autoscaling
+    if a.min_replicas > a.max_replicas:
+        raise InvalidRequestError(f"{name}: min_replicas {a.min_replicas} > max {a.max_replicas}")
+    actor: dict[str, Any] = {"num_cpus": cfg.num_cpus}
+    if cfg.num_gpus:
+        actor["num_gpus"] = cfg.num_gpus
+    return {
+        "name": name,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "autoscaling_config": {**a.model_dump(), "initial_replicas": max(a.min_replicas, 1)},
+    }
+
+
+def load_config(path: str | Path | None) -> ServeAppConfig:
+    """Read a config: a bare `ServeAppConfig` YAML, or a `serve build`-style file whose first
+    application's `args` hold it. None gives the embedded defaults (dev keys, file store)."""
+    if path is None:
+        return ServeAppConfig(auth=AuthConfig(mode="dev"))
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidRequestError(f"cannot read config {path}: {exc}") from exc
+    if "applications" in data:
+        data = data["applications"][0].get("args", {})
+    return ServeAppConfig.model_validate(data)

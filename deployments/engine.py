@@ -1,0 +1,149 @@
+"""The small engine interface the Encoder and LLM-worker deployments drive (Serve replicas).
+
+Ray Serve LLM keeps its engine behind an ABC so the deployment graph does not care which engine
+runs; MPIC does the same: `ServeEngine` is implemented by the HF reference runner
+(`mpic.deployments.reference_engine`) and by vLLM + the MPIC connector
+(`mpic.deployments.vllm_engine`), chosen by `EngineConfig.kind` through `build_engine`.
+
+The linker deployment hands the worker a `LinkedPrompt`: the chat turns with every file
+reference already resolved to a content-addressed entry id in the caller's namespace. The worker
+builds the link plan next to the KV (policies such as CacheBlend read the linked keys) and streams
+`TokenEvent`s followed by one `DoneEvent`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from mpic.deployments.config import EngineConfig
+from mpic.storage.config import StorageConfig
+from mpic.types import CacheEntry
+
+
+@dataclass
+class Segment:
+    """One piece of a turn: text, a cached entry (linked), or an inline image (recomputed)."""
+
+    kind: Literal["text", "entry", "inline"]
+    text: str = ""
+    entry_id: str = ""
+    """`entry` only: the content-addressed entry id."""
+    content_hash: str = ""
+    """`entry` only: sha256 of the media, to recompute the entry if it is lost (a fallback)."""
+    embeds: Any = None
+    """`inline` only: the `EncodedImage` (a Ray ObjectRef in transit)."""
+
+
+@dataclass
+class LinkedTurn:
+    """One chat message after resolution."""
+
+    role: str
+    segments: list[Segment]
+
+
+@dataclass
+class LinkedPrompt:
+    """What the worker generates from: resolved turns, policy, decoding budget."""
+
+    turns: list[LinkedTurn]
+    policy: str
+    max_tokens: int
+    retrieved: list[str] = field(default_factory=list)
+    """Entry ids the retriever added (reported back to the client)."""
+
+    @property
+    def entry_ids(self) -> list[str]:
+        """Every linked entry id, in prompt order (repeats kept)."""
+        return [s.entry_id for t in self.turns for s in t.segments if s.kind == "entry"]
+
+
+@dataclass
+class EncodedImage:
+    """Encoder output: the content hash and the input embeddings of one image."""
+
+    content_hash: str
+    """sha256 hex of the media bytes."""
+    media_type: str
+    """MIME type detected from the bytes, e.g. image/png."""
+    input_embeds: torch.Tensor
+    """[T, hidden]."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TokenEvent:
+    """A piece of generated text."""
+
+    text: str
+
+
+@dataclass
+class DoneEvent:
+    """The end of a generation, with what the ingress reports and records as metrics."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    """Linked (reused) tokens: OpenAI's `usage.prompt_tokens_details.cached_tokens`."""
+    completion_tokens: int
+    finish_reason: Literal["stop", "length"]
+    ttft_s: float
+    """Engine-side time to first token (link plan + loads + prefill + first decode)."""
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    """Entries served per storage tier, e.g. {"memory": 2, "disk": 1}."""
+    fallbacks: int = 0
+    """Entries that were missing or corrupt and were recomputed instead."""
+
+
+class ServeEngine(ABC):
+    """An engine as the serving deployments see it."""
+
+    @property
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """The model fingerprint (part of every entry id)."""
+
+    @abstractmethod
+    def encode_image(self, image_bytes: bytes) -> EncodedImage:
+        """Decode and encode one image (vision tower + projector).
+
+        Raises UnreadableMediaError (415) when the bytes are not an image."""
+
+    @abstractmethod
+    def entry_id(self, content_hash: str) -> str:
+        """The content-addressed entry id of an image in this model's canonical context."""
+
+    @abstractmethod
+    def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
+        """The KV of [canonical context + image] as a CacheEntry named `entry_id`."""
+
+    @abstractmethod
+    def generate(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> Iterator[TokenEvent | DoneEvent]:
+        """Link `entries` (every id of `prompt.entry_ids`, loaded by the worker), prefill
+        selectively by `prompt.policy`, decode greedily; ends with a DoneEvent (the worker fills
+        its tier_hits and fallbacks). InvalidRequestError for a prompt over the context length."""
+
+    @abstractmethod
+    def check_policy(self, policy: str) -> None:
+        """InvalidRequestError unless `policy` names a registered policy."""
+
+
+ENGINES = {
+    "reference": "mpic.deployments.reference_engine:ReferenceServeEngine",
+    "vllm": "mpic.deployments.vllm_serve_engine:VLLMServeEngine",
+}
+
+
+def build_engine(cfg: EngineConfig, store: StorageConfig) -> ServeEngine:
+    """Instantiate the engine `cfg.kind` names (imports it lazily: vLLM only when asked)."""
+    module, _, name = ENGINES[cfg.kind].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(cfg, store)

@@ -1,0 +1,106 @@
+"""The Linker deployment (Serve replica): resolves a chat request into a `LinkedPrompt`.
+
+Resolution happens in the CALLER's namespace only: a file id of another user is "not found"
+(404, the same answer as an unknown id), an expired one 410. Inline `image_url` parts are
+encoded for this request only (not cached) and travel to the worker as ObjectRefs; MRAG
+retrieval asks the Retriever deployment and links its hits before the last user turn's text.
+The link plan itself (token ids, positions, policy selection) is built in the LLM worker, next
+to the KV it indexes (DESIGN.md "Link plan").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+
+from ray.serve.handle import DeploymentHandle
+
+from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.engine import LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.files import FileCatalog
+from mpic.deployments.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FilePart,
+    ImagePart,
+    RetrievalOptions,
+    TextPart,
+)
+from mpic.errors import InvalidRequestError, PayloadTooLargeError
+
+_DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(?P<b64>.*)$", re.DOTALL)
+
+
+class Linker:
+    """Turns an OpenAI chat body into resolved turns for the worker."""
+
+    def __init__(
+        self, config: ServeAppConfig, encoder: DeploymentHandle, retriever: DeploymentHandle,
+        worker: DeploymentHandle,
+    ) -> None:
+        self.cfg = config
+        self.files = FileCatalog(config.store)
+        self.encoder, self.retriever, self.worker = encoder, retriever, worker
+
+    async def link(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:
+        """Resolve files, inline images and retrieval; validate policy and budget."""
+        opts = req.mpic
+        policy = opts.policy if opts and "policy" in opts.model_fields_set else None
+        policy = policy or self.cfg.default_policy
+        await self.worker.check_policy.remote(policy)
+        turns = [await self._turn(user, m) for m in req.messages]
+        retrieved: list[str] = []
+        if opts is not None and opts.retrieval is not None:
+            spec = opts.retrieval
+            if spec == "auto":
+                spec = RetrievalOptions(collection=self.cfg.default_collection)
+            retrieved = await self._retrieve(turns, spec)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return LinkedPrompt(
+            turns=turns, policy=policy, retrieved=retrieved,
+            max_tokens=max_tokens or self.cfg.engine.max_tokens_default,
+        )
+
+    async def _turn(self, user: str, msg: ChatMessage) -> LinkedTurn:
+        if isinstance(msg.content, str):
+            return LinkedTurn(msg.role, [Segment("text", text=msg.content)])
+        segments: list[Segment] = []
+        for i, part in enumerate(msg.content):
+            if isinstance(part, TextPart):
+                segments.append(Segment("text", text=part.text))
+            elif isinstance(part, FilePart):
+                entry_id, sha = self.files.resolve(user, part.file.file_id)
+                segments.append(Segment("entry", entry_id=entry_id, content_hash=sha))
+            elif isinstance(part, ImagePart):
+                segments.append(await self._inline(part, i))
+        if msg.role != "user" and any(s.kind != "text" for s in segments):
+            raise InvalidRequestError(f"images are only allowed in user messages, not {msg.role}")
+        return LinkedTurn(msg.role, segments)
+
+    async def _inline(self, part: ImagePart, index: int) -> Segment:
+        match = _DATA_URL.match(part.image_url.url)
+        if match is None:
+            raise InvalidRequestError(
+                "image_url must be a data:image/...;base64 URL (remote URLs are not fetched)",
+                param=f"content[{index}].image_url.url",
+            )
+        try:
+            data = base64.b64decode(match["b64"], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequestError(f"image_url is not valid base64: {exc}") from exc
+        if len(data) > self.cfg.limits.max_upload_bytes:
+            raise PayloadTooLargeError("inline image over the upload size limit")
+        ref = await self.encoder.encode.remote(data)._to_object_ref()  # not materialised here
+        return Segment("inline", embeds=ref)
+
+    async def _retrieve(self, turns: list[LinkedTurn], spec: RetrievalOptions) -> list[str]:
+        users = [t for t in turns if t.role == "user"]
+        if not users:
+            raise InvalidRequestError("retrieval needs a user message to search with")
+        query = " ".join(s.text for s in users[-1].segments if s.kind == "text").strip()
+        hits: list[str] = await self.retriever.search.remote(
+            spec.collection, query, spec.top_k, spec.min_score
+        )
+        users[-1].segments[:0] = [Segment("entry", entry_id=e) for e in hits]
+        return hits

@@ -1,0 +1,92 @@
+"""Starting the application on a local Ray instance (CLI process: `mpic serve`, `mpic demo`,
+tests and the load benchmark).
+
+`prepare_local(cfg)` makes relative paths absolute (Ray replicas may start in another working
+directory) and writes the embedded default's tiny model if it is missing; `start_local(cfg, port)`
+starts Ray, Serve's HTTP proxy on loopback and the application, and waits until `/healthz`
+answers. One Ray instance per process: `stop_local()` tears it down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import httpx
+
+from mpic.config import MPICHome
+from mpic.deployments.config import ServeAppConfig
+
+logger = logging.getLogger(__name__)
+
+_ENV_PASSED = ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS", "MPIC_S3_ACCESS_KEY", "MPIC_S3_SECRET_KEY",
+               "MPIC_HOME", "OMP_NUM_THREADS")
+
+
+def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfig:
+    """A copy of `cfg` with absolute model and store paths; writes the tiny default model."""
+    model = Path(cfg.engine.model).expanduser().resolve()
+    if make_model and not model.exists():
+        from mpic.engine.tiny_models import make_tiny
+
+        logger.info("writing the embedded default model to %s", model)
+        make_tiny(cfg.engine.family, "tiny", model)
+    store = cfg.store
+    if store.url is None and store.s3 is None:
+        store = store.model_copy(update={"url": MPICHome().store_dir.resolve().as_uri()})
+    engine = cfg.engine.model_copy(update={"model": str(model)})
+    return cfg.model_copy(update={"engine": engine, "store": store})
+
+
+def start_local(
+    cfg: ServeAppConfig, port: int = 8000, num_cpus: int | None = None, timeout_s: float = 300
+) -> str:
+    """Start Ray + Serve on 127.0.0.1:`port` with the application; returns the base URL."""
+    import ray
+    from ray import serve
+
+    from mpic.deployments.app import build_app
+
+    cfg = prepare_local(cfg)
+    env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                 runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, timeout_s)
+    return url
+
+
+def wait_healthy(url: str, timeout_s: float = 300) -> None:
+    """Poll `GET /healthz` until it answers 200 (TimeoutError otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/healthz did not answer within {timeout_s} s")
+
+
+def is_serving(url: str) -> bool:
+    """True if an MPIC server answers at `url`."""
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop_local() -> None:
+    """Shut Serve and Ray down (idempotent)."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
