@@ -1,0 +1,239 @@
+"""The MPIC KV connector for vLLM V1 (scheduler side in the engine core, worker side in the worker).
+
+Loaded by vLLM through `KVTransferConfig(kv_connector="MPICConnector",
+kv_connector_module_path="mpic.engine.vllm_connector")` (see `mpic.engine.vllm_engine`).
+vLLM builds one instance per role, in different processes:
+
+- SCHEDULER (engine core): a request whose `kv_transfer_params` carry an MPIC link plan
+  (`mpic.engine.vllm_params`) gets every prompt token but the last claimed as externally computed
+  (`get_num_new_matched_tokens`), so vLLM schedules only the last prompt token. After block
+  allocation the request is queued; `build_connector_meta` ships, per step, each queued request's
+  block ids and plan to the worker (`MPICConnectorMetadata`). Preempted requests come back through
+  `get_num_new_matched_tokens` when they are rescheduled and are linked again into their new
+  blocks (`scheduled_cached_reqs.resumed_req_ids`).
+- WORKER: `start_load_kv` runs before the model forward of that step. For each linked request it
+  rebuilds the plan, loads the cache entries, and runs the selective prefill over prompt tokens
+  0..N-2 with vLLM's own modules (`VllmLayerAdapter`), writing every position's K/V into the
+  request's paged blocks (`PagedLinkedKV`). vLLM's forward then computes token N-1 over those
+  blocks and decodes as usual (continuous batching).
+
+The worker reaches the model through `mpic.engine.vllm_plugin.current_runner()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from mpic.engine import vllm_params
+from mpic.engine.vllm_adapter import VllmLayerAdapter
+from mpic.engine.vllm_paged_kv import PagedLinkedKV
+from mpic.engine.vllm_plugin import current_runner
+from mpic.errors import MPICError
+from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.policies import get_policy
+from mpic.linker.selective_prefill import selective_prefill
+from mpic.storage.config import StorageConfig
+from mpic.storage.entry_store import EntryStore
+from mpic.storage.object_store import ObjectNotFoundError
+from mpic.types import LinkPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LinkJob:
+    """One linked request to materialise in this step (scheduler -> worker)."""
+
+    req_id: str
+    token_ids: list[int]
+    """The prompt token ids (N)."""
+    block_ids: list[int]
+    """All the request's KV blocks, in order."""
+    params: dict[str, Any]
+    """The request's `kv_transfer_params`."""
+
+
+@dataclass
+class MPICConnectorMetadata(KVConnectorMetadata):
+    """Per-step connector metadata: the linked requests whose KV the worker writes this step."""
+
+    jobs: list[LinkJob] = field(default_factory=list)
+
+
+class MPICConnector(KVConnectorBase_V1):
+    """KVConnectorBase_V1 that links MPIC cache entries into a request's paged KV."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._pending: dict[str, Request] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._adapter: VllmLayerAdapter | None = None
+        self._store: EntryStore | None = None
+        self._failed_blocks: set[int] = set()
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Claim prompt tokens [num_computed_tokens, N-1) of a linked request (sync load)."""
+        if not vllm_params.is_linked(request.kv_transfer_params):
+            return 0, False
+        return max(request.num_prompt_tokens - 1 - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Queue a linked request once its blocks exist (new, or resumed after preemption)."""
+        if num_external_tokens > 0:
+            self._pending[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Ship this step's queued requests with their block ids to the worker."""
+        meta = MPICConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._pending.pop(new.req_id, None)
+            if request is not None:
+                meta.jobs.append(self._job(request, list(new.block_ids[0])))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self._pending.pop(req_id, None)
+            if request is None:
+                continue
+            if req_id not in cached.resumed_req_ids or cached.new_block_ids[i] is None:
+                raise RuntimeError(f"MPIC: request {req_id} queued but not new nor resumed")
+            meta.jobs.append(self._job(request, list(cached.new_block_ids[i][0])))
+        self._pending.clear()
+        return meta
+
+    def _job(self, request: Request, block_ids: list[int]) -> LinkJob:
+        return LinkJob(
+            req_id=request.request_id,
+            token_ids=list(request.prompt_token_ids or []),
+            block_ids=block_ids,
+            params=dict(request.kv_transfer_params or {}),
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing is sent asynchronously: blocks are freed at once."""
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the per-layer paged KV tensors ([num_blocks, H_kv, block_size, 2*D])."""
+        self._kv_caches = dict(kv_caches)
+
+    def _model_adapter(self) -> VllmLayerAdapter:
+        if self._adapter is None:
+            runner = current_runner()
+            if runner is None:
+                raise RuntimeError(
+                    "MPIC connector: no model runner recorded; is the `mpic` vLLM plugin "
+                    "installed (entry point vllm.general_plugins)?"
+                )
+            self._adapter = VllmLayerAdapter(runner.get_model())
+        return self._adapter
+
+    def _entry_store(self) -> EntryStore:
+        if self._store is None:
+            cfg = StorageConfig.model_validate(self._extra.get("storage", {}))
+            self._store = EntryStore.from_config(cfg)
+        return self._store
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Run the selective prefill of every linked request of this step into its blocks."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MPICConnectorMetadata)
+        for job in meta.jobs:
+            began = time.perf_counter()
+            try:
+                self._link(job)
+            except (ObjectNotFoundError, MPICError) as exc:
+                # The request fails (kv_load_failure_policy="fail"); the engine wrapper then
+                # answers it exactly by plain recomputation (VllmEngine.generate).
+                logger.warning("MPIC: cannot link %s, failing it: %s", job.req_id, exc)
+                self._failed_blocks.update(job.block_ids)
+                continue
+            logger.debug(
+                "MPIC: linked %s (%d tokens) in %.1f ms",
+                job.req_id, len(job.token_ids), 1e3 * (time.perf_counter() - began),
+            )
+
+    def _link(self, job: LinkJob) -> None:
+        """Selective prefill of prompt tokens 0..N-2 of one request into its paged blocks."""
+        adapter = self._model_adapter()
+        plan, policy = vllm_params.plan_from_params(job.params, job.token_ids)
+        head = prompt_head(plan)
+        store = self._entry_store()
+        entries = [store.get(entry_id) for entry_id in head.entry_ids]
+        num_layers = adapter.num_layers
+        hook = get_policy(policy).layer_hook(head, num_layers)
+        layers = [adapter.attention_layer(i) for i in range(num_layers)]
+        mirror = None
+        if hook is not None:  # a runtime selection reads linked keys back (CacheBlend)
+            shape = (num_layers, head.num_tokens, adapter.num_kv_heads, adapter.head_dim)
+            mirror = torch.zeros(shape, dtype=adapter.dtype)
+        kv = PagedLinkedKV(
+            layers,
+            [self._kv_caches[layer.layer_name] for layer in layers],
+            job.block_ids,
+            self._block_size,
+            keys=mirror,
+        )
+        link_entries(kv, head, entries, adapter.rope, num_layers)
+        index = torch.nonzero(head.recompute_depth > 0).flatten()
+        embeds = gather_input_embeds(adapter, head, entries, index)
+        selective_prefill(adapter, head, kv, embeds, hook=hook, compute_logits=False)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of requests whose entries could not be loaded this step (then cleared)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are synchronous (done in `start_load_kv`)."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing is saved through the connector (uploads use `mpic.engine.vllm_upload`)."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for."""
+
+
+def prompt_head(plan: LinkPlan) -> LinkPlan:
+    """The plan of prompt tokens 0..N-2 (vLLM computes token N-1 itself)."""
+    m = plan.num_tokens - 1
+    return LinkPlan(
+        token_ids=plan.token_ids[:m],
+        positions=plan.positions[..., :m],
+        source_entry=plan.source_entry[:m],
+        source_offset=plan.source_offset[:m],
+        entry_ids=plan.entry_ids,
+        recompute_depth=plan.recompute_depth[:m],
+    )

@@ -1,0 +1,198 @@
+"""vLLM V1 engine wrapper with the MPIC connector (offline scripts, benchmarks, Serve LLM worker).
+
+Runs in the process that owns the engine (a CLI/benchmark process or a Ray Serve replica); vLLM
+starts its engine core and worker in child processes, which load `mpic.engine.vllm_connector`
+and the `mpic` general plugin (`mpic.engine.vllm_plugin`) themselves.
+
+Every CPU set-up step of ENVIRONMENT.md lives in `prepare_environment` (the ONE place):
+- `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
+- `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
+  that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);
+- float32 on CPU (bf16 is ~5x slower on these AVX2 cores) and `block_size` a multiple of 32
+  (the CPU attention kernel's requirement), both enforced by the config;
+- the torchvision shim for CPU torch is NOT here: it must run at interpreter start-up, so
+  scripts/setup.sh installs it as a `.pth` (scripts/torchvision_cpu_shim.py documents it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mpic.engine import vllm_params
+from mpic.storage.config import StorageConfig
+from mpic.types import LinkPlan
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR = "MPICConnector"
+CONNECTOR_MODULE = "mpic.engine.vllm_connector"
+
+
+class VllmEngineConfig(BaseModel):
+    """How to start vLLM for MPIC."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model folder (config, weights, tokenizer, processor).")
+    dtype: str = Field("float32", description="Model dtype; float32 on CPU (bf16 ~5x slower).")
+    block_size: int = Field(32, description="KV block size; a multiple of 32 on CPU.")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: int | None = Field(None, description="Context limit (None: the model's).")
+    max_num_seqs: int = Field(16, ge=1, description="Largest batch of running requests.")
+    max_num_batched_tokens: int | None = Field(
+        None, description="Token budget of one step (None: vLLM's default)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM's own prefix caching (the `prefix` baseline); keep it on."
+    )
+    enforce_eager: bool = Field(True, description="No torch.compile (start-up in ~30-50 s).")
+    seed: int = Field(0, description="Sampling seed.")
+    linking: bool = Field(True, description="Load the MPIC KV connector.")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Entry store the worker loads entries from."
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _multiple_of_32(cls, value: int) -> int:
+        if value <= 0 or value % 32:
+            raise ValueError("block_size must be a positive multiple of 32 (vLLM CPU attention)")
+        return value
+
+
+def prepare_environment(cfg: VllmEngineConfig) -> None:
+    """Set the process environment vLLM reads at start-up (see the module docstring)."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+@dataclass
+class EngineRequest:
+    """One prompt for `VllmEngine.generate`: exact (plain vLLM) or linked (an MPIC plan)."""
+
+    prompt_token_ids: list[int]
+    multi_modal_data: dict[str, Any] | None = None
+    """Images of an exact request, or the M-RoPE metadata of a linked Qwen2-VL one."""
+    plan: LinkPlan | None = None
+    """Linked requests: the plan with the policy's recompute depths (token ids = the prompt)."""
+    policy: str = ""
+    fallback: EngineRequest | None = None
+    """The exact request answering a linked one whose entries cannot be loaded."""
+
+
+@dataclass
+class EngineResult:
+    """Greedy output of one request."""
+
+    token_ids: list[int]
+    num_cached_tokens: int = 0
+    fell_back: bool = False
+    """True when a linked request failed to link and was answered by its exact fallback."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def linked_request(
+    plan: LinkPlan, policy: str, multi_modal_data: dict[str, Any] | None = None,
+    fallback: EngineRequest | None = None,
+) -> EngineRequest:
+    """An `EngineRequest` for a linked prompt (Qwen2-VL: pass `image_grid_thw` metadata)."""
+    return EngineRequest(
+        prompt_token_ids=plan.token_ids.tolist(), multi_modal_data=multi_modal_data,
+        plan=plan, policy=policy, fallback=fallback,
+    )
+
+
+class VllmEngine:
+    """A vLLM `LLM` with the MPIC connector; greedy generation of exact and linked requests."""
+
+    def __init__(self, cfg: VllmEngineConfig) -> None:
+        prepare_environment(cfg)
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self.cfg = cfg
+        self.fallbacks = 0
+        """Linked requests answered by exact recomputation because an entry could not load."""
+        kv_transfer = None
+        if cfg.linking:
+            kv_transfer = KVTransferConfig(
+                kv_connector=CONNECTOR,
+                kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_both",
+                kv_load_failure_policy="fail",
+                kv_connector_extra_config={"storage": cfg.storage.model_dump(mode="json")},
+            )
+        kwargs: dict[str, Any] = {}
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        self.llm = LLM(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            kv_transfer_config=kv_transfer,
+            limit_mm_per_prompt={"image": 16},
+            **kwargs,
+        )
+
+    def _submit_form(self, req: EngineRequest, max_tokens: int) -> tuple[dict, Any]:
+        from vllm import SamplingParams
+
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.multi_modal_data:
+            prompt["multi_modal_data"] = req.multi_modal_data
+        extra = None
+        if req.plan is not None:
+            params = vllm_params.plan_to_params(req.plan, req.policy)
+            prompt["cache_salt"] = vllm_params.cache_salt(params)
+            extra = {"kv_transfer_params": params}
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+        )
+        return prompt, sampling
+
+    def generate(self, requests: list[EngineRequest], max_tokens: int = 8) -> list[EngineResult]:
+        """Greedy-decode `requests` together (continuous batching); linked requests whose entries
+        fail to load are answered by their `fallback` (logged, counted in `self.fallbacks`)."""
+        forms = [self._submit_form(r, max_tokens) for r in requests]
+        outputs = self.llm.generate(
+            [f[0] for f in forms], [f[1] for f in forms], use_tqdm=False
+        )
+        results = []
+        retry: list[int] = []
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            if requests[i].plan is not None and completion.finish_reason not in ("length", "stop"):
+                retry.append(i)
+            results.append(
+                EngineResult(
+                    token_ids=list(completion.token_ids),
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                )
+            )
+        if retry:
+            self._recompute(requests, results, retry, max_tokens)
+        return results
+
+    def _recompute(
+        self, requests: list[EngineRequest], results: list[EngineResult], retry: list[int],
+        max_tokens: int,
+    ) -> None:
+        missing = [i for i in retry if requests[i].fallback is None]
+        if missing:
+            raise RuntimeError(f"linked requests {missing} failed to link and have no fallback")
+        self.fallbacks += len(retry)
+        logger.warning("MPIC: %d linked request(s) could not link; recomputing exactly", len(retry))
+        again = self.generate([requests[i].fallback for i in retry], max_tokens)
+        for i, res in zip(retry, again, strict=True):
+            res.fell_back = True
+            results[i] = res
