@@ -1,0 +1,52 @@
+"""Dense linked KV over [L, N, H_kv, D] tensors (reference runner process).
+
+The `LinkedKV` implementation of the reference runner and of the two-step baselines' text pass:
+slots start as the dummy (zero) cache (paper section 4.1), `mpic.linker.link` fills item slots
+with rotated cached KV, and the selective prefill overwrites recomputed slots layer by layer.
+Extra capacity beyond the prompt holds decoded tokens (`attend` never looks past the query).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpic.kernels.attention import selected_attention
+
+
+class DenseLinkedKV:
+    """Linked KV of one sequence; indices are prompt (then decode) indices."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, capacity, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        """[L, capacity, H_kv, D] post-RoPE keys."""
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        """[L, capacity, H_kv, D]."""
+
+    @property
+    def capacity(self) -> int:
+        """Number of slots."""
+        return int(self.keys.shape[1])
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite slots `index` (int64 [S]) of `layer` with k, v [S, H_kv, D]."""
+        index = index.to(self.keys.device)
+        self.keys[layer, index] = k.to(self.keys.device, self.keys.dtype)
+        self.values[layer, index] = v.to(self.values.device, self.values.dtype)
+
+    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """Keys linked at `index` of `layer`: [S, H_kv, D]."""
+        return self.keys[layer, index.to(self.keys.device)]
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Queries q [S, H, D] at `index` over keys at prompt indices <= the query -> [S, H, D]."""
+        index = index.to(self.keys.device)
+        return selected_attention(q, index, self.keys[layer], self.values[layer])

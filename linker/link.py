@@ -1,0 +1,66 @@
+"""Filling a linked KV from cache entries (linker; reference runner and vLLM worker).
+
+Item tokens that are not recomputed at every layer get their entry's cached K/V, the keys
+rotated from the canonical positions to the prompt's by R(p_new - p_old) (`mpic.kernels.rope`);
+text slots stay the dummy (zero) cache of paper section 4.1 and are filled by the selective
+prefill. Also gathers the input embeddings of recomputed tokens: text from the embedding table,
+item tokens from the entry's stored `input_embeds` (no vision tower at link time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpic.engine.adapter import LayerAdapter, RopeSpec
+from mpic.kernels.rope import rotate_keys
+from mpic.linker.linked_kv import LinkedKV
+from mpic.types import CacheEntry, LinkPlan
+
+
+def link_entries(
+    linked_kv: LinkedKV,
+    plan: LinkPlan,
+    entries: Sequence[CacheEntry],
+    rope: RopeSpec,
+    num_layers: int,
+) -> int:
+    """Write rotated cached K/V of every item token with recompute_depth < L into `linked_kv`.
+
+    entries: aligned with `plan.entry_ids`. Returns the number of token slots linked.
+    """
+    linked = 0
+    reused = plan.recompute_depth < num_layers
+    for e_idx, entry in enumerate(entries):
+        slots = torch.nonzero((plan.source_entry == e_idx) & reused).flatten()
+        if slots.numel() == 0:
+            continue
+        offsets = plan.source_offset[slots]
+        old = entry.positions[..., offsets]
+        new = plan.positions[..., slots]
+        keys = rotate_keys(entry.keys[:, offsets], old, new, rope)  # [L, S, H_kv, D]
+        values = entry.values[:, offsets]
+        for layer in range(num_layers):
+            linked_kv.write(layer, slots, keys[layer], values[layer])
+        linked += int(slots.numel())
+    return linked
+
+
+def gather_input_embeds(
+    adapter: LayerAdapter, plan: LinkPlan, entries: Sequence[CacheEntry], index: torch.Tensor
+) -> torch.Tensor:
+    """Input embeddings [S, hidden] of the tokens at prompt indices `index` (int64 [S])."""
+    src = plan.source_entry[index]
+    text = src < 0
+    text_embeds = adapter.embed_tokens(plan.token_ids[index][text].to(adapter.device))
+    out = torch.empty(
+        (index.shape[0], text_embeds.shape[-1]), dtype=adapter.dtype, device=adapter.device
+    )
+    out[text.to(adapter.device)] = text_embeds.to(adapter.dtype)
+    for e_idx in torch.unique(src[~text]).tolist():
+        rows = src == e_idx
+        offsets = plan.source_offset[index][rows]
+        embeds = entries[e_idx].input_embeds[offsets].to(adapter.device, adapter.dtype)
+        out[rows.to(adapter.device)] = embeds
+    return out

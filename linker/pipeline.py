@@ -1,0 +1,59 @@
+"""Link and prefill one prompt under a policy (linker; reference runner, and any engine that
+brings its own LayerAdapter and LinkedKV).
+
+Order: apply the policy to the plan, run the text-first pass of two-step policies, link the
+entries' rotated KV, gather the recomputed tokens' input embeddings, run the one-pass selective
+prefill (with the policy's in-pass hook, if any).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mpic.engine.adapter import LayerAdapter
+from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.policies.base import Policy
+from mpic.linker.selective_prefill import PrefillResult, selective_prefill
+from mpic.linker.two_step import prefill_text_first
+from mpic.types import CacheEntry, LinkPlan
+
+
+@dataclass
+class LinkedPrefill:
+    """The outcome of `link_and_prefill`."""
+
+    plan: LinkPlan
+    """The plan with the policy's recompute depths."""
+    result: PrefillResult
+    recomputed_tokens: int
+    """Prompt tokens that ran through at least one layer, over both steps of two-step policies."""
+
+
+def link_and_prefill(
+    adapter: LayerAdapter,
+    plan: LinkPlan,
+    entries: Sequence[CacheEntry],
+    policy: Policy,
+    linked_kv: LinkedKV,
+) -> LinkedPrefill:
+    """Fill `linked_kv` for the prompt and return the last token's logits.
+
+    plan: from `build_plan` (depths are set here); entries: aligned with `plan.entry_ids`;
+    linked_kv: zeroed, at least N slots.
+    """
+    plan = policy.apply(plan, entries, adapter.num_layers)
+    ran = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    if policy.two_step:
+        prefill_text_first(adapter, plan, linked_kv)
+        ran |= plan.is_text
+    link_entries(linked_kv, plan, entries, adapter.rope, adapter.num_layers)
+    index = torch.nonzero(plan.recompute_depth > 0).flatten()
+    embeds = gather_input_embeds(adapter, plan, entries, index)
+    hook = policy.layer_hook(plan, adapter.num_layers)
+    result = selective_prefill(adapter, plan, linked_kv, embeds, hook=hook)
+    ran |= result.recompute_depth > 0
+    return LinkedPrefill(plan=plan, result=result, recomputed_tokens=int(ran.sum()))

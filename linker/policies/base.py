@@ -1,0 +1,56 @@
+"""The token-selection policy interface (linker; runs wherever a plan is built).
+
+One policy per file on this small base (kvpress's layout, STYLE.md). A policy turns a fresh
+`LinkPlan` into one with `recompute_depth` set: the number of leading layers each token is
+recomputed at (0 = reused everywhere, L = recomputed everywhere). Two optional extras:
+`two_step` (text KV is computed in a separate first pass, as full reuse and CacheBlend do in
+the MPIC paper's section 5.2) and `layer_hook` (a selection made inside the pass from runtime
+values, CacheBlend's KV deviation). The last prompt token is always recomputed: its hidden state
+gives the first output token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from mpic.linker.selective_prefill import LayerHook
+from mpic.types import CacheEntry, LinkPlan
+
+
+class Policy(ABC):
+    """Chooses which tokens the selective prefill recomputes, and at how many layers."""
+
+    name: str = ""
+    two_step: bool = False
+    """True: the text tokens' KV is computed first, in a pass of their own without the items."""
+
+    @abstractmethod
+    def depths(
+        self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int
+    ) -> torch.Tensor:
+        """int64 [N] recompute depth of every token (entries aligned with `plan.entry_ids`)."""
+
+    def layer_hook(self, plan: LinkPlan, num_layers: int) -> LayerHook | None:
+        """A selection made during the pass, or None (the default: the plan decides)."""
+        return None
+
+    def apply(self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int) -> LinkPlan:
+        """A copy of `plan` with this policy's depths (last token always at depth L)."""
+        depth = self.depths(plan, entries, num_layers).to(torch.int64).clamp(0, num_layers)
+        depth[-1] = num_layers
+        return dataclasses.replace(plan, recompute_depth=depth)
+
+
+def text_depths(plan: LinkPlan, num_layers: int) -> torch.Tensor:
+    """int64 [N]: L for text tokens (no stored KV: always recomputed), 0 for item tokens."""
+    return torch.where(plan.is_text, num_layers, 0).to(torch.int64)
+
+
+def entry_token_counts(plan: LinkPlan, entries: Sequence[CacheEntry]) -> torch.Tensor:
+    """int64 [N]: T of the entry each item token comes from (0 for text)."""
+    counts = torch.tensor([e.num_tokens for e in entries] + [0], dtype=torch.int64)
+    return counts[plan.source_entry]  # source -1 picks the trailing 0

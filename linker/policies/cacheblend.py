@@ -1,0 +1,69 @@
+"""`cacheblend-r`: CacheBlend (Yao et al., EuroSys'25) as the MPIC paper runs it (section 5.2):
+two steps; text KV first, then one blended pass that recomputes every token up to the check
+layer, keeps the r% of all tokens whose fresh keys deviate most from the linked (reused) keys,
+and recomputes only those in the remaining layers (linker).
+
+LMCache's blender defaults: check layer 1 (`check_layers=[1]`), deviation = sum of squared
+differences of the keys over heads and head dims, top-k over all prompt tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.policies.base import Policy
+from mpic.types import CacheEntry, LinkPlan
+
+
+class KVDeviationHook:
+    """At `check_layer`, keep the `count` tokens with the largest key deviation (+ last token)."""
+
+    def __init__(self, check_layer: int, count: int, last_index: int) -> None:
+        self.check_layer = check_layer
+        self.count = count
+        self.last_index = last_index
+
+    def select(
+        self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
+    ) -> torch.Tensor | None:
+        """bool [S]: the tokens to keep recomputing (None before/after the check layer)."""
+        if layer != self.check_layer:
+            return None
+        old = linked_kv.read_keys(layer, index).to(k.device, torch.float32)
+        deviation = (k.float() - old).pow(2).sum(dim=(-2, -1)).cpu()  # [S]
+        keep = torch.zeros(index.shape[0], dtype=torch.bool)
+        keep[torch.topk(deviation, min(self.count, deviation.numel())).indices] = True
+        keep |= index.cpu() == self.last_index
+        return keep
+
+
+class CacheBlendPolicy(Policy):
+    """Recompute r% of the prompt's tokens, chosen by KV deviation at an early layer."""
+
+    two_step = True
+
+    def __init__(self, ratio_percent: float, check_layer: int = 1) -> None:
+        if not 0 <= ratio_percent <= 100:
+            raise ValueError(f"cacheblend-r needs 0 <= r <= 100, got {ratio_percent}")
+        self.ratio_percent = ratio_percent
+        self.check_layer = check_layer
+        self.name = f"cacheblend-{ratio_percent:g}"
+
+    def depths(
+        self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int
+    ) -> torch.Tensor:
+        """L everywhere: every token runs until the check layer decides (see `layer_hook`)."""
+        return torch.full((plan.num_tokens,), num_layers, dtype=torch.int64)
+
+    def selected_count(self, num_tokens: int) -> int:
+        """ceil(r% of N): how many tokens survive the check layer."""
+        return math.ceil(self.ratio_percent * num_tokens / 100)
+
+    def layer_hook(self, plan: LinkPlan, num_layers: int) -> KVDeviationHook:
+        """The KV-deviation check at `min(check_layer, L - 1)`."""
+        check = min(self.check_layer, num_layers - 1)
+        return KVDeviationHook(check, self.selected_count(plan.num_tokens), plan.num_tokens - 1)

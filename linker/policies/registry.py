@@ -1,0 +1,45 @@
+"""Policy registry: `get_policy("mpic-32")` (linker; CLI and Serve replica parse user names).
+
+Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`,
+`vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing).
+"""
+
+from __future__ import annotations
+
+from mpic.linker.policies.base import Policy
+from mpic.linker.policies.cacheblend import CacheBlendPolicy
+from mpic.linker.policies.full import FullPolicy
+from mpic.linker.policies.full_reuse import FullReusePolicy
+from mpic.linker.policies.mpic import MPICPolicy
+from mpic.linker.policies.prefix import PrefixPolicy
+from mpic.linker.policies.vlcache import VLCachePolicy
+
+POLICY_NAMES = (
+    "full",
+    "prefix",
+    "full-reuse",
+    "cacheblend-<r>",
+    "mpic-<k>",
+    "vlcache-<r>[:<r>...]",
+)
+"""The name patterns `get_policy` accepts."""
+
+_FIXED = {"full": FullPolicy, "prefix": PrefixPolicy, "full-reuse": FullReusePolicy}
+
+
+def get_policy(name: str) -> Policy:
+    """The policy called `name`; ValueError listing the valid names otherwise."""
+    name = name.strip()
+    try:
+        if name in _FIXED:
+            return _FIXED[name]()
+        family, _, arg = name.rpartition("-")
+        if family == "mpic":
+            return MPICPolicy(int(arg))
+        if family == "cacheblend":
+            return CacheBlendPolicy(float(arg))
+        if family == "vlcache":
+            return VLCachePolicy([float(r) for r in arg.split(":")])
+    except ValueError as exc:
+        raise ValueError(f"bad policy {name!r}: {exc}; valid: {', '.join(POLICY_NAMES)}") from exc
+    raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,40 @@
+"""Position rules of the two model families (linker, all processes).
+
+1-D RoPE (LLaVA's Llama/Mistral backbone): prompt index = position, an image advances it by T.
+M-RoPE (Qwen2-VL): text tokens get (p, p, p); an image's tokens get 3-D (t, h, w) positions
+offset by the text position p where it starts (t = p + frame, h = p + row, w = p + column of the
+merged patch grid), and the text after the image continues at max + 1 (transformers'
+`Qwen2VLModel.get_rope_index`). An entry stores the positions it was computed at, so linking it
+at text position p uses `entry.positions - entry.start_position + p` and advances p by
+`entry.position_extent`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpic.types import CacheEntry, ModelFamily
+
+
+def text_positions(family: ModelFamily, start: int, count: int) -> torch.Tensor:
+    """Positions of `count` text tokens from `start`: int64 [count] or [3, count] for M-RoPE."""
+    pos = torch.arange(start, start + count, dtype=torch.int64)
+    return pos.expand(3, -1).clone() if family == "qwen2-vl" else pos
+
+
+def item_positions(family: ModelFamily, entry: CacheEntry, start: int) -> torch.Tensor:
+    """Positions of the entry's T tokens when linked at text position `start`."""
+    if family == "qwen2-vl":
+        rel = entry.positions.reshape(3, -1).to(torch.int64) - entry.start_position
+        return rel + start
+    return torch.arange(start, start + entry.num_tokens, dtype=torch.int64)
+
+
+def item_extent(family: ModelFamily, entry: CacheEntry) -> int:
+    """How far the item advances the text position (T, or max + 1 - start for M-RoPE)."""
+    return entry.position_extent if family == "qwen2-vl" else entry.num_tokens
+
+
+def next_position(positions: torch.Tensor) -> int:
+    """The text position after a prompt with these positions ([N] or [3, N]): max + 1."""
+    return int(positions.max()) + 1 if positions.numel() else 0

@@ -1,0 +1,132 @@
+"""One-pass selective-attention prefill (MPIC paper section 4.1, Fig. 7; engine-agnostic: runs in
+the reference runner with HF modules and in the vLLM worker with vLLM's modules).
+
+Only recomputed tokens run through the layers. At layer l the active tokens are those with
+`plan.recompute_depth > l` (a non-increasing set: VLCache section 4.1 drops tokens from the
+layer where their ratio ends and they skip that layer's attention and MLP). At every layer the
+active tokens' fresh K/V overwrite their slots in the linked KV (cached rotated item KV, zeros
+for text: the "dummy cache"), then their queries attend over ALL linked keys with an exact causal
+mask by prompt index (`LinkedKV.attend`). So linking is one pass, not "text first, then reuse".
+
+Usage (any engine)::
+
+    plan = policy.apply(build_plan(spec, token_ids, items), entries, adapter.num_layers)
+    link_entries(kv, plan, entries, adapter.rope, adapter.num_layers)
+    index = torch.nonzero(plan.recompute_depth > 0).flatten()
+    embeds = gather_input_embeds(adapter, plan, entries, index)
+    result = selective_prefill(adapter, plan, kv, embeds, hook=policy.layer_hook(plan))
+    first_token = result.logits.argmax()
+
+No transformers or vLLM import here: `adapter` is a `mpic.engine.adapter.LayerAdapter`, `kv` a
+`mpic.linker.linked_kv.LinkedKV`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mpic.engine.adapter import LayerAdapter
+from mpic.linker.linked_kv import LinkedKV
+from mpic.types import LinkPlan
+
+
+class LayerHook(Protocol):
+    """A dynamic token selection inside the pass (CacheBlend's KV-deviation check)."""
+
+    def select(
+        self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
+    ) -> torch.Tensor | None:
+        """Called at `layer` after the fresh keys k [S, H_kv, D] of the active tokens at prompt
+        indices `index` [S] are computed, BEFORE they are written. Returns a bool [S] mask of the
+        tokens that stay active from this layer on (the others keep their linked KV), or None."""
+        ...
+
+
+@dataclass
+class PrefillResult:
+    """What the pass leaves besides the filled linked KV."""
+
+    logits: torch.Tensor | None
+    """float32 [vocab]: next-token logits of the last prompt token (None if not asked)."""
+    recompute_depth: torch.Tensor
+    """int64 [N]: the depth each token actually ran to (differs from the plan under a hook)."""
+
+
+def run_layers(
+    adapter: LayerAdapter,
+    linked_kv: LinkedKV,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    positions: torch.Tensor,
+    depth: torch.Tensor,
+    hook: LayerHook | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run tokens through the decoder layers, each until its depth.
+
+    hidden [S, hidden] input embeddings of the tokens at prompt indices `index` (int64 [S],
+    ascending), positions [S] or [3, S], depth int64 [S] (layers each token runs; > 0).
+    Returns (hidden [S', hidden] of the tokens that ran every layer, their index [S'], the final
+    depth of all S tokens [S]).
+    """
+    depth = depth.clone()
+    rows = torch.arange(index.shape[0])  # row of each active token in the caller's arrays
+    for layer in range(adapter.num_layers):
+        keep = depth[rows] > layer
+        if not bool(keep.all()):
+            rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
+        if rows.numel() == 0:
+            break
+        idx, pos = index[rows], positions[..., rows]
+        q, k, v = adapter.attention_inputs(layer, hidden, pos.to(adapter.device))
+        if hook is not None:
+            chosen = hook.select(layer, idx, k, linked_kv)
+            if chosen is not None and not bool(chosen.all()):
+                chosen = chosen.cpu()
+                depth[rows[~chosen]] = layer
+                rows, idx = rows[chosen], idx[chosen]
+                dev = chosen.to(hidden.device)
+                q, k, v, hidden = q[dev], k[dev], v[dev], hidden[dev]
+        linked_kv.write(layer, idx, k, v)
+        attn = linked_kv.attend(layer, q, idx)
+        hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
+    full = depth[rows] >= adapter.num_layers
+    return hidden[full.to(hidden.device)], index[rows[full]], depth
+
+
+def selective_prefill(
+    adapter: LayerAdapter,
+    plan: LinkPlan,
+    linked_kv: LinkedKV,
+    input_embeds: torch.Tensor,
+    hook: LayerHook | None = None,
+    compute_logits: bool = True,
+) -> PrefillResult:
+    """The selective-attention prefill of one prompt in one pass.
+
+    plan: recompute depths set by a policy; linked_kv: already linked (`link_entries`) for the
+    tokens with depth < L; input_embeds [S0, hidden]: embeddings of the tokens with depth > 0
+    in prompt order (`gather_input_embeds`). With compute_logits the last prompt token must be
+    recomputed at every layer and its logits are returned.
+    """
+    index = torch.nonzero(plan.recompute_depth > 0).flatten()
+    assert input_embeds.shape[0] == index.shape[0], "one embedding row per recomputed token"
+    hidden, final_index, run_depth = run_layers(
+        adapter,
+        linked_kv,
+        input_embeds,
+        index,
+        plan.positions[..., index],
+        plan.recompute_depth[index],
+        hook,
+    )
+    depth = plan.recompute_depth.clone()
+    depth[index] = run_depth
+    logits = None
+    if compute_logits:
+        last = plan.num_tokens - 1
+        assert final_index.numel() and int(final_index[-1]) == last, "last token not recomputed"
+        logits = adapter.logits(hidden[-1:])[0].float()
+    return PrefillResult(logits=logits, recompute_depth=depth)
