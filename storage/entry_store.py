@@ -83,13 +83,17 @@ class EntryStore:
         """The verified entry from the fastest tier that has it, promoted into faster tiers.
         Raises ObjectNotFoundError (nowhere), CorruptEntryError (durable copy bad) or
         StoreUnavailableError (object store down)."""
+        return self.load(key, pin=pin)[0]
+
+    def load(self, key: str, *, pin: bool = False) -> tuple[CacheEntry, Tier]:
+        """`get`, also naming the tier that served the entry."""
         m = self.metrics
         t0 = time.perf_counter()
         entry = self.memory.get(key, pin=pin)
         if entry is not None:
             m.hits.labels("memory").inc()
             m.latency.labels("memory").observe(time.perf_counter() - t0)
-            return entry
+            return entry, "memory"
         m.misses.labels("memory").inc()
         if self.disk is not None:
             t0 = time.perf_counter()
@@ -101,7 +105,7 @@ class EntryStore:
             if found is not None:
                 entry, size = found
                 self._record_load("disk", size, t0)
-                return self._promote(key, entry, pin)
+                return self._promote(key, entry, pin), "disk"
             m.misses.labels("disk").inc()
         t0 = time.perf_counter()
         try:
@@ -118,7 +122,7 @@ class EntryStore:
         self._record_load("object", len(blob), t0)
         if self.disk is not None:
             self.disk.put(key, blob)
-        return self._promote(key, entry, pin)
+        return self._promote(key, entry, pin), "object"
 
     def _record_load(self, tier: Tier, size: int, t0: float) -> None:
         self.metrics.hits.labels(tier).inc()

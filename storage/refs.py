@@ -38,11 +38,10 @@ def holders(store: ObjectStore, blob_key: str) -> list[str]:
     return [k[len(prefix):] for k in store.list(prefix)]
 
 
-def collect(store: ObjectStore, grace_s: float, delete_blob: Callable[[str], None],
-            now: float | None = None) -> list[str]:
-    """Delete every candidate blob with no holder that is older than `grace_s`; returns the
-    deleted blob keys. `delete_blob` removes the blob (and any cached copies)."""
-    now = time.time() if now is None else now
+def collect(store: ObjectStore, grace_s: float, delete_blob: Callable[[str], None]) -> list[str]:
+    """Delete every candidate blob with no holder that is older than `grace_s` (blob mtime vs the
+    wall clock); returns the deleted blob keys. `delete_blob` removes the blob and cached copies."""
+    now = time.time()
     deleted = []
     for cand in list(store.list(GC)):
         blob_key = cand[len(GC):]

@@ -180,12 +180,14 @@ class StaticLibrary:
             elif rec.status == "expired" and rec.expires_at + self.tombstone_ttl_s <= now:
                 self.objects.delete(key)
                 report.tombstones_removed += 1
-        self._drop_orphan_refs(now)
-        report.blobs_deleted = refs.collect(self.objects, self.grace_s, self._delete_blob, now)
+        self._drop_orphan_refs()
+        report.blobs_deleted = refs.collect(self.objects, self.grace_s, self._delete_blob)
         return report
 
-    def _drop_orphan_refs(self, now: float) -> None:
-        """Release markers of uploads that died before writing their record (older than grace)."""
+    def _drop_orphan_refs(self) -> None:
+        """Release markers of uploads that died before writing their record (older than grace;
+        ages compare object mtimes with the wall clock, as `refs.collect` does)."""
+        now = time.time()
         for key in list(self.objects.list(refs.REFS)):
             blob_key, _, holder = key[len(refs.REFS):].rpartition("/")
             kind, _, rest = holder.partition(".")
