@@ -1,0 +1,74 @@
+"""RoPE oracles: our angles match transformers' Llama and Qwen2-VL rotary embeddings; rotating
+a -> b -> a returns the keys; rotating to b equals computing at b (1-D and M-RoPE)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2VLConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+from mpic.engine.adapter import RopeSpec
+from mpic.kernels.rope import apply_rotation, rope_angles, rotate_keys
+
+D = 32
+ROPE_1D = RopeSpec(head_dim=D, theta=10000.0)
+ROPE_M = RopeSpec(head_dim=D, theta=10000.0, mrope_section=(4, 6, 6))
+
+
+def _positions(mrope: bool, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 500, (3, n) if mrope else (n,), generator=g)
+
+
+def test_1d_matches_llama_rotary():
+    cfg = LlamaConfig(hidden_size=D * 2, num_attention_heads=2, rope_theta=10000.0)
+    pos = torch.arange(0, 300, 7)
+    x = torch.randn(pos.numel(), 2, D)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, pos[None])
+    hf, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    ours = apply_rotation(x, rope_angles(pos, ROPE_1D))
+    torch.testing.assert_close(ours, hf[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_mrope_matches_qwen2vl_rotary():
+    cfg = Qwen2VLConfig(
+        text_config=dict(
+            hidden_size=D * 2,
+            num_attention_heads=2,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+            },
+        )
+    )
+    rotary = Qwen2VLRotaryEmbedding(cfg.text_config)
+    pos = _positions(True, 40, 0)
+    x = torch.randn(40, 2, D)
+    cos, sin = rotary(x, pos[:, None, :])
+    hf, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    ours = apply_rotation(x, rope_angles(pos, ROPE_M))
+    torch.testing.assert_close(ours, hf[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [ROPE_1D, ROPE_M], ids=["1d", "mrope"])
+def test_rotate_there_and_back_and_equals_computing_there(rope):
+    mrope = rope.mrope_section is not None
+    a, b = _positions(mrope, 50, 1), _positions(mrope, 50, 2)
+    raw = torch.randn(4, 50, 2, D)  # [L, S, H_kv, D] pre-RoPE keys of context-free tokens
+    at_a = apply_rotation(raw, rope_angles(a, rope))
+    at_b = apply_rotation(raw, rope_angles(b, rope))
+    moved = rotate_keys(at_a, a, b, rope)
+    torch.testing.assert_close(moved, at_b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rotate_keys(moved, b, a, rope), at_a, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(moved, at_a, atol=1e-2)
+
+
+def test_zero_delta_is_bit_exact():
+    pos = _positions(True, 10, 3)
+    keys = torch.randn(2, 10, 2, D, dtype=torch.bfloat16)
+    assert rotate_keys(keys, pos, pos, ROPE_M) is keys
+    mixed = pos.clone()
+    mixed[:, :5] += 3
+    out = rotate_keys(keys, pos, mixed, ROPE_M)
+    assert torch.equal(out[:, 5:], keys[:, 5:])
