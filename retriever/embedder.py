@@ -1,0 +1,149 @@
+"""CLIP embedder on open_clip: images and texts to L2-normalised vectors (MPIC section 3.1,
+component 4, the retriever's "relocation table" keys).
+
+Runs in the CLI process (`mpic-admin library refresh/search`) and in the Serve replica that
+answers retrieval. Weights come from a local file or an object-store key; with neither, the model
+is built with random weights from a fixed seed, so two processes building the same config get the
+same embedder (tests and the embedded default use the tiny `mpic-tiny-clip` config shipped in
+`retriever/configs/`; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from mpic.errors import InvalidRequestError, UnreadableMediaError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+"""open_clip model configs shipped with the package (registered on first use)."""
+
+
+class EmbedderConfig(BaseModel):
+    """Which CLIP model to build and where its weights come from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("mpic-tiny-clip", description="open_clip model name (built-in or shipped).")
+    weights: str | None = Field(
+        None, description="Local weights file (open_clip checkpoint); None: random weights."
+    )
+    weights_key: str | None = Field(
+        None, description="Object-store key of the weights file (instead of `weights`)."
+    )
+    seed: int = Field(0, description="Seed of the random init used when no weights are given.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when present.")
+    batch_size: int = Field(32, ge=1, description="Images/texts per forward pass.")
+
+
+def _register_shipped_configs() -> None:
+    import open_clip
+
+    if "mpic-tiny-clip" not in open_clip.list_models():
+        open_clip.add_model_config(CONFIG_DIR)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ClipEmbedder:
+    """A loaded open_clip model with its preprocessing and tokenizer.
+
+    `fingerprint` identifies model + weights: vectors from embedders with different fingerprints
+    are not comparable, so a refresh re-embeds everything when it changes.
+    """
+
+    def __init__(self, cfg: EmbedderConfig, get_bytes: Callable[[str], bytes] | None = None):
+        """Build the model. `get_bytes(key)` reads `cfg.weights_key` from the object store."""
+        import open_clip
+
+        _register_shipped_configs()
+        if cfg.model not in open_clip.list_models():
+            raise InvalidRequestError(f"unknown open_clip model {cfg.model!r}", param="model")
+        if cfg.weights and cfg.weights_key:
+            raise InvalidRequestError("give `weights` or `weights_key`, not both", param="weights")
+        self.cfg = cfg
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = self._weights_file(cfg, get_bytes, Path(tmp))
+            source = f"sha256:{_file_sha256(weights)}" if weights else f"random:{cfg.seed}"
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)
+                model, _, preprocess = open_clip.create_model_and_transforms(
+                    cfg.model, pretrained=str(weights) if weights else None, device=self.device
+                )
+        self.fingerprint = hashlib.sha256(f"{cfg.model}|{source}".encode()).hexdigest()[:16]
+        self.model = model.eval()
+        self.preprocess = preprocess
+        self.tokenizer = open_clip.get_tokenizer(cfg.model)
+        self.dim = int(open_clip.get_model_config(cfg.model)["embed_dim"])
+        logger.info("CLIP %s on %s (dim %d, %s)", cfg.model, self.device, self.dim, source)
+
+    @staticmethod
+    def _weights_file(
+        cfg: EmbedderConfig, get_bytes: Callable[[str], bytes] | None, tmp: Path
+    ) -> Path | None:
+        if cfg.weights:
+            path = Path(cfg.weights)
+            if not path.is_file():
+                raise InvalidRequestError(f"CLIP weights file not found: {path}", param="weights")
+            return path
+        if cfg.weights_key:
+            if get_bytes is None:
+                raise InvalidRequestError("`weights_key` needs an object store", param="weights")
+            path = tmp / "clip_weights.pt"
+            path.write_bytes(get_bytes(cfg.weights_key))
+            return path
+        return None
+
+    @torch.inference_mode()
+    def _encode(self, items: Sequence, to_batch: Callable, encode: Callable) -> np.ndarray:
+        """Run `encode` over batches of `items`; rows are L2-normalised. Returns float32 [n, d]."""
+        out = []
+        for start in range(0, len(items), self.cfg.batch_size):
+            batch = to_batch(items[start : start + self.cfg.batch_size]).to(self.device)
+            out.append(torch.nn.functional.normalize(encode(batch).float(), dim=-1).cpu())
+        if not out:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return torch.cat(out).numpy()
+
+    def embed_images(self, images: Sequence[bytes]) -> np.ndarray:
+        """Encoded image files (PNG, JPEG...) -> float32 [n, d], unit rows.
+
+        Raises UnreadableMediaError naming the first item that does not decode.
+        """
+        pixels = [self.preprocess(decode_image(data, name=str(i))) for i, data in enumerate(images)]
+        return self._encode(pixels, torch.stack, self.model.encode_image)
+
+    def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Strings -> float32 [n, d], unit rows."""
+        return self._encode(list(texts), self.tokenizer, self.model.encode_text)
+
+
+def decode_image(data: bytes, name: str = "image"):
+    """Bytes -> RGB PIL image; UnreadableMediaError if they are not a decodable image."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.convert("RGB")
+    except Exception as exc:  # PIL raises several types for bad data
+        raise UnreadableMediaError(f"{name}: not a decodable image ({exc})") from exc
