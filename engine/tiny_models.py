@@ -1,12 +1,136 @@
-"""`mpic model make-tiny` (CLI process). Placeholder until the core-engine issue lands it."""
+"""`mpic model make-tiny`: random-weight HF model folders the project writes itself (CLI process,
+test processes).
+
+No weights can be downloaded here, so tests and benchmarks run on models written by this module:
+an HF folder (config.json, model.safetensors, tokenizer, processor configs, chat template) that
+transformers (`AutoConfig`, `AutoProcessor`, the model class) and vLLM both load. Weights are
+seeded normal draws (std = hidden**-0.5, so attention logits and output logits have unit scale and
+the first-token distribution is neither uniform nor one-hot); the tokenizer is trained offline
+(`engine/tiny_tokenizer.py`). Shapes, configs and processors per (family, size) are in
+`engine/tiny_configs.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
 
 import typer
+
+from mpic.engine.tiny_configs import (
+    FAMILIES,
+    SHAPES,
+    SIZES,
+    llava_config,
+    processor,
+    qwen2vl_config,
+)
+from mpic.types import ModelFamily
+
+logger = logging.getLogger(__name__)
+
+def _init_weights(model, seed: int, std: float) -> None:
+    """Seeded N(0, std) for every matrix/embedding/conv and CLIP's class embedding; zero biases;
+    unit norm weights. Deterministic across runs and machines (CPU generator)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim >= 2 or name.endswith("class_embedding"):
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+            else:
+                param.fill_(1.0)
+
+
+def _write_weights(model, family: str, out: Path) -> None:
+    """model.safetensors with the checkpoint names both transformers and vLLM load.
+
+    transformers 5 names CLIP's modules `vision_tower.embeddings...`; vLLM (and older checkpoints)
+    expect `vision_tower.vision_model.embeddings...`, which transformers maps back on load.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if family == "llava" and name.startswith("model.vision_tower."):
+            name = "model.vision_tower.vision_model." + name[len("model.vision_tower.") :]
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) -> Path:
+    """Write a random-weight HF folder for `family` at `size` into `out`; returns its path.
+
+    The folder is assembled in a temporary sibling and renamed into place, so a failure never
+    leaves a half-written model behind. Raises ValueError on an unknown family or size.
+    """
+    if family not in FAMILIES or size not in SIZES:
+        raise ValueError(
+            f"unknown model {family!r}/{size!r}: family must be one of {list(FAMILIES)}, "
+            f"size one of {list(SIZES)}"
+        )
+    import torch
+    from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    from mpic.engine.tiny_tokenizer import build_tokenizer
+
+    shape = SHAPES[(family, size)]
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(family, shape.vocab, seed=seed)
+    vocab = tokenizer.get_vocab()
+    if family == "llava":
+        config = llava_config(shape, vocab["<image>"])
+        model_cls = LlavaForConditionalGeneration
+    else:
+        config = qwen2vl_config(shape, vocab)
+        model_cls = Qwen2VLForConditionalGeneration
+    config.dtype = "float32"
+    config.architectures = [model_cls.__name__]
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        stage = Path(tmp) / "model"
+        stage.mkdir()
+        with torch.device("cpu"):
+            model = model_cls(config).float().eval()
+        _init_weights(model, seed, std=shape.hidden**-0.5)
+        config.save_pretrained(stage)
+        _write_weights(model, family, stage)
+        processor(family, shape, tokenizer).save_pretrained(stage)
+        (stage / "mpic_tiny.json").write_text(
+            json.dumps({"family": family, "size": size, "seed": seed}, indent=1)
+        )
+        if out.exists():
+            out.rmdir()
+        shutil.move(str(stage), str(out))
+    logger.info("wrote %s %s model to %s", family, size, out)
+    return out
 
 
 def make_tiny_command(
     family: str = typer.Option(..., "--family", help="llava | qwen2-vl"),
-    size: str = typer.Option("tiny", "--size", help="tiny | small"),
-    out: str = typer.Option(..., "--out"),
+    size: str = typer.Option("tiny", "--size", help="tiny (unit tests) | small (CPU benchmarks)"),
+    out: str = typer.Option(..., "--out", help="folder to create (must not exist or be empty)"),
+    seed: int = typer.Option(0, "--seed", help="random seed of weights and tokenizer corpus"),
 ) -> None:
-    """Write a random-weight HF model folder."""
-    raise typer.Exit(code=2)
+    """Write a random-weight HF model folder (config, weights, tokenizer, processor)."""
+    if family not in FAMILIES:
+        choices = ", ".join(FAMILIES)
+        typer.echo(f"error: unknown --family {family!r}; choose one of {choices}", err=True)
+        raise typer.Exit(code=2)
+    if size not in SIZES:
+        typer.echo(f"error: unknown --size {size!r}; choose one of {', '.join(SIZES)}", err=True)
+        raise typer.Exit(code=2)
+    try:
+        path = make_tiny(family, size, out, seed=seed)  # type: ignore[arg-type]
+    except FileExistsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    typer.echo(f"wrote {family} {size} model to {path}")

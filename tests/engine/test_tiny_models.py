@@ -1,0 +1,152 @@
+"""engine/tiny_models.py and engine/model_spec.py: the written folders load in transformers, are
+deterministic, and ModelSpec reads the facts the processor actually applies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from mpic.cli import app
+from mpic.engine.model_spec import ModelSpec, fingerprint
+from mpic.engine.tiny_configs import SHAPES
+from mpic.engine.tiny_models import make_tiny
+from mpic.engine.vision import fit_image
+
+
+def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert config.architectures[0] in ("LlavaForConditionalGeneration",
+                                       "Qwen2VLForConditionalGeneration")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(tokenizer) == config.text_config.vocab_size
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    assert processor.chat_template
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as handle:
+        keys = list(handle.keys())
+    if model_family == "llava":  # the layout vLLM expects (transformers maps it back)
+        assert any(k.startswith("model.vision_tower.vision_model.embeddings.") for k in keys)
+        assert tokenizer("hi").input_ids[0] == config.text_config.bos_token_id
+
+
+def test_hf_model_loads_every_weight(tiny_model_dir: Path):
+    from transformers import (
+        AutoConfig,
+        LlavaForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    cls = {"llava": LlavaForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}
+    _, info = cls[config.model_type].from_pretrained(tiny_model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+
+
+def test_spec_matches_what_the_processor_does(tiny_hf, sample_images):
+    model, processor, spec = tiny_hf
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
+        add_generation_prompt=True,
+    )
+    for image in sample_images:
+        inputs = processor(text=text, images=[fit_image(image, spec.image_size)],
+                           return_tensors="pt")
+        ids = inputs["input_ids"][0]
+        assert int((ids == spec.image_token_id).sum()) == spec.tokens_per_image
+        if spec.family == "qwen2-vl":
+            assert tuple(inputs["image_grid_thw"][0].tolist()) == spec.image_grid_thw
+            image_at = int((ids == spec.image_token_id).nonzero()[0])
+            assert ids[image_at - 1] == spec.vision_start_id
+            assert ids[image_at + spec.tokens_per_image] == spec.vision_end_id
+        else:
+            assert ids[0] == spec.bos_token_id
+    text_config = model.config.text_config
+    assert spec.num_layers == text_config.num_hidden_layers
+    assert spec.num_kv_heads < spec.num_heads  # GQA
+    assert spec.hidden_size == model.lm_head.in_features
+    assert spec.vocab_size == model.lm_head.out_features
+    assert spec.image_token_id == model.config.image_token_id
+    if spec.family == "qwen2-vl":
+        assert sum(spec.rope.mrope_section) == spec.head_dim // 2
+
+
+def test_make_tiny_is_deterministic_and_seeded(tmp_path: Path, tiny_llava_dir: Path):
+    again = make_tiny("llava", "tiny", tmp_path / "again")
+    other = make_tiny("llava", "tiny", tmp_path / "other", seed=1)
+    assert fingerprint(again) == fingerprint(tiny_llava_dir)
+    assert fingerprint(other) != fingerprint(tiny_llava_dir)
+    assert ModelSpec.from_pretrained(again).fingerprint == fingerprint(again)
+
+
+def test_fingerprint_follows_the_weights(tmp_path: Path, tiny_qwen2vl_dir: Path):
+    import shutil
+
+    copy = Path(shutil.copytree(tiny_qwen2vl_dir, tmp_path / "copy"))
+    assert fingerprint(copy) == fingerprint(tiny_qwen2vl_dir)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert fingerprint(copy) != fingerprint(tiny_qwen2vl_dir)
+
+
+def test_spec_rejects_non_models(tmp_path: Path):
+    with pytest.raises(FileNotFoundError):
+        ModelSpec.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="not supported"):
+        ModelSpec.from_pretrained(tmp_path)
+
+
+def test_small_shapes_are_realistic():
+    for family in ("llava", "qwen2-vl"):
+        shape = SHAPES[(family, "small")]
+        assert shape.layers >= 8 and shape.hidden >= 512 and shape.vocab >= 8000
+        assert shape.heads == 8 and shape.kv_heads == 2
+        assert shape.head_dim in (32, 64, 80, 96, 128)  # vLLM CPU attention head sizes
+        per_image = (shape.image_size // shape.patch_size) ** 2 // (4 if family != "llava" else 1)
+        assert per_image == 144
+        assert 8 * per_image + 512 <= shape.max_positions
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--family", "gpt", "--out", "X"], "unknown --family"),
+        (["--family", "llava", "--size", "huge", "--out", "X"], "unknown --size"),
+    ],
+)
+def test_cli_rejects_bad_input(tmp_path: Path, args, message):
+    args = [a if a != "X" else str(tmp_path / "m") for a in args]
+    result = CliRunner().invoke(app, ["model", "make-tiny", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_writes_a_model_and_refuses_to_overwrite(tmp_path: Path):
+    out = tmp_path / "m"
+    ok = CliRunner().invoke(app, ["model", "make-tiny", "--family", "qwen2-vl", "--out", str(out)])
+    assert ok.exit_code == 0, ok.output
+    assert ModelSpec.from_pretrained(out).family == "qwen2-vl"
+    again = CliRunner().invoke(app, ["model", "make-tiny", "--family", "llava", "--out", str(out)])
+    assert again.exit_code == 2
+    assert "not empty" in again.output
+    assert ModelSpec.from_pretrained(out).family == "qwen2-vl"
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging folder left behind
+
+
+def test_random_weights_are_not_degenerate(tiny_hf):
+    model, _, spec = tiny_hf
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        probs = model(input_ids=ids).logits[0, -1].float().softmax(-1)
+    assert torch.isfinite(probs).all()
+    assert 1.5 / spec.vocab_size < probs.max() < 0.9

@@ -1,0 +1,78 @@
+"""engine/vision.py: image decoding errors, fixed-size fitting, and embeddings equal to what the
+HF model inserts at the image placeholders."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from mpic.engine.vision import encode_images, fit_image, fixed_image_size, load_image
+from mpic.errors import UnreadableMediaError
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_load_image_round_trip(sample_images):
+    decoded = load_image(_png(sample_images[1].convert("L")))
+    assert decoded.mode == "RGB"
+    assert decoded.size == sample_images[1].size
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"definitely not an image", b"\x89PNG\r\n\x1a\n" + b"\0" * 40], ids=str
+)
+def test_load_image_rejects_non_images(data):
+    with pytest.raises(UnreadableMediaError) as info:
+        load_image(data)
+    assert info.value.status == 415
+
+
+def test_load_image_rejects_truncated_image(sample_images):
+    data = _png(sample_images[0])
+    with pytest.raises(UnreadableMediaError):
+        load_image(data[: len(data) // 2])
+
+
+def test_fit_image_gives_the_spec_size(tiny_hf, sample_images):
+    _, processor, spec = tiny_hf
+    assert fixed_image_size(processor) == spec.image_size
+    for image in sample_images:
+        fitted = fit_image(image, spec.image_size)
+        assert (fitted.height, fitted.width) == spec.image_size
+        assert fitted.mode == "RGB"
+
+
+def test_encode_images_equal_hf_inputs_embeds(tiny_hf, sample_images):
+    """Capture the inputs_embeds the HF forward hands to its language model and compare the
+    rows at the image placeholders with encode_images (three images of different sizes)."""
+    model, processor, spec = tiny_hf
+    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+               {"type": "image"}, {"type": "text", "text": "?"}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
+    fitted = [fit_image(img, spec.image_size) for img in sample_images]
+    inputs = processor(text=text, images=fitted, return_tensors="pt")
+    captured: dict = {}
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        hook.remove()
+    rows = inputs["input_ids"][0] == spec.image_token_id
+    inserted = captured["inputs_embeds"][0][rows]
+    embeds = encode_images(model, processor, sample_images)
+    assert [tuple(e.shape) for e in embeds] == [(spec.tokens_per_image, spec.hidden_size)] * 3
+    torch.testing.assert_close(torch.cat(embeds), inserted, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(embeds[0], embeds[1])  # different images, different embeddings
+    assert encode_images(model, processor, []) == []
