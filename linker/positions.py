@@ -38,3 +38,25 @@ def item_extent(family: ModelFamily, entry: CacheEntry) -> int:
 def next_position(positions: torch.Tensor) -> int:
     """The text position after a prompt with these positions ([N] or [3, N]): max + 1."""
     return int(positions.max()) + 1 if positions.numel() else 0
+
+
+def image_positions(
+    family: ModelFamily,
+    start: int,
+    num_tokens: int,
+    grid_thw: tuple[int, int, int] | None = None,
+    merge: int = 1,
+) -> torch.Tensor:
+    """Positions of an image's tokens computed at text position `start` (canonical context).
+
+    1-D: start + arange(T). M-RoPE: (start + frame, start + row, start + column) over the
+    merged grid (grid_thw before the spatial merge, as in transformers'
+    `get_vision_position_ids`).
+    """
+    if family != "qwen2-vl":
+        return torch.arange(start, start + num_tokens, dtype=torch.int64)
+    assert grid_thw is not None, "M-RoPE needs the image grid"
+    t, h, w = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
+    assert t * h * w == num_tokens, "grid does not match the token count"
+    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]).to(torch.int64) + start

@@ -60,7 +60,11 @@ def render_prompt_ids(
     system_prompt: str | None,
     add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of the chat-templated prompt, one placeholder id per image part."""
+    """Token ids of the chat-templated prompt, one placeholder id per image part.
+
+    `tokenizer` may be an HF processor: its text tokenizer is used (the processor's own call
+    would expand image placeholders itself)."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     text = tokenizer.apply_chat_template(
         _messages(system_prompt, parts), tokenize=False, add_generation_prompt=add_generation_prompt
     )

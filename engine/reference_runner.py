@@ -1,0 +1,152 @@
+"""The reference runner: HF weights on CPU or CUDA driven by the linker's one-pass selective
+prefill, then greedy or sampled decoding (reference-runner process: benchmarks, demo, tests,
+and the Serve LLM worker when configured without vLLM).
+
+A request goes: render the chat template -> resolve entries (NotFoundError) -> link plan
+(PromptTooLongError) -> policy -> link rotated KV + selective prefill -> first token -> decode.
+Every check runs before any KV is allocated or written. TTFT is measured from the request to the
+first token with entries already in memory (MPIC paper section 5.2's setting).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mpic.engine.entries import cache_image
+from mpic.engine.hf_adapters import make_adapter
+from mpic.engine.hf_loader import load_hf_model
+from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.pipeline import link_and_prefill
+from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies import Policy, get_policy
+from mpic.linker.positions import next_position
+from mpic.linker.prompt import PromptPart, image_refs, render_prompt_ids
+from mpic.linker.selective_prefill import run_layers
+from mpic.types import CacheEntry, LinkPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefilled:
+    """A prompt after the selective prefill: its plan, filled KV and first-token logits."""
+
+    plan: LinkPlan
+    kv: DenseLinkedKV
+    logits: torch.Tensor
+    """float32 [vocab] of the last prompt token."""
+    recomputed_tokens: int
+    ttft_s: float
+    """Seconds from the request to the first token (argmax of `logits`)."""
+
+
+@dataclass
+class Generation:
+    """Generated token ids and the prefill's numbers."""
+
+    tokens: list[int]
+    prefilled: Prefilled
+
+
+class ReferenceRunner:
+    """One HF model, an in-memory entry table and the MPIC linking path."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
+        self.adapter = make_adapter(self.model)
+        self.system_prompt = system_prompt
+        self.entries: dict[str, CacheEntry] = {}
+
+    def cache_image(self, media: bytes) -> CacheEntry:
+        """Compute (or reuse) the entry of an image and keep it in memory."""
+        entry = cache_image(
+            self.model, self.processor, self.adapter, self.spec, media, self.system_prompt
+        )
+        return self.entries.setdefault(entry.entry_id, entry)
+
+    def add_entry(self, entry: CacheEntry) -> None:
+        """Make an entry (e.g. read from storage) linkable."""
+        self.entries[entry.entry_id] = entry
+
+    def plan(self, parts: Sequence[PromptPart], max_new_tokens: int = 0) -> tuple:
+        """(plan, entries aligned with plan.entry_ids) of a prompt; raises on bad input."""
+        token_ids = render_prompt_ids(self.processor, parts, self.system_prompt)
+        items = resolve_entries(image_refs(parts), self.entries)
+        plan = build_plan(self.spec, token_ids, items, max_new_tokens)
+        return plan, unique_entries(plan, items)
+
+    @torch.inference_mode()
+    def prefill(
+        self, parts: Sequence[PromptPart], policy: str | Policy, max_new_tokens: int = 0
+    ) -> Prefilled:
+        """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved."""
+        start = time.perf_counter()
+        policy = get_policy(policy) if isinstance(policy, str) else policy
+        plan, entries = self.plan(parts, max_new_tokens)
+        a = self.adapter
+        kv = DenseLinkedKV(
+            a.num_layers,
+            plan.num_tokens + max_new_tokens,
+            a.num_kv_heads,
+            a.head_dim,
+            a.dtype,
+            a.device,
+        )
+        out = link_and_prefill(a, plan, entries, policy, kv)
+        logits = out.result.logits
+        int(logits.argmax())  # the first token exists once it is picked
+        ttft = time.perf_counter() - start
+        return Prefilled(out.plan, kv, logits, out.recomputed_tokens, ttft)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        parts: Sequence[PromptPart],
+        policy: str | Policy = "mpic-32",
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+    ) -> Generation:
+        """Prefill then decode up to `max_new_tokens` (greedy when temperature is 0)."""
+        pre = self.prefill(parts, policy, max_new_tokens)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
+        tokens, logits = [], pre.logits
+        for step in range(max_new_tokens):
+            token = _pick(logits, temperature, gen)
+            tokens.append(token)
+            if (stop_at_eos and token == self.spec.eos_token_id) or step == max_new_tokens - 1:
+                break
+            pos = torch.tensor([pos0 + step])
+            if pre.plan.positions.dim() == 2:
+                pos = pos.expand(3, 1)
+            hidden, _, _ = run_layers(
+                a,
+                pre.kv,
+                a.embed_tokens(torch.tensor([token])),
+                torch.tensor([n + step]),
+                pos,
+                torch.tensor([a.num_layers]),
+            )
+            logits = a.logits(hidden)[0]
+        return Generation(tokens, pre)
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """Greedy argmax, or a sample from softmax(logits / temperature)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,90 @@
+"""Reference runner oracles on both tiny families, against transformers' own forward/generate:
+every token recomputed through the selective path = a plain HF prefill (logits, greedy tokens);
+an image linked where it was cached, after the same context, is exact with no recompute; bad
+input fails before anything is computed."""
+
+import io
+
+import pytest
+import torch
+
+from mpic.engine.reference_runner import ReferenceRunner
+from mpic.engine.vision import fit_image
+from mpic.errors import NotFoundError, PromptTooLongError
+from mpic.linker.prompt import ImageRef
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir, sample_images):
+    r = ReferenceRunner(str(tiny_model_dir))
+    r.test_ids = [r.cache_image(_png(img)).entry_id for img in sample_images[:2]]
+    return r
+
+
+def _hf_inputs(runner, parts, images):
+    """What a plain HF user would feed: the processor's own expansion of the same prompt."""
+    tok = runner.processor.tokenizer
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"} if isinstance(p, ImageRef) else {"type": "text", "text": p}
+                for p in parts
+            ],
+        }
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    fitted = [fit_image(img, runner.spec.image_size) for img in images]
+    return runner.processor(text=text, images=fitted, return_tensors="pt")
+
+
+def test_full_recompute_equals_hf_prefill_and_greedy(runner, sample_images):
+    a, b = runner.test_ids
+    parts = ["Compare", ImageRef(a), "with", ImageRef(b), "and again", ImageRef(a), "briefly."]
+    inputs = _hf_inputs(runner, parts, [sample_images[0], sample_images[1], sample_images[0]])
+    gen = runner.generate(parts, "full", max_new_tokens=8, stop_at_eos=False)
+    assert torch.equal(gen.prefilled.plan.token_ids, inputs["input_ids"][0])
+    with torch.inference_mode():
+        hf_logits = runner.model(**inputs).logits[0, -1].float()
+        hf_tokens = runner.model.generate(
+            **inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )[0, inputs["input_ids"].shape[1] :]
+    torch.testing.assert_close(gen.prefilled.logits, hf_logits, rtol=1e-4, atol=1e-4)
+    assert gen.tokens == hf_tokens.tolist()
+    assert gen.prefilled.recomputed_tokens == gen.prefilled.plan.num_tokens
+
+
+def test_same_place_same_context_needs_no_item_recompute(runner, sample_images):
+    a = runner.test_ids[0]
+    parts = [ImageRef(a), "What is this?"]
+    exact = runner.prefill(parts, "full")
+    linked = runner.prefill(parts, "mpic-0")
+    items = ~linked.plan.is_text
+    assert int(items.sum()) == runner.spec.tokens_per_image
+    assert linked.recomputed_tokens == linked.plan.num_tokens - runner.spec.tokens_per_image
+    torch.testing.assert_close(linked.logits, exact.logits, rtol=1e-4, atol=1e-4)
+    moved = runner.prefill(["Some words first.", ImageRef(a), "What is this?"], "mpic-0")
+    exact_moved = runner.prefill(["Some words first.", ImageRef(a), "What is this?"], "full")
+    assert (moved.logits - exact_moved.logits).abs().max() > 1e-3  # moved: approximate
+
+
+def test_bad_input_is_rejected_before_any_work(runner):
+    with pytest.raises(NotFoundError):
+        runner.prefill(["hi", ImageRef("0" * 64)], "mpic-32")
+    with pytest.raises(PromptTooLongError):
+        runner.prefill(["word " * runner.spec.max_model_len], "mpic-32")
+    with pytest.raises(ValueError, match="valid"):
+        runner.prefill(["hi"], "nope")
+
+
+def test_sampling_is_seeded(runner):
+    parts = [ImageRef(runner.test_ids[1]), "Describe."]
+    one = runner.generate(parts, "mpic-4", 6, temperature=1.0, seed=3, stop_at_eos=False).tokens
+    two = runner.generate(parts, "mpic-4", 6, temperature=1.0, seed=3, stop_at_eos=False).tokens
+    assert one == two and len(one) == 6
