@@ -25,7 +25,7 @@ def build_app(config: ServeAppConfig) -> Application:
     linker = serve.deployment(Linker, **deployment_options("Linker", config.linker))
     ingress = serve.deployment(Ingress, **deployment_options("Ingress", config.ingress))
     enc, wrk = encoder.bind(config), worker.bind(config)
-    ret = retriever.bind(config, enc, wrk)
+    ret = retriever.bind(config, wrk)
     return ingress.bind(config, enc, linker.bind(config, enc, ret, wrk), wrk, ret)
 
 

@@ -116,8 +116,9 @@ class ServeEngine(ABC):
         Raises UnreadableMediaError (415) when the bytes are not an image."""
 
     @abstractmethod
-    def entry_id(self, content_hash: str) -> str:
-        """The content-addressed entry id of an image in this model's canonical context."""
+    def entry_id(self, media: bytes) -> str:
+        """The content-addressed entry id of an image in this model's canonical context
+        (`mpic.storage.entry_codec.entry_key` over fingerprint, context, media bytes)."""
 
     @abstractmethod
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:

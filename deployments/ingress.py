@@ -210,7 +210,7 @@ class Ingress:
     ):
         """Admin: build a new version from a source folder/prefix and swap it in atomically."""
         KeyRing.require_admin(self._auth(authorization))
-        return await self.retriever.refresh.remote(name, body.source)
+        return await self.retriever.refresh.remote(name, body.source, body.captions)
 
     @app.post("/v1/admin/collections/{name}/rollback")
     async def admin_rollback(

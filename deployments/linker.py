@@ -99,8 +99,8 @@ class Linker:
         if not users:
             raise InvalidRequestError("retrieval needs a user message to search with")
         query = " ".join(s.text for s in users[-1].segments if s.kind == "text").strip()
-        hits: list[str] = await self.retriever.search.remote(
+        hits: list[tuple[str, str]] = await self.retriever.search.remote(
             spec.collection, query, spec.top_k, spec.min_score
         )
-        users[-1].segments[:0] = [Segment("entry", entry_id=e) for e in hits]
-        return hits
+        users[-1].segments[:0] = [Segment("entry", entry_id=e, content_hash=h) for e, h in hits]
+        return [e for e, _ in hits]

@@ -218,7 +218,8 @@ class RefreshBody(BaseModel):
     """`POST /v1/admin/collections/{name}/refresh`."""
 
     model_config = ConfigDict(extra="forbid")
-    source: str = Field(description="Folder or store prefix holding the collection's images.")
+    source: str = Field(description="Folder or s3:// prefix holding the collection's images.")
+    captions: str | None = Field(None, description="Optional captions JSONL (file, caption).")
 
 
 class RollbackBody(BaseModel):

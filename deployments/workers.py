@@ -12,6 +12,7 @@ and streams the engine's `TokenEvent`s and final `DoneEvent`.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 
 import ray
@@ -27,9 +28,10 @@ from mpic.deployments.engine import (
 )
 from mpic.deployments.files import file_object, open_library
 from mpic.deployments.schemas import FileObject
-from mpic.errors import CorruptEntryError, InvalidRequestError
+from mpic.errors import InvalidRequestError
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
+from mpic.storage.parallel_fetch import fetch_entries
 from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry
 
@@ -51,6 +53,7 @@ class LLMWorker:
     """The engine that owns KV: caches uploads and runs linked prefill + decode."""
 
     def __init__(self, config: ServeAppConfig) -> None:
+        self.cfg = config
         self.engine = build_engine(config.engine, config.store)
         self.entries = EntryStore.from_config(config.store)
         self.library = open_library(config.store, self.entries)
@@ -59,48 +62,48 @@ class LLMWorker:
         self, user: str, name: str, media: bytes, image: EncodedImage, ttl_s: float | None
     ) -> FileObject:
         """Compute `image`'s canonical KV and register the file in `user`'s namespace."""
-        entry = self.engine.compute_entry(self.engine.entry_id(image.content_hash), image)
+        entry = self.engine.compute_entry(self.engine.entry_id(media), image)
         rec = self.library.add_file(
             user, name=name, media_type=image.media_type, media=media, entry=entry, ttl_s=ttl_s
         )
         return file_object(rec)
+
+    def fingerprint(self) -> str:
+        """The served model's fingerprint (dynamic-library refreshes record it)."""
+        return self.engine.fingerprint
+
+    def make_entry(self, media: bytes) -> CacheEntry:
+        """The canonical entry of an image (dynamic-library refresh); not stored here."""
+        return self.engine.compute_entry(self.engine.entry_id(media),
+                                         self.engine.encode_image(media))
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (400) for an unknown policy name."""
         self.engine.check_policy(policy)
 
     def generate(self, prompt: LinkedPrompt) -> Iterator[TokenEvent | DoneEvent]:
-        """Stream the answer to `prompt` (inline images arrive as ObjectRefs and are fetched)."""
+        """Stream the answer to `prompt`. Inline images arrive as ObjectRefs; linked entries
+        load in parallel from the fastest tier, lost ones are recomputed from their media."""
         for turn in prompt.turns:
             for seg in turn.segments:
                 if isinstance(seg.embeds, ray.ObjectRef):
                     seg.embeds = ray.get(seg.embeds)
-        hashes = {s.entry_id: s for t in prompt.turns for s in t.segments if s.kind == "entry"}
-        entries: dict[str, CacheEntry] = {}
-        tiers: dict[str, int] = {}
-        fallbacks = 0
-        for entry_id, seg in hashes.items():
-            tier = self.entries.locate(entry_id)
-            try:
-                if tier is None:
-                    raise ObjectNotFoundError(entry_id)
-                entries[entry_id] = self.entries.get(entry_id)
-                tiers[tier] = tiers.get(tier, 0) + 1
-            except (ObjectNotFoundError, CorruptEntryError):
-                logger.warning("entry %s lost or corrupt: recomputing from media", entry_id)
-                entries[entry_id] = self._recompute(seg)
-                fallbacks += 1
-        for ev in self.engine.generate(prompt, entries):
-            if isinstance(ev, DoneEvent):
-                ev.tier_hits, ev.fallbacks = tiers, fallbacks
-            yield ev
+        segs = {s.entry_id: s for t in prompt.turns for s in t.segments if s.kind == "entry"}
+        keys = list(segs)
+        store = self.cfg.store
+        with fetch_entries(self.entries, keys, lambda k: self._recompute(segs[k]), pin=True,
+                           max_workers=store.load_workers,
+                           load_timeout_s=store.load_timeout_s) as got:
+            tiers = Counter(src for src in got.sources if src != "computed")
+            for ev in self.engine.generate(prompt, dict(zip(keys, got.entries, strict=True))):
+                if isinstance(ev, DoneEvent):
+                    ev.tier_hits, ev.fallbacks = dict(tiers), len(got.fallbacks)
+                yield ev
 
     def _recompute(self, seg: Segment) -> CacheEntry:
+        """A lost or corrupt entry, recomputed from the media the library keeps."""
         try:
             media = self.entries.objects.get(media_key(seg.content_hash))
         except ObjectNotFoundError:
             raise InvalidRequestError(f"entry {seg.entry_id} and its media are gone") from None
-        image = self.engine.encode_image(media)
-        entry = self.engine.compute_entry(seg.entry_id, image)
-        self.entries.put(entry)
-        return entry
+        return self.engine.compute_entry(seg.entry_id, self.engine.encode_image(media))

@@ -1,0 +1,68 @@
+"""The Retriever deployment (Serve replica): MRAG search and the admin operations on the dynamic
+library (collections, versions, refresh, rollback), wrapping one `mpic.retriever.service.Retriever`
+(CLIP + FAISS over immutable collection versions; every search answers from one version).
+
+A refresh needs the KV entry of each new image: the replica asks the LLM worker deployment
+(`LLMWorker.make_entry`), so the entries are computed by the serving engine on the serving model
+and written once to the shared object store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from mpic.deployments.config import ServeAppConfig
+from mpic.retriever.service import Retriever as RetrieverService
+from mpic.retriever.sources import open_source, read_captions
+from mpic.storage.entry_store import EntryStore
+from mpic.types import CacheEntry
+
+
+class Retriever:
+    """Search and admin routes of the dynamic library."""
+
+    def __init__(self, config: ServeAppConfig, worker: DeploymentHandle) -> None:
+        entries = EntryStore.from_config(config.store.model_copy(
+            update={"memory_bytes": 0, "disk_cache_dir": None}))
+        self.service = RetrieverService(entries.objects, entries)
+        self.worker = worker
+
+    def search(
+        self, collection: str, query: str, top_k: int, min_score: float
+    ) -> list[tuple[str, str]]:
+        """(entry key, media sha256) of the best `top_k` items scoring >= `min_score`."""
+        result = self.service.search(collection, text=query, top_k=top_k, min_score=min_score)
+        return [(h.entry_key, h.content_hash) for h in result.hits if h.entry_key]
+
+    def collections(self) -> dict[str, Any]:
+        """Collections and their current versions."""
+        names = self.service.collections()
+        return {"object": "list", "data": [
+            {"collection": n, "current": self.service.versions(n)[1]} for n in names]}
+
+    def versions(self, collection: str) -> dict[str, Any]:
+        """Versions of one collection, oldest first (404 for an unknown collection)."""
+        versions, current = self.service.versions(collection)
+        return {"collection": collection, "versions": versions, "current": current}
+
+    def refresh(self, collection: str, source: str, captions: str | None) -> dict[str, Any]:
+        """Build and swap in a new version from a folder or S3 prefix (sync: runs in a thread)."""
+        fingerprint = self.worker.fingerprint.remote().result()
+
+        def make_entry(media: bytes) -> CacheEntry:
+            return self.worker.make_entry.remote(media).result()
+
+        report = self.service.refresh(
+            collection, open_source(source), make_entry, model_fingerprint=fingerprint,
+            captions=read_captions(captions),
+        )
+        return {"collection": report.collection, "version": report.version,
+                "parent": report.parent, "items": report.items, "computed": report.computed,
+                "reused": report.reused, "removed": report.removed}
+
+    def rollback(self, collection: str, version: str) -> dict[str, Any]:
+        """Make an earlier version current again (404 for an unknown one)."""
+        manifest = self.service.rollback(collection, version)
+        return {"collection": collection, "current": manifest.version}

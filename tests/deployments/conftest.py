@@ -1,0 +1,76 @@
+"""One real local Ray Serve instance for the whole session (tests/deployments): the MPIC
+application on the tiny LLaVA, a filesystem store in a temp folder, production-mode keys for two
+users and an admin, small limits (so 413 is cheap to hit) and an LLM worker that autoscales 1 -> 2
+at `target_ongoing_requests=1` (the autoscaling test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+KEYS = {"alice-key": "alice", "bob-key": "bob"}
+ADMIN_KEY = "root-key"
+MAX_UPLOAD = 256 * 1024
+
+
+@dataclass
+class ServeApp:
+    """A running application: base URL and the config it was started with."""
+
+    url: str
+    config: object
+
+    def headers(self, key: str) -> dict[str, str]:
+        """Authorization header for `key`."""
+        return {"Authorization": f"Bearer {key}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_config(model_dir: Path, store_dir: Path):
+    """The test application's ServeAppConfig."""
+    from mpic.deployments.config import ServeAppConfig
+
+    small = {"num_cpus": 0.1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
+    return ServeAppConfig.model_validate({
+        "engine": {"kind": "reference", "model": str(model_dir), "max_tokens_default": 6},
+        "store": {"url": store_dir.as_uri(), "fsync": False, "memory_bytes": 64 << 20},
+        "auth": {"mode": "production"},
+        "limits": {"max_upload_bytes": MAX_UPLOAD},
+        "ingress": small, "encoder": small, "retriever": small, "linker": small,
+        "llm_worker": {"num_cpus": 0.1, "max_ongoing_requests": 8, "autoscaling": {
+            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+            "upscale_delay_s": 0.5, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
+            "look_back_period_s": 2}},
+    })
+
+
+@pytest.fixture(scope="session")
+def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeApp]:
+    """Start Ray (2 CPUs) + Serve + the application once; shut everything down at the end."""
+    from mpic.deployments.local import start_local, stop_local
+
+    saved = {k: os.environ.get(k) for k in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS", "OMP_NUM_THREADS")}
+    os.environ.update({"MPIC_API_KEYS": json.dumps(KEYS),
+                       "MPIC_ADMIN_KEYS": json.dumps([ADMIN_KEY]), "OMP_NUM_THREADS": "1"})
+    cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("serve-store"))
+    try:
+        url = start_local(cfg, port=_free_port(), num_cpus=2)
+        yield ServeApp(url=url, config=cfg)
+    finally:
+        stop_local()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
