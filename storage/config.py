@@ -21,7 +21,7 @@ class S3Config(BaseModel):
     secure: bool = Field(True, description="Use HTTPS.")
     region: str | None = Field(None, description="Region name, if the server needs one.")
     timeout_s: float = Field(10.0, gt=0, description="Connect and read timeout per request.")
-    retries: int = Field(1, ge=0, description="Retries per request before giving up.")
+    retries: int = Field(3, ge=0, description="Retries of a request answered 5xx.")
     create_bucket: bool = Field(True, description="Create the bucket if it does not exist.")
 
 

@@ -52,8 +52,11 @@ class S3ObjectStore(ObjectStore):
     def __init__(self, cfg: S3Config) -> None:
         self.cfg = cfg
         timeout = urllib3.Timeout(connect=cfg.timeout_s, read=cfg.timeout_s)
-        retry = urllib3.Retry(total=cfg.retries, backoff_factor=0.05,
-                              status_forcelist=[500, 502, 503, 504])
+        # retry server errors (S3 "slow down", transient 500s); a refused connection fails at
+        # once so callers fall back to recomputation quickly
+        retry = urllib3.Retry(total=cfg.retries, connect=0, read=0, status=cfg.retries,
+                              backoff_factor=0.05, status_forcelist=[500, 502, 503, 504],
+                              raise_on_status=False)
         http = urllib3.PoolManager(timeout=timeout, retries=retry, maxsize=16)
         self.client = Minio(cfg.endpoint, access_key=cfg.access_key,
                             secret_key=cfg.secret_key.get_secret_value(), secure=cfg.secure,
