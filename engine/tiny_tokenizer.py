@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from mpic.types import ModelFamily
@@ -41,12 +41,13 @@ SPECIAL_TOKENS: dict[str, list[str]] = {
 """Special tokens per family; they get the first ids, in this order."""
 
 LLAVA_CHAT_TEMPLATE = (
-    "{% set sys = 'A chat between a curious user and an artificial intelligence assistant. "
-    "The assistant gives helpful, detailed, and polite answers to the user\\'s questions.' %}"
+    "{% set ns = namespace(sys='A chat between a curious user and an artificial intelligence "
+    "assistant. The assistant gives helpful, detailed, and polite answers to the user\\'s "
+    "questions.') %}"
     "{% for message in messages %}{% if message['role'] == 'system' %}"
-    "{% set sys = message['content'] if message['content'] is string "
+    "{% set ns.sys = message['content'] if message['content'] is string "
     "else message['content'][0]['text'] %}{% endif %}{% endfor %}"
-    "{{ sys }}"
+    "{{ bos_token }}{{ ns.sys }}"
     "{% for message in messages %}{% if message['role'] != 'system' %}"
     "{{ ' USER: ' if message['role'] == 'user' else ' ASSISTANT: ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
@@ -56,7 +57,11 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if message['role'] == 'assistant' %}</s>{% endif %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %} ASSISTANT:{% endif %}"
 )
-"""LLaVA-1.5 (Vicuna) conversation format: `{system} USER: <image>\\n{text} ASSISTANT:`."""
+"""LLaVA-1.5 (Vicuna) conversation format: `<s>{system} USER: <image>\\n{text} ASSISTANT:`.
+
+BOS comes from the template (as Llama-3 templates do), not from the tokenizer, so encoding the
+rendered text with or without special tokens gives exactly one BOS (vLLM's chat path encodes
+without them)."""
 
 QWEN2VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}"
@@ -106,11 +111,7 @@ def build_tokenizer(family: ModelFamily, vocab_size: int, seed: int = 0) -> PreT
     tok.train_from_iterator(_corpus(seed, num_words=max(4 * vocab_size, 2000)), trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the BPE trainer reached {tok.get_vocab_size()} ids, not {vocab_size}")
-    if family == "llava":  # Llama tokenizers prepend <s> (BOS) to every encoded text
-        bos = tok.token_to_id("<s>")
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-        )
+    if family == "llava":
         return PreTrainedTokenizerFast(
             tokenizer_object=tok,
             bos_token="<s>",

@@ -32,7 +32,27 @@ def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):
         keys = list(handle.keys())
     if model_family == "llava":  # the layout vLLM expects (transformers maps it back)
         assert any(k.startswith("model.vision_tower.vision_model.embeddings.") for k in keys)
-        assert tokenizer("hi").input_ids[0] == config.text_config.bos_token_id
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        bos = config.text_config.bos_token_id
+        for special in (True, False):  # exactly one BOS, from the template
+            ids = tokenizer(rendered, add_special_tokens=special).input_ids
+            assert ids[0] == bos and bos not in ids[1:]
+
+
+def test_chat_template_uses_the_system_prompt(tiny_model_dir: Path):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q?"}]}
+    custom = processor.apply_chat_template(
+        [{"role": "system", "content": "Be terse."}, user], add_generation_prompt=True
+    )
+    default = processor.apply_chat_template([user], add_generation_prompt=True)
+    assert "Be terse." in custom and "Be terse." not in default
+    assert custom.count(processor.image_token) == 1
+    assert custom.rstrip().endswith(("ASSISTANT:", "<|im_start|>assistant"))
 
 
 def test_hf_model_loads_every_weight(tiny_model_dir: Path):
