@@ -1,10 +1,200 @@
-"""`mpic-admin` (CLI process). Placeholder until the retriever issue lands it."""
+"""`mpic-admin` (CLI process): the administrator's view of the dynamic library (MPIC section 3.1,
+component 3) - refresh a collection from a folder or S3 prefix of images, list collections, show
+versions and items, roll back, and search. Works on the object store directly (`--store URL` or
+MPIC_STORE_URL; default: the embedded filesystem store under `.mpic/store`). There is no
+`--server URL` mode: the Serve app has no admin HTTP routes for the dynamic library.
+
+Bad input (missing folder, unreadable image, unknown collection or version) prints
+`error: ...` on stderr and exits with status 2; nothing is written in that case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from mpic.errors import MPICError
+
 app = typer.Typer(no_args_is_help=True, help="MPIC administration: dynamic library.")
+library_app = typer.Typer(no_args_is_help=True, help="Dynamic-library collections (MRAG).")
+app.add_typer(library_app, name="library")
+
+StoreOpt = Annotated[str | None, typer.Option(
+    "--store", envvar="MPIC_STORE_URL",
+    help="file:///abs/path or s3://bucket/prefix?endpoint=host:port (default: .mpic/store).")]
+CollectionOpt = Annotated[str, typer.Option("--collection", "-c", help="Collection name.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _run(fn: Callable[[], object]) -> object:
+    """Run `fn`, turning typed errors and bad values into a message and exit status 2."""
+    try:
+        return fn()
+    except (MPICError, ValueError, FileNotFoundError) as exc:
+        raise _fail(getattr(exc, "message", None) or str(exc)) from exc
+
+
+def _retriever(store: str | None, **cfgs):
+    from mpic.retriever.service import Retriever
+    from mpic.storage.factory import make_object_store
+
+    return Retriever(make_object_store(store), **cfgs)
+
+
+def _engine(model_dir: Path | None) -> tuple[Callable[[bytes], object], str]:
+    """(compute_entry, model fingerprint) of the HF model folder (reference runner, CPU f32).
+
+    Default: the embedded small LLaVA under `.mpic/models/llava-small`, written on first use.
+    """
+    from mpic.config import MPICHome
+    from mpic.engine.entries import cache_image
+    from mpic.engine.hf_adapters import make_adapter
+    from mpic.engine.hf_loader import load_hf_model
+
+    if model_dir is None:
+        from mpic.engine.tiny_models import make_tiny
+
+        model_dir = MPICHome().models_dir / "llava-small"
+        if not model_dir.exists():
+            make_tiny("llava", "small", model_dir)
+    elif not model_dir.is_dir():
+        raise _fail(f"model folder not found: {model_dir}")
+    model, processor, spec = load_hf_model(model_dir)
+    adapter = make_adapter(model)
+    return (lambda media: cache_image(model, processor, adapter, spec, media)), spec.fingerprint
+
+
+@library_app.command("refresh")
+def refresh(
+    source: Annotated[str, typer.Argument(help="Image folder or s3://bucket/prefix?endpoint=...")],
+    collection: CollectionOpt,
+    captions: Annotated[Path | None, typer.Option(help="JSONL of {file, caption}.")] = None,
+    model: Annotated[Path | None, typer.Option(help="HF model folder computing the KV.")] = None,
+    index: Annotated[str, typer.Option(help="flat | ivf | hnsw")] = "flat",
+    clip_model: Annotated[str, typer.Option(help="open_clip model name.")] = "mpic-tiny-clip",
+    clip_weights: Annotated[Path | None, typer.Option(help="CLIP weights file.")] = None,
+    store: StoreOpt = None,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Build a new version of COLLECTION from SOURCE and make it current (incremental)."""
+    from mpic.retriever.embedder import EmbedderConfig
+    from mpic.retriever.index import IndexConfig
+    from mpic.retriever.sources import open_source, read_captions
+
+    def go():
+        src = open_source(source)
+        caps = read_captions(captions)
+        cfgs = {"embedder_cfg": EmbedderConfig(model=clip_model, weights=clip_weights and
+                                               str(clip_weights)),
+                "index_cfg": IndexConfig(kind=index)}
+        retriever = _retriever(store, **cfgs)
+        retriever.library(collection)  # validate the name before loading a model
+        compute_entry, fingerprint = _engine(model)
+        return retriever.refresh(collection, src, compute_entry, model_fingerprint=fingerprint,
+                                 captions=caps, progress=progress)
+
+    report = _run(go)
+    typer.echo(json.dumps(dataclasses.asdict(report), indent=1))
+
+
+@library_app.command("list")
+def list_collections(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Collections with their current version and item count."""
+    def go():
+        retriever = _retriever(store)
+        rows = []
+        for name in retriever.collections():
+            man = retriever.library(name).current()
+            rows.append({"collection": name, "current": man.version, "items": len(man.items)})
+        return rows
+
+    rows = _run(go)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        typer.echo(f"{r['collection']}\t{r['current']}\t{r['items']} items")
+
+
+@library_app.command("show")
+def show(
+    collection: CollectionOpt,
+    version: Annotated[str | None, typer.Option(help="Version (default: current).")] = None,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Versions of COLLECTION and the items of one version."""
+    def go():
+        retriever = _retriever(store)
+        versions, current = retriever.versions(collection)
+        man = retriever.library(collection).manifest(version or current)
+        return {"collection": collection, "current": current, "versions": versions,
+                "version": man.version, "parent": man.parent, "extra": man.extra,
+                "items": [it.model_dump() for it in man.items]}
+
+    info = _run(go)
+    if as_json:
+        typer.echo(json.dumps(info, indent=1))
+        return
+    for v in info["versions"]:
+        typer.echo(f"{'*' if v == info['current'] else ' '} {v}")
+    typer.echo(f"items of {info['version']}:")
+    for it in info["items"]:
+        typer.echo(f"  {it['item_id']}  {it['extra'].get('name', '')}  {it['caption']}")
+
+
+@library_app.command("rollback")
+def rollback(
+    version: Annotated[str, typer.Argument(help="A kept version (see `show`).")],
+    collection: CollectionOpt,
+    store: StoreOpt = None,
+) -> None:
+    """Make an earlier version of COLLECTION current again."""
+    man = _run(lambda: _retriever(store).rollback(collection, version))
+    typer.echo(f"{collection}: current version is now {man.version} ({len(man.items)} items)")
+
+
+@library_app.command("search")
+def search(
+    collection: CollectionOpt,
+    image: Annotated[Path | None, typer.Option(help="Query image file.")] = None,
+    text: Annotated[str | None, typer.Option(help="Query text.")] = None,
+    top_k: Annotated[int, typer.Option(min=1, help="Hits to return.")] = 5,
+    min_score: Annotated[float | None, typer.Option(help="Drop lower scores.")] = None,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Search the current version of COLLECTION with an image or a text."""
+    if (image is None) == (text is None):
+        raise _fail("give exactly one of --image PATH or --text STR")
+    if image is not None and not image.is_file():
+        raise _fail(f"query image not found: {image}")
+
+    def go():
+        query = {"image": image.read_bytes()} if image is not None else {"text": text}
+        return _retriever(store).search(collection, top_k=top_k, min_score=min_score, **query)
+
+    result = _run(go)
+    if as_json:
+        typer.echo(result.model_dump_json(indent=1))
+        return
+    typer.echo(f"{result.collection}@{result.version}")
+    for h in result.hits:
+        typer.echo(f"{h.score:+.4f}  {h.item_id}  {h.name}  {h.caption}")
 
 
 def main() -> None:
     """Entry point of the `mpic-admin` console script."""
+    logging.basicConfig(level=logging.WARNING)
     app()

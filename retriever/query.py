@@ -1,0 +1,69 @@
+"""Retrieval inside a chat query (MPIC section 3.1, workflow step 4: "the retriever executes MRAG
+when triggered"): a request's `retrieval` field becomes dynamic-library references that the linker
+links like uploaded files. Runs in the Serve replica that prepares link plans (Linker/Retriever).
+
+Two modes:
+- explicit: `{"collection", "top_k", "min_score"}` always retrieves; hits under `min_score` drop.
+- auto: retrieves, but links the hits only when the best score reaches `threshold` (the query is
+  close enough to the library to be worth extending the prompt; otherwise nothing is linked).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mpic.errors import InvalidRequestError
+from mpic.retriever.service import Hit, Retriever
+
+
+class RetrievalSpec(BaseModel):
+    """The `retrieval` field of a chat request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    collection: str = Field(description="Dynamic-library collection to search.")
+    top_k: int = Field(3, ge=1, le=64, description="Most references to link.")
+    min_score: float | None = Field(
+        None, ge=-1.0, le=1.0, description="Drop hits with a lower cosine score."
+    )
+    mode: Literal["explicit", "auto"] = Field(
+        "explicit", description="explicit: always link; auto: only when best score >= threshold."
+    )
+    threshold: float = Field(
+        0.25, ge=-1.0, le=1.0, description="auto mode: best score needed to link anything."
+    )
+
+
+class Retrieved(BaseModel):
+    """References to link, best first, all from one collection version."""
+
+    collection: str = Field(description="Collection searched.")
+    version: str | None = Field(description="Version searched (None when nothing was searched).")
+    triggered: bool = Field(description="False when auto mode found nothing close enough.")
+    hits: list[Hit] = Field(description="Linked references in score order.")
+
+    @property
+    def entry_keys(self) -> list[str]:
+        """Cache-entry keys of the hits, best first (what the linker loads)."""
+        return [h.entry_key for h in self.hits if h.entry_key]
+
+
+def retrieve(
+    retriever: Retriever, spec: RetrievalSpec, *, text: str | None = None,
+    image: bytes | None = None,
+) -> Retrieved:
+    """Search `spec.collection` with the query's text (or one image) and apply the mode.
+
+    NotFoundError for an unknown collection; InvalidRequestError for an empty query.
+    """
+    if image is None and not (text and text.strip()):
+        raise InvalidRequestError("retrieval needs query text or an image", param="retrieval")
+    query_text = None if image is not None else text
+    result = retriever.search(spec.collection, text=query_text, image=image, top_k=spec.top_k,
+                              min_score=spec.min_score)
+    best = max((h.score for h in result.hits), default=None)
+    triggered = spec.mode == "explicit" or (best is not None and best >= spec.threshold)
+    return Retrieved(collection=result.collection, version=result.version, triggered=triggered,
+                     hits=result.hits if triggered else [])
