@@ -125,12 +125,15 @@ class ClipEmbedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         return torch.cat(out).numpy()
 
-    def embed_images(self, images: Sequence[bytes]) -> np.ndarray:
+    def embed_images(self, images: Sequence[bytes], names: Sequence[str] | None = None
+                     ) -> np.ndarray:
         """Encoded image files (PNG, JPEG...) -> float32 [n, d], unit rows.
 
-        Raises UnreadableMediaError naming the first item that does not decode.
+        Raises UnreadableMediaError naming (by `names`, else index) the first that does not decode.
         """
-        pixels = [self.preprocess(decode_image(data, name=str(i))) for i, data in enumerate(images)]
+        names = names or [str(i) for i in range(len(images))]
+        pixels = [self.preprocess(decode_image(data, name)) for data, name in zip(images, names,
+                                                                                   strict=True)]
         return self._encode(pixels, torch.stack, self.model.encode_image)
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:

@@ -107,7 +107,8 @@ def _embed(images: list[_Image], source: ImageSource, embedder: ClipEmbedder,
     for start in tqdm(range(0, len(todo), batch), desc="embed", unit="batch",
                       disable=not progress):
         chunk = todo[start : start + batch]
-        embs = embedder.embed_images([source.read(im.name) for im in chunk])
+        embs = embedder.embed_images([source.read(im.name) for im in chunk],
+                                     [im.name for im in chunk])
         vectors.update((im.content_hash, e) for im, e in zip(chunk, embs, strict=True))
     return vectors
 
