@@ -33,8 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.forward_context import get_forward_context
 
-from mpic.engine import vllm_params
+from mpic.engine import vllm_params, vllm_upload
 from mpic.engine.vllm_adapter import VllmLayerAdapter
 from mpic.engine.vllm_paged_kv import PagedLinkedKV
 from mpic.engine.vllm_plugin import current_runner
@@ -42,6 +43,7 @@ from mpic.errors import MPICError
 from mpic.linker.link import gather_input_embeds, link_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.selective_prefill import selective_prefill
+from mpic.linker.two_step import prefill_text_first
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
@@ -76,6 +78,8 @@ class MPICConnectorMetadata(KVConnectorMetadata):
     """Per-step connector metadata: the linked requests whose KV the worker writes this step."""
 
     jobs: list[LinkJob] = field(default_factory=list)
+    uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """New upload requests: req_id -> their `kv_transfer_params` (`mpic.engine.vllm_upload`)."""
 
 
 class MPICConnector(KVConnectorBase_V1):
@@ -91,6 +95,7 @@ class MPICConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._adapter: VllmLayerAdapter | None = None
         self._store: EntryStore | None = None
+        self._capture: vllm_upload.KVCapture | None = None
         self._failed_blocks: set[int] = set()
 
     # ---------------------------------------------------------------- scheduler side
@@ -113,6 +118,10 @@ class MPICConnector(KVConnectorBase_V1):
         """Ship this step's queued requests with their block ids to the worker."""
         meta = MPICConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params.extra_args if new.sampling_params else None
+            params = (params or {}).get("kv_transfer_params")
+            if vllm_upload.is_upload(params):
+                meta.uploads[new.req_id] = params
             request = self._pending.pop(new.req_id, None)
             if request is not None:
                 meta.jobs.append(self._job(request, list(new.block_ids[0])))
@@ -164,6 +173,20 @@ class MPICConnector(KVConnectorBase_V1):
             self._store = EntryStore.from_config(cfg)
         return self._store
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata; arm upload capture BEFORE the forward (vLLM calls
+        `start_load_kv` after the forward when the step has no synchronous load)."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, MPICConnectorMetadata)
+        if connector_metadata.uploads or self._capture is not None:
+            if self._capture is None:
+                model = current_runner().get_model()
+                self._capture = vllm_upload.KVCapture(model, self._model_adapter())
+            context = get_forward_context()
+            self._capture.begin_step(
+                connector_metadata.uploads, current_runner(), context.attn_metadata
+            )
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Run the selective prefill of every linked request of this step into its blocks."""
         meta = self._get_connector_metadata()
@@ -191,7 +214,8 @@ class MPICConnector(KVConnectorBase_V1):
         store = self._entry_store()
         entries = [store.get(entry_id) for entry_id in head.entry_ids]
         num_layers = adapter.num_layers
-        hook = get_policy(policy).layer_hook(head, num_layers)
+        policy_obj = get_policy(policy)
+        hook = policy_obj.layer_hook(head, num_layers)
         layers = [adapter.attention_layer(i) for i in range(num_layers)]
         mirror = None
         if hook is not None:  # a runtime selection reads linked keys back (CacheBlend)
@@ -204,6 +228,8 @@ class MPICConnector(KVConnectorBase_V1):
             self._block_size,
             keys=mirror,
         )
+        if policy_obj.two_step:  # full reuse, CacheBlend: text KV first, without the items
+            prefill_text_first(adapter, head, kv)
         link_entries(kv, head, entries, adapter.rope, num_layers)
         index = torch.nonzero(head.recompute_depth > 0).flatten()
         embeds = gather_input_embeds(adapter, head, entries, index)
@@ -220,10 +246,12 @@ class MPICConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing is saved through the connector (uploads use `mpic.engine.vllm_upload`)."""
+        """Nothing is read back from the paged cache (uploads capture K/V in the forward)."""
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for."""
+        """After the forward: finish uploads whose prompt has fully run (entry -> store)."""
+        if self._capture is not None:
+            self._capture.end_step(self._entry_store().put)
 
 
 def prompt_head(plan: LinkPlan) -> LinkPlan:

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mpic.engine import vllm_params
+from mpic.engine import vllm_params, vllm_upload
+from mpic.engine.model_spec import ModelSpec
 from mpic.storage.config import StorageConfig
-from mpic.types import LinkPlan
+from mpic.storage.entry_store import EntryStore
+from mpic.types import CacheEntry, LinkPlan
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +100,39 @@ class EngineResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def collapse_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:
+    """One placeholder per image: vLLM's processor expands each into the image's T tokens (it
+    would expand an already expanded run again)."""
+    return [t for i, t in enumerate(token_ids)
+            if t != image_token_id or i == 0 or token_ids[i - 1] != image_token_id]
+
+
+def exact_request(plan: LinkPlan, image_token_id: int, images: list[Any]) -> EngineRequest:
+    """The plain vLLM request for a plan's prompt: its images, placeholders collapsed."""
+    ids = collapse_placeholders(plan.token_ids.tolist(), image_token_id)
+    mm = {"image": images} if images else None
+    return EngineRequest(prompt_token_ids=ids, multi_modal_data=mm)
+
+
 def linked_request(
-    plan: LinkPlan, policy: str, multi_modal_data: dict[str, Any] | None = None,
-    fallback: EngineRequest | None = None,
+    plan: LinkPlan, policy: str, spec: ModelSpec, fallback: EngineRequest | None = None
 ) -> EngineRequest:
-    """An `EngineRequest` for a linked prompt (Qwen2-VL: pass `image_grid_thw` metadata)."""
+    """An `EngineRequest` for a linked prompt (plan depths already set by `policy`).
+
+    LLaVA: the expanded prompt, no multimodal data (1-D positions need none). Qwen2-VL: the
+    collapsed prompt with only `image_grid_thw` per image, so vLLM expands the placeholders and
+    computes the M-RoPE position of the last token as for the real images (ENVIRONMENT.md).
+    """
+    ids = plan.token_ids.tolist()
+    mm = None
+    if spec.family == "qwen2-vl":
+        ids = collapse_placeholders(ids, spec.image_token_id)
+        n_images = sum(1 for t in ids if t == spec.image_token_id)
+        if n_images:
+            grid = torch.tensor([list(spec.image_grid_thw or ())] * n_images, dtype=torch.int64)
+            mm = {"image": {"image_grid_thw": grid}}
     return EngineRequest(
-        prompt_token_ids=plan.token_ids.tolist(), multi_modal_data=multi_modal_data,
-        plan=plan, policy=policy, fallback=fallback,
+        prompt_token_ids=ids, multi_modal_data=mm, plan=plan, policy=policy, fallback=fallback
     )
 
 
@@ -116,6 +145,8 @@ class VllmEngine:
         from vllm.config import KVTransferConfig
 
         self.cfg = cfg
+        self.store = EntryStore.from_config(cfg.storage)
+        """The entry store (the worker opens the same durable store from `cfg.storage`)."""
         self.fallbacks = 0
         """Linked requests answered by exact recomputation because an entry could not load."""
         kv_transfer = None
@@ -196,3 +227,23 @@ class VllmEngine:
         for i, res in zip(retry, again, strict=True):
             res.fell_back = True
             results[i] = res
+
+    def compute_entry(
+        self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any], span: tuple[int, int],
+        entry_id: str, fingerprint: str, extra: dict[str, Any] | None = None,
+    ) -> CacheEntry:
+        """Upload path: run the canonical prompt (placeholders already expanded) with its image
+        through vLLM and store the KV of tokens [span) as `entry_id` (`mpic.engine.vllm_upload`)."""
+        from vllm import SamplingParams
+
+        params = vllm_upload.upload_params(entry_id, fingerprint, *span, extra=extra)
+        prompt = {
+            "prompt_token_ids": list(prompt_token_ids),
+            "multi_modal_data": multi_modal_data,
+            "cache_salt": f"mpic-upload-{entry_id}-{uuid.uuid4().hex}",
+        }
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": params}
+        )
+        self.llm.generate([prompt], [sampling], use_tqdm=False)
+        return self.store.get(entry_id)
