@@ -48,6 +48,8 @@ app = FastAPI(title="MPIC serve", version="0.1.0")
 install_error_handlers(app)
 
 
+# Helpers must be defined above the class: `serve.ingress` serializes the class when it is
+# decorated, with the module globals that exist at that moment.
 def _usage(done: DoneEvent) -> Usage:
     return Usage(
         prompt_tokens=done.prompt_tokens,
@@ -55,6 +57,19 @@ def _usage(done: DoneEvent) -> Usage:
         total_tokens=done.prompt_tokens + done.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
     )
+
+
+def _mpic_info(policy: str, done: DoneEvent, ttft: float, retrieved: list[str]) -> dict:
+    return {
+        "policy": policy, "ttft_s": ttft, "engine_ttft_s": done.ttft_s,
+        "tier_hits": done.tier_hits, "fallbacks": done.fallbacks, "retrieved": retrieved,
+    }
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 @serve.ingress(app)
@@ -220,16 +235,3 @@ class Ingress:
         """Admin: make an earlier version current again."""
         KeyRing.require_admin(self._auth(authorization))
         return await self.retriever.rollback.remote(name, body.version)
-
-
-def _mpic_info(policy: str, done: DoneEvent, ttft: float, retrieved: list[str]) -> dict:
-    return {
-        "policy": policy, "ttft_s": ttft, "engine_ttft_s": done.ttft_s,
-        "tier_hits": done.tier_hits, "fallbacks": done.fallbacks, "retrieved": retrieved,
-    }
-
-
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for item in rest:
-        yield item

@@ -120,7 +120,10 @@ class ReferenceServeEngine(ServeEngine):
             piece = tokenizer.decode(gen.tokens[: i + 1], skip_special_tokens=True)
             yield TokenEvent(piece[len(text):] if piece.startswith(text) else piece)
             text = piece
-        reused = int((pre.plan.recompute_depth < self.runner.adapter.num_layers).sum())
+        plan = pre.plan
+        stored = torch.tensor([not e.startswith("inline-") for e in plan.entry_ids] + [False])
+        reused = (plan.recompute_depth < self.runner.adapter.num_layers) & stored[plan.source_entry]
+        reused = int(reused.sum())  # linked tokens of stored entries (inline images: not cached)
         yield DoneEvent(
             prompt_tokens=pre.plan.num_tokens, cached_tokens=reused,
             completion_tokens=len(gen.tokens),

@@ -74,3 +74,35 @@ def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def png(seed: int, side: int = 40) -> bytes:
+    """A seeded random RGB PNG."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def upload(app: ServeApp, key: str, data: bytes, name: str = "x.png", **form: str):
+    """POST /v1/files; returns the httpx response."""
+    import httpx
+
+    return httpx.post(f"{app.url}/v1/files", headers=app.headers(key), timeout=120,
+                      files={"file": (name, data, "image/png")},
+                      data={"purpose": "vision", **form})
+
+
+def chat(app: ServeApp, key: str, content: list, policy: str = "mpic-4", **body):
+    """POST /v1/chat/completions (non-streaming); returns the httpx response."""
+    import httpx
+
+    payload = {"model": "mpic", "max_tokens": 6, "mpic": {"policy": policy},
+               "messages": [{"role": "user", "content": content}], **body}
+    return httpx.post(f"{app.url}/v1/chat/completions", headers=app.headers(key), json=payload,
+                      timeout=120)
