@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 KINDS = ("flat", "ivf", "hnsw")
 SPREAD = 2.5
 """Noise norm relative to the unit centre: a point's cosine to its centre is about 0.37."""
+SEARCH_SWEEP: dict[str, list[dict]] = {
+    "flat": [{}],
+    "ivf": [{"nprobe": 16}, {"nprobe": 64}],
+    "hnsw": [{"ef_search": 64}, {"ef_search": 256}],
+}
+"""Search-time knobs measured on each built index (the first of each is the default)."""
 
 
 def clustered_unit_vectors(
@@ -81,22 +87,29 @@ def bench_size(n: int, dim: int, *, queries: int, k: int, seed: int) -> list[dic
     ids = np.arange(n, dtype=np.int64)
     rows, truth = [], None
     for kind in KINDS:
-        cfg = IndexConfig(kind=kind, use_gpu="never")
         t0 = time.perf_counter()
-        index = VectorIndex.build(data, ids, cfg)
+        built = VectorIndex.build(data, ids, IndexConfig(kind=kind, use_gpu="never"))
         build_s = time.perf_counter() - t0
-        lat = _single_query_latencies(index, qs, k)
-        _, found = index.search(qs, k)
-        truth = found if kind == "flat" else truth
-        rows.append({
-            "vectors": n, "dim": dim, "kind": kind, "build_s": round(build_s, 3),
-            "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
-            "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
-            f"recall@{k}": round(recall_at_k(found, truth), 4),
-            "params": cfg.model_dump(exclude={"use_gpu"}),
-        })
-        logger.info("%s", rows[-1])
+        for search in SEARCH_SWEEP[kind]:
+            cfg = IndexConfig(kind=kind, use_gpu="never", **search)
+            index = VectorIndex(built.cpu_index, cfg)  # same index, other search knobs
+            lat = _single_query_latencies(index, qs, k)
+            _, found = index.search(qs, k)
+            truth = found if kind == "flat" else truth
+            rows.append({
+                "vectors": n, "dim": dim, "kind": kind, "search": _label(search),
+                "build_s": round(build_s, 3),
+                "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+                "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+                f"recall@{k}": round(recall_at_k(found, truth), 4),
+                "params": cfg.model_dump(exclude={"use_gpu"}),
+            })
+            logger.info("%s", rows[-1])
     return rows
+
+
+def _label(search: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in search.items()) or "-"
 
 
 def plot(rows: list[dict], png: Path, k: int) -> None:
@@ -108,16 +121,19 @@ def plot(rows: list[dict], png: Path, k: int) -> None:
 
     fig, (ax_lat, ax_rec) = plt.subplots(1, 2, figsize=(10, 4))
     for kind in KINDS:
-        sel = [r for r in rows if r["kind"] == kind]
-        xs = [r["vectors"] for r in sel]
-        ax_lat.plot(xs, [r["p50_ms"] for r in sel], "o-", label=f"{kind} p50")
-        ax_lat.plot(xs, [r["p99_ms"] for r in sel], "x--", label=f"{kind} p99")
-        ax_rec.plot(xs, [r[f"recall@{k}"] for r in sel], "o-", label=kind)
+        for search in SEARCH_SWEEP[kind]:
+            label = f"{kind} {_label(search)}" if search else kind
+            sel = [r for r in rows if r["kind"] == kind and r["search"] == _label(search)]
+            xs = [r["vectors"] for r in sel]
+            ax_lat.plot(xs, [r["p50_ms"] for r in sel], "o-", label=f"{label} p50")
+            ax_lat.plot(xs, [r["p99_ms"] for r in sel], "x--", label=f"{label} p99")
+            ax_rec.plot(xs, [r[f"recall@{k}"] for r in sel], "o-", label=label)
     for ax, title in ((ax_lat, "single-query latency (ms)"), (ax_rec, f"recall@{k} vs flat")):
         ax.set_xscale("log")
         ax.set_xlabel("vectors")
         ax.set_title(title)
         ax.legend(fontsize=7)
+    ax_lat.set_yscale("log")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -129,7 +145,7 @@ def print_table(rows: list[dict], k: int) -> None:
     from rich.table import Table
 
     table = Table(title="FAISS retriever benchmark")
-    cols = ["vectors", "dim", "kind", "build_s", "p50_ms", "p99_ms", f"recall@{k}"]
+    cols = ["vectors", "dim", "kind", "search", "build_s", "p50_ms", "p99_ms", f"recall@{k}"]
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:

@@ -1,8 +1,10 @@
 """`mpic-admin` (CLI process): the administrator's view of the dynamic library (MPIC section 3.1,
 component 3) - refresh a collection from a folder or S3 prefix of images, list collections, show
 versions and items, roll back, and search. Works on the object store directly (`--store URL` or
-MPIC_STORE_URL; default: the embedded filesystem store under `.mpic/store`). There is no
-`--server URL` mode: the Serve app has no admin HTTP routes for the dynamic library.
+MPIC_STORE_URL; default: the embedded filesystem store under `.mpic/store`) or, for refresh, list,
+show and rollback, through a running server's admin routes (`--server URL` + `--api-key`, or
+MPIC_SERVER_URL / MPIC_ADMIN_KEY; the server then computes the entries with its own engine and
+SOURCE must be readable by the server). Search has no HTTP route: it always reads the store.
 
 Bad input (missing folder, unreadable image, unknown collection or version) prints
 `error: ...` on stderr and exits with status 2; nothing is written in that case.
@@ -28,6 +30,10 @@ app.add_typer(library_app, name="library")
 StoreOpt = Annotated[str | None, typer.Option(
     "--store", envvar="MPIC_STORE_URL",
     help="file:///abs/path or s3://bucket/prefix?endpoint=host:port (default: .mpic/store).")]
+ServerOpt = Annotated[str | None, typer.Option(
+    "--server", envvar="MPIC_SERVER_URL", help="Serving app base URL (admin routes).")]
+KeyOpt = Annotated[str | None, typer.Option(
+    "--api-key", envvar="MPIC_ADMIN_KEY", help="Admin API key for --server.")]
 CollectionOpt = Annotated[str, typer.Option("--collection", "-c", help="Collection name.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
@@ -52,12 +58,19 @@ def _retriever(store: str | None, **cfgs):
     return Retriever(make_object_store(store), **cfgs)
 
 
+def _client(server: str, api_key: str | None):
+    from mpic.retriever.admin_client import AdminClient
+
+    return AdminClient(server, api_key)
+
+
 def _engine(model_dir: Path | None) -> tuple[Callable[[bytes], object], str]:
     """(compute_entry, model fingerprint) of the HF model folder (reference runner, CPU f32).
 
-    Default: the embedded small LLaVA under `.mpic/models/llava-small`, written on first use.
+    Default: the serving app's default model (`EngineConfig().model`, the embedded tiny LLaVA),
+    written on first use, so the entries match what the default server links.
     """
-    from mpic.config import MPICHome
+    from mpic.deployments.config import EngineConfig
     from mpic.engine.entries import cache_image
     from mpic.engine.hf_adapters import make_adapter
     from mpic.engine.hf_loader import load_hf_model
@@ -65,9 +78,10 @@ def _engine(model_dir: Path | None) -> tuple[Callable[[bytes], object], str]:
     if model_dir is None:
         from mpic.engine.tiny_models import make_tiny
 
-        model_dir = MPICHome().models_dir / "llava-small"
+        default = EngineConfig()
+        model_dir = Path(default.model)
         if not model_dir.exists():
-            make_tiny("llava", "small", model_dir)
+            make_tiny(default.family, "tiny", model_dir)
     elif not model_dir.is_dir():
         raise _fail(f"model folder not found: {model_dir}")
     model, processor, spec = load_hf_model(model_dir)
@@ -85,12 +99,20 @@ def refresh(
     clip_model: Annotated[str, typer.Option(help="open_clip model name.")] = "mpic-tiny-clip",
     clip_weights: Annotated[Path | None, typer.Option(help="CLIP weights file.")] = None,
     store: StoreOpt = None,
+    server: ServerOpt = None,
+    api_key: KeyOpt = None,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Build a new version of COLLECTION from SOURCE and make it current (incremental)."""
     from mpic.retriever.embedder import EmbedderConfig
     from mpic.retriever.index import IndexConfig
     from mpic.retriever.sources import open_source, read_captions
+
+    if server:
+        report = _run(lambda: _client(server, api_key).refresh(
+            collection, source, captions and str(captions)))
+        typer.echo(json.dumps(report, indent=1))
+        return
 
     def go():
         src = open_source(source)
@@ -109,9 +131,12 @@ def refresh(
 
 
 @library_app.command("list")
-def list_collections(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
-    """Collections with their current version and item count."""
+def list_collections(store: StoreOpt = None, server: ServerOpt = None, api_key: KeyOpt = None,
+                     as_json: JsonOpt = False) -> None:
+    """Collections with their current version and item count (no count with --server)."""
     def go():
+        if server:
+            return _client(server, api_key).collections()
         retriever = _retriever(store)
         rows = []
         for name in retriever.collections():
@@ -124,7 +149,7 @@ def list_collections(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
         typer.echo(json.dumps(rows, indent=1))
         return
     for r in rows:
-        typer.echo(f"{r['collection']}\t{r['current']}\t{r['items']} items")
+        typer.echo(f"{r['collection']}\t{r['current']}\t{r.get('items', '?')} items")
 
 
 @library_app.command("show")
@@ -132,10 +157,14 @@ def show(
     collection: CollectionOpt,
     version: Annotated[str | None, typer.Option(help="Version (default: current).")] = None,
     store: StoreOpt = None,
+    server: ServerOpt = None,
+    api_key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Versions of COLLECTION and the items of one version."""
+    """Versions of COLLECTION and the items of one version (versions only with --server)."""
     def go():
+        if server:
+            return {**_client(server, api_key).versions(collection), "items": []}
         retriever = _retriever(store)
         versions, current = retriever.versions(collection)
         man = retriever.library(collection).manifest(version or current)
@@ -149,6 +178,8 @@ def show(
         return
     for v in info["versions"]:
         typer.echo(f"{'*' if v == info['current'] else ' '} {v}")
+    if "version" not in info:
+        return
     typer.echo(f"items of {info['version']}:")
     for it in info["items"]:
         typer.echo(f"  {it['item_id']}  {it['extra'].get('name', '')}  {it['caption']}")
@@ -159,10 +190,15 @@ def rollback(
     version: Annotated[str, typer.Argument(help="A kept version (see `show`).")],
     collection: CollectionOpt,
     store: StoreOpt = None,
+    server: ServerOpt = None,
+    api_key: KeyOpt = None,
 ) -> None:
     """Make an earlier version of COLLECTION current again."""
-    man = _run(lambda: _retriever(store).rollback(collection, version))
-    typer.echo(f"{collection}: current version is now {man.version} ({len(man.items)} items)")
+    if server:
+        current = _run(lambda: _client(server, api_key).rollback(collection, version))["current"]
+    else:
+        current = _run(lambda: _retriever(store).rollback(collection, version)).version
+    typer.echo(f"{collection}: current version is now {current}")
 
 
 @library_app.command("search")
