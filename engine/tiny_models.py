@@ -4,8 +4,8 @@ test processes).
 No weights can be downloaded here, so tests and benchmarks run on models written by this module:
 an HF folder (config.json, model.safetensors, tokenizer, processor configs, chat template) that
 transformers (`AutoConfig`, `AutoProcessor`, the model class) and vLLM both load. Weights are
-seeded normal draws (std = hidden**-0.5, so attention logits and output logits have unit scale and
-the first-token distribution is neither uniform nor one-hot); the tokenizer is trained offline
+seeded normal draws (std = hidden**-0.5, with gains on q/k and the LM head so attention and the
+first-token distribution are peaked but not one-hot); the tokenizer is trained offline
 (`engine/tiny_tokenizer.py`). Shapes, configs and processors per (family, size) are in
 `engine/tiny_configs.py`.
 """
@@ -32,9 +32,15 @@ from mpic.types import ModelFamily
 
 logger = logging.getLogger(__name__)
 
+_GAINS: dict[str, float] = {"q_proj": 1.5, "k_proj": 1.5, "lm_head": 3.0}
+"""Std multipliers of language-model weights: q/k x1.5 give attention logits of std ~2 (peaked,
+not uniform); lm_head x3 gives output logits of std ~3, so the first-token entropy is a few nats
+as in trained models, not log(vocab) (KL fidelity then measures something)."""
+
+
 def _init_weights(model, seed: int, std: float) -> None:
-    """Seeded N(0, std) for every matrix/embedding/conv and CLIP's class embedding; zero biases;
-    unit norm weights. Deterministic across runs and machines (CPU generator)."""
+    """Seeded N(0, std * gain) for every matrix/embedding/conv and CLIP's class embedding; zero
+    biases; unit norm weights. Deterministic across runs and machines (CPU generator)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -43,7 +49,10 @@ def _init_weights(model, seed: int, std: float) -> None:
             if name.endswith("bias"):
                 param.zero_()
             elif param.ndim >= 2 or name.endswith("class_embedding"):
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                module = name.split(".")[-2]
+                text = "language_model" in name or module == "lm_head"
+                gain = _GAINS.get(module, 1.0) if text else 1.0
+                param.copy_(torch.randn(param.shape, generator=gen) * (std * gain))
             else:
                 param.fill_(1.0)
 
