@@ -73,8 +73,11 @@ class EngineConfig(BaseModel):
     kind: Literal["reference", "vllm"] = Field(
         "reference", description="reference: the HF reference runner; vllm: vLLM + MPIC connector."
     )
-    model: str = Field(".mpic/models/llava-tiny", description="HF model folder.")
-    family: Literal["llava", "qwen2-vl"] = Field("llava", description="Used by make-tiny.")
+    model: str = Field(
+        ".mpic/models/llava-small",
+        description="HF model folder; `mpic serve` writes the small random model here if missing.",
+    )
+    family: Literal["llava", "qwen2-vl"] = Field("llava", description="Family of that model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
     max_tokens_default: int = Field(16, ge=1, description="max_tokens when a request omits it.")
     system_prompt: str | None = Field(

@@ -2,7 +2,8 @@
 tests and the load benchmark).
 
 `prepare_local(cfg)` makes relative paths absolute (Ray replicas may start in another working
-directory) and writes the embedded default's tiny model if it is missing; `start_local(cfg, port)`
+directory) and writes the embedded default's small random model (the one `mpic demo` uses) if it
+is missing; `start_local(cfg, port)`
 starts Ray, Serve's HTTP proxy on loopback and the application, and waits until `/healthz`
 answers. One Ray instance per process: `stop_local()` tears it down.
 """
@@ -26,13 +27,13 @@ _ENV_PASSED = ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS", "MPIC_S3_ACCESS_KEY", "MPIC_S
 
 
 def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfig:
-    """A copy of `cfg` with absolute model and store paths; writes the tiny default model."""
+    """A copy of `cfg` with absolute model and store paths; writes the small default model."""
     model = Path(cfg.engine.model).expanduser().resolve()
-    if make_model and not model.exists():
+    if make_model and not (model / "config.json").is_file():
         from mpic.engine.tiny_models import make_tiny
 
-        logger.info("writing the embedded default model to %s", model)
-        make_tiny(cfg.engine.family, "tiny", model)
+        logger.warning("writing the small random %s model to %s", cfg.engine.family, model)
+        make_tiny(cfg.engine.family, "small", model)
     store = cfg.store
     if store.url is None and store.s3 is None:
         store = store.model_copy(update={"url": MPICHome().store_dir.resolve().as_uri()})

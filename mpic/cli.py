@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import storage as bench_storage
@@ -21,6 +22,7 @@ model_app.command("make-tiny")(tiny_models.make_tiny_command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("storage")(bench_storage.command)
 bench_app.command("retriever")(bench_retriever.command)
+bench_app.command("load")(bench_load.command)
 app.command("demo")(demo.command)
 app.command("serve")(serve_command.command)
 
