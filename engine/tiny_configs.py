@@ -47,27 +47,34 @@ SHAPES: dict[tuple[str, str], TinyShape] = {
 }
 
 
-def llava_config(shape: TinyShape, image_token_id: int) -> Any:
+def _text_fields(shape: TinyShape) -> dict[str, Any]:
+    """The language-model fields both families share (untied LM head, as both real models)."""
+    return {
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "max_position_embeddings": shape.max_positions,
+        "tie_word_embeddings": False,
+    }
+
+
+def llava_config(shape: TinyShape, token_ids: dict[str, int]) -> Any:
     """A LLaVA-1.5 config: Llama backbone with GQA, CLIP tower, 2-layer MLP projector."""
     from transformers import LlavaConfig
 
     return LlavaConfig(
         text_config={
+            **_text_fields(shape),
             "model_type": "llama",
-            "vocab_size": shape.vocab,
-            "hidden_size": shape.hidden,
-            "intermediate_size": shape.intermediate,
-            "num_hidden_layers": shape.layers,
-            "num_attention_heads": shape.heads,
-            "num_key_value_heads": shape.kv_heads,
             "head_dim": shape.head_dim,
-            "max_position_embeddings": shape.max_positions,
             "rope_theta": 10000.0,
             "rms_norm_eps": 1e-5,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "pad_token_id": 3,
-            "tie_word_embeddings": False,
+            "bos_token_id": token_ids["<s>"],
+            "eos_token_id": token_ids["</s>"],
+            "pad_token_id": token_ids["<pad>"],
         },
         vision_config={
             "model_type": "clip_vision_model",
@@ -80,7 +87,7 @@ def llava_config(shape: TinyShape, image_token_id: int) -> Any:
             "projection_dim": shape.vision_hidden,
             "hidden_act": "quick_gelu",
         },
-        image_token_index=image_token_id,
+        image_token_index=token_ids["<image>"],
         image_seq_length=(shape.image_size // shape.patch_size) ** 2,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
@@ -97,13 +104,7 @@ def qwen2vl_config(shape: TinyShape, token_ids: dict[str, int]) -> Any:
     section = [half // 4, half * 3 // 8, half - half // 4 - half * 3 // 8]
     return Qwen2VLConfig(
         text_config={
-            "vocab_size": shape.vocab,
-            "hidden_size": shape.hidden,
-            "intermediate_size": shape.intermediate,
-            "num_hidden_layers": shape.layers,
-            "num_attention_heads": shape.heads,
-            "num_key_value_heads": shape.kv_heads,
-            "max_position_embeddings": shape.max_positions,
+            **_text_fields(shape),
             "rms_norm_eps": 1e-6,
             "rope_parameters": {
                 "rope_type": "default",
@@ -112,7 +113,6 @@ def qwen2vl_config(shape: TinyShape, token_ids: dict[str, int]) -> Any:
             },
             "bos_token_id": token_ids["<|endoftext|>"],
             "eos_token_id": token_ids["<|im_end|>"],
-            "tie_word_embeddings": False,
         },
         vision_config={
             "depth": shape.vision_layers,

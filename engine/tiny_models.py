@@ -97,7 +97,7 @@ def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) ->
     tokenizer = build_tokenizer(family, shape.vocab, seed=seed)
     vocab = tokenizer.get_vocab()
     if family == "llava":
-        config = llava_config(shape, vocab["<image>"])
+        config = llava_config(shape, vocab)
         model_cls = LlavaForConditionalGeneration
     else:
         config = qwen2vl_config(shape, vocab)
