@@ -26,8 +26,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.engine import vllm_params, vllm_upload
+from mpic.engine.entries import canonical_context_key
 from mpic.engine.model_spec import ModelSpec
+from mpic.engine.vision import fit_image, load_image
+from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
+from mpic.storage.entry_codec import entry_key
 from mpic.storage.entry_store import EntryStore
 from mpic.types import CacheEntry, LinkPlan
 
@@ -145,6 +149,8 @@ class VllmEngine:
         from vllm.config import KVTransferConfig
 
         self.cfg = cfg
+        self.spec = ModelSpec.from_pretrained(cfg.model)
+        self._processor: Any = None
         self.store = EntryStore.from_config(cfg.storage)
         """The entry store (the worker opens the same durable store from `cfg.storage`)."""
         self.fallbacks = 0
@@ -228,14 +234,42 @@ class VllmEngine:
             res.fell_back = True
             results[i] = res
 
+    @property
+    def processor(self) -> Any:
+        """The model's HF processor (chat template, tokenizer), loaded once."""
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.cfg.model)
+        return self._processor
+
+    def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
+        """Upload path: the cache entry of an image computed by vLLM and written to the store.
+
+        Same canonical context, fitted image size and content address as the reference runner
+        (`mpic.engine.entries.cache_image`), so both engines name an image's entry alike.
+        """
+        image = fit_image(load_image(media), self.spec.image_size)
+        context = canonical_context_ids(self.processor, system_prompt, self.spec.image_token_id)
+        entry_id = entry_key(self.spec.fingerprint, canonical_context_key(context), media)
+        ids = context + [self.spec.image_token_id]
+        if self.spec.vision_end_id is not None:
+            ids.append(self.spec.vision_end_id)
+        extra: dict[str, Any] = {"context_token_ids": list(context)}
+        if self.spec.image_grid_thw is not None:
+            extra["image_grid_thw"] = list(self.spec.image_grid_thw)
+        span = (len(context), len(context) + self.spec.tokens_per_image)
+        return self.compute_entry(ids, {"image": image}, span, entry_id, extra)
+
     def compute_entry(
         self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any], span: tuple[int, int],
-        entry_id: str, fingerprint: str, extra: dict[str, Any] | None = None,
+        entry_id: str, extra: dict[str, Any] | None = None,
     ) -> CacheEntry:
-        """Upload path: run the canonical prompt (placeholders already expanded) with its image
-        through vLLM and store the KV of tokens [span) as `entry_id` (`mpic.engine.vllm_upload`)."""
+        """Run a prompt (one placeholder per image) with its images through vLLM and store the
+        KV of the expanded prompt's tokens [span) as `entry_id` (`mpic.engine.vllm_upload`)."""
         from vllm import SamplingParams
 
+        fingerprint = self.spec.fingerprint
         params = vllm_upload.upload_params(entry_id, fingerprint, *span, extra=extra)
         prompt = {
             "prompt_token_ids": list(prompt_token_ids),
@@ -247,3 +281,7 @@ class VllmEngine:
         )
         self.llm.generate([prompt], [sampling], use_tqdm=False)
         return self.store.get(entry_id)
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes."""
+        self.llm.llm_engine.engine_core.shutdown()
