@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -44,6 +45,8 @@ def test_searches_during_refresh_each_see_one_version(tmp_path, engine):
     threads = [threading.Thread(target=search_loop) for _ in range(3)]
     for t in threads:
         t.start()
+    while len(seen) < 3 and not errors:  # every reader is running before the refresh starts
+        time.sleep(0.01)
     v2 = admin.refresh("refs", open_source(str(tmp_path / "b")), engine,
                        model_fingerprint=engine.fingerprint).version
     done.set()
