@@ -40,24 +40,24 @@ def _hf_positions(model, spec, inputs) -> torch.Tensor:
     """The positions the HF forward uses: [S] (1-D) or [3, S] from Qwen2-VL's get_rope_index."""
     ids = inputs["input_ids"]
     if spec.family == "llava":
-        return torch.arange(ids.shape[1])
+        return torch.arange(ids.shape[1], device=ids.device)
     positions, _ = model.model.get_rope_index(
         ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"]
     )
     return positions[:, 0]
 
 
-def test_adapter_layers_equal_hf_forward_with_images(tiny_hf, sample_images):
-    model, processor, spec = tiny_hf
-    inputs = _prompt(processor, spec, sample_images[:2])
+def _check_adapter_oracle(model, processor, spec, images) -> None:
+    """All layers through the adapter + plain causal SDPA == the HF forward's logits."""
+    inputs = _prompt(processor, spec, images).to(model.device)
     with torch.no_grad():
         expected = model(**inputs).logits[0].float()
     adapter = make_adapter(model)
     ids = inputs["input_ids"][0]
     image_rows = ids == spec.image_token_id
-    assert int(image_rows.sum()) == 2 * spec.tokens_per_image
+    assert int(image_rows.sum()) == len(images) * spec.tokens_per_image
     hidden = adapter.embed_tokens(ids).clone()
-    hidden[image_rows] = torch.cat(encode_images(model, processor, sample_images[:2]))
+    hidden[image_rows] = torch.cat(encode_images(model, processor, images))
     positions = _hf_positions(model, spec, inputs)
     if spec.family == "qwen2-vl":  # M-RoPE: image tokens are NOT at consecutive text positions
         assert not torch.equal(positions[0], positions[1])
@@ -71,6 +71,20 @@ def test_adapter_layers_equal_hf_forward_with_images(tiny_hf, sample_images):
     assert logits.shape == expected.shape
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert expected.std() > 0.1  # the comparison is not between near-constant logits
+
+
+def test_adapter_layers_equal_hf_forward_with_images(tiny_hf, sample_images):
+    _check_adapter_oracle(*tiny_hf, sample_images[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adapter_oracle_on_cuda(tiny_model_dir, sample_images):
+    from mpic.engine.hf_loader import load_hf_model
+
+    model, processor, spec = load_hf_model(tiny_model_dir, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_adapter_oracle(model, processor, spec, sample_images[:2])
 
 
 def test_adapter_keys_depend_on_positions(tiny_hf):
