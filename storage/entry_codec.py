@@ -4,27 +4,33 @@ process that stores or loads KV: Serve replicas, vLLM workers, benchmarks).
 The blob is a plain safetensors file (readable by `safetensors.torch.load`): tensors `keys`,
 `values` [L, T, H_kv, D], `positions` int64 [T] or [3, T], `input_embeds` [T, hidden], laid out
 in name order, and `__metadata__["mpic"]` = JSON {format, entry_id, model_fingerprint,
-media_type, extra, dtype, num_tokens, blake3}. `blake3` (a 256-bit cryptographic hash) covers
-the tensor data section, so a decode verifies every byte of KV it hands out and raises
-`CorruptEntryError` on any mismatch, truncation or garbage. BLAKE3 rather than SHA-256: measured
-on the 2-core dev CPU, SHA-256 (with SHA-NI) hashes 0.5-1.1 GB/s and BLAKE3 1.9-2.5 GB/s, while
-a cold local-disk read runs at about 1 GB/s, so SHA-256 would make every disk-tier load
-hash-bound. Decoding is zero-copy: tensors are views into the buffer that was read. The streaming
-reader overlaps hashing with reading (both release the GIL), so a disk-tier load costs about
-max(read, hash) rather than their sum (MPIC section 3.2: loads must be cheap enough to run
-beside recomputation). The content address `entry_key` stays SHA-256 (DESIGN.md).
+media_type, extra, dtype, num_tokens, checksums: {blake3, xxh3_128}}. Both checksums cover the
+metadata (in a canonical JSON form, tensor layout included) and every tensor byte, so a decode
+verifies all it hands out and raises `CorruptEntryError` on any mismatch, truncation or garbage.
+
+`check="blake3"` (256-bit, cryptographic) guards bytes that come from the shared object store;
+`check="xxh3_128"` (non-cryptographic, ~10 GB/s) guards the node's own disk-tier copies against
+bit rot and torn files at close to read speed. Measured on the 2-core dev CPU: SHA-256 (SHA-NI)
+0.5-1.1 GB/s, BLAKE3 1.9-2.5 GB/s, XXH3 8-10 GB/s, against cold local reads of 0.7-2 GB/s and
+page-cache reads of 5-20 GB/s: SHA-256 would make every load hash-bound (MPIC section 3.2: loads
+must be cheap enough to run beside recomputation). The content address `entry_key` stays SHA-256
+(DESIGN.md). Decoding is zero-copy: tensors are views into the buffer that was read; the
+streaming reader hashes chunk i in a helper thread while reading chunk i+1.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
 import threading
 from queue import SimpleQueue
+from typing import Literal
 
 import blake3
 import torch
+import xxhash
 
 from mpic.errors import CorruptEntryError
 from mpic.storage.object_store import ReadStream
@@ -32,7 +38,8 @@ from mpic.types import CacheEntry
 
 FORMAT = "mpic-entry/1"
 _TENSORS = ("input_embeds", "keys", "positions", "values")
-_CHUNK = 1 << 20
+_CHUNK = 512 << 10
+Check = Literal["blake3", "xxh3_128"]
 _MAX_HEADER = 16 << 20
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -56,12 +63,25 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def _canonical(header: dict, meta: dict) -> bytes:
+    """The metadata the checksums cover (tensor layout + entry metadata), in one fixed form."""
+    return json.dumps({"meta": meta, "tensors": header}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def _hasher(check: Check, header: dict, meta: dict):  # noqa: ANN202 - blake3 or xxh3 object
+    h = blake3.blake3() if check == "blake3" else xxhash.xxh3_128()
+    h.update(_canonical(header, meta))
+    return h
+
+
 def encode(entry: CacheEntry) -> bytes:
-    """Serialize `entry` (tensors moved to CPU) into one safetensors blob with checksum."""
+    """Serialize `entry` (tensors moved to CPU) into one safetensors blob with checksums over
+    its metadata and every tensor byte."""
     tensors = {"input_embeds": entry.input_embeds, "keys": entry.keys,
                "positions": entry.positions.to(torch.int64), "values": entry.values}
-    header: dict[str, object] = {}
-    raws, offset, digest = [], 0, blake3.blake3()
+    header: dict[str, dict] = {}
+    raws, offset = [], 0
     for name in _TENSORS:
         t = tensors[name]
         if t.dtype not in _NAMES:
@@ -70,27 +90,34 @@ def encode(entry: CacheEntry) -> bytes:
         header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + raw.nbytes]}
         offset += raw.nbytes
-        digest.update(raw)
         raws.append(raw)
     meta = {"format": FORMAT, "entry_id": entry.entry_id,
             "model_fingerprint": entry.model_fingerprint, "media_type": entry.media_type,
             "extra": entry.extra, "dtype": str(entry.keys.dtype).removeprefix("torch."),
-            "num_tokens": entry.num_tokens, "blake3": digest.hexdigest()}
-    header["__metadata__"] = {"mpic": json.dumps(meta, sort_keys=True)}
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
+            "num_tokens": entry.num_tokens}
+    sums = {}
+    for check in ("blake3", "xxh3_128"):
+        h = _hasher(check, header, meta)
+        for raw in raws:
+            h.update(raw)
+        sums[check] = h.hexdigest()
+    full = {**header, "__metadata__": {"mpic": json.dumps({**meta, "checksums": sums})}}
+    hbytes = json.dumps(full, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
     return b"".join([struct.pack("<Q", len(hbytes)), hbytes, *raws])
 
 
-def _parse_header(hbytes: bytes | memoryview) -> tuple[dict, dict]:
+def _parse_header(hbytes: bytes | memoryview) -> tuple[dict, dict, dict]:
+    """(tensor layout, metadata without checksums, checksums) of a blob header."""
     try:
         header = json.loads(bytes(hbytes))
         meta = json.loads(header.pop("__metadata__")["mpic"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        sums = meta.pop("checksums")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         raise CorruptEntryError(f"entry header unreadable: {e}") from e
     if meta.get("format") != FORMAT or set(header) != set(_TENSORS):
         raise CorruptEntryError(f"not an {FORMAT} blob")
-    return header, meta
+    return header, meta, sums
 
 
 def _data_size(header: dict) -> int:
@@ -100,9 +127,9 @@ def _data_size(header: dict) -> int:
         raise CorruptEntryError(f"entry header malformed: {e}") from e
 
 
-def _build(header: dict, meta: dict, buf: bytearray | memoryview, base: int,
+def _build(header: dict, meta: dict, expected: object, buf: bytearray | memoryview, base: int,
            digest: str) -> CacheEntry:
-    if digest != meta.get("blake3"):
+    if digest != expected:
         raise CorruptEntryError(f"entry {meta.get('entry_id')}: checksum mismatch")
     out: dict[str, torch.Tensor] = {}
     try:
@@ -124,8 +151,10 @@ def _build(header: dict, meta: dict, buf: bytearray | memoryview, base: int,
     return entry
 
 
-def decode(blob: bytes | bytearray | memoryview) -> CacheEntry:
-    """Bytes -> verified CacheEntry (tensors view `blob`); CorruptEntryError if anything is off."""
+def decode(blob: bytes | bytearray | memoryview | mmap.mmap,
+           check: Check = "blake3") -> CacheEntry:
+    """Bytes -> CacheEntry verified with the `check` checksum (tensors view `blob`);
+    CorruptEntryError if anything is off."""
     view = memoryview(blob).cast("B")
     if view.readonly:  # tensors must own writable memory: copy once
         view = memoryview(bytearray(view))
@@ -134,12 +163,14 @@ def decode(blob: bytes | bytearray | memoryview) -> CacheEntry:
     (n,) = struct.unpack("<Q", view[:8])
     if n > min(_MAX_HEADER, len(view) - 8):
         raise CorruptEntryError("entry truncated or header length garbage")
-    header, meta = _parse_header(view[8:8 + n])
+    header, meta, sums = _parse_header(view[8:8 + n])
     data = view[8 + n:]
     if len(data) != _data_size(header):
         raise CorruptEntryError(f"entry data is {len(data)} bytes, header says "
                                 f"{_data_size(header)} (truncated or garbage)")
-    return _build(header, meta, view, 8 + n, blake3.blake3(data).hexdigest())
+    h = _hasher(check, header, meta)
+    h.update(data)
+    return _build(header, meta, sums.get(check), view, 8 + n, h.hexdigest())
 
 
 def _read_exact(stream: ReadStream, view: memoryview) -> None:
@@ -152,30 +183,38 @@ def _read_exact(stream: ReadStream, view: memoryview) -> None:
 
 
 def read_entry(stream: ReadStream) -> tuple[CacheEntry, bytearray]:
-    """Read one blob from `stream` into a fresh buffer, hashing chunk i while reading chunk i+1.
-    Returns the verified CacheEntry (its tensors view the buffer) and the whole blob buffer."""
-    buf = bytearray(max(stream.size, 8))
+    """Read one blob from `stream` into a fresh buffer in large sequential reads (the first one
+    also brings the header), hashing chunk i while reading chunk i+1. Returns the verified
+    CacheEntry (BLAKE3-verified; its tensors view the buffer) and the whole blob buffer."""
+    size = stream.size
+    if size < 8:
+        raise CorruptEntryError("entry truncated (no header)")
+    buf = bytearray(size)
     view = memoryview(buf)
-    _read_exact(stream, view[:8])
+    have = min(size, _CHUNK)
+    _read_exact(stream, view[:have])
     (n,) = struct.unpack("<Q", view[:8])
-    if n > min(_MAX_HEADER, stream.size - 8):
+    if n > min(_MAX_HEADER, size - 8):
         raise CorruptEntryError("entry truncated or header length garbage")
-    _read_exact(stream, view[8:8 + n])
-    header, meta = _parse_header(view[8:8 + n])
-    size = _data_size(header)
-    if stream.size != 8 + n + size:
-        raise CorruptEntryError(f"entry object is {stream.size} bytes, expected {8 + n + size}")
-    digest, chunks = blake3.blake3(), SimpleQueue()
+    if 8 + n > have:
+        _read_exact(stream, view[have:8 + n])
+        have = 8 + n
+    header, meta, sums = _parse_header(view[8:8 + n])
+    if size != 8 + n + _data_size(header):
+        raise CorruptEntryError(f"entry object is {size} bytes, expected "
+                                f"{8 + n + _data_size(header)}")
+    digest, chunks = _hasher("blake3", header, meta), SimpleQueue()
     hasher = threading.Thread(target=_hash_chunks, args=(digest, chunks), daemon=True)
     hasher.start()
     try:
-        for start in range(8 + n, len(buf), _CHUNK):
+        chunks.put(view[8 + n:have])
+        for start in range(have, size, _CHUNK):
             _read_exact(stream, view[start:start + _CHUNK])
             chunks.put(view[start:start + _CHUNK])
     finally:
         chunks.put(None)
         hasher.join()
-    return _build(header, meta, buf, 8 + n, digest.hexdigest()), buf
+    return _build(header, meta, sums.get("blake3"), buf, 8 + n, digest.hexdigest()), buf
 
 
 def _hash_chunks(digest: blake3.blake3, chunks: SimpleQueue) -> None:

@@ -48,14 +48,16 @@ def test_empty_extra_tokens_zero() -> None:
     assert decode(encode(e)).num_tokens == 0
 
 
+@pytest.mark.parametrize("check", ["blake3", "xxh3_128"])
 @pytest.mark.parametrize("where", ["header", "data_first", "data_last"])
-def test_bit_flip_detected(where: str) -> None:
+def test_bit_flip_detected(where: str, check: str) -> None:
     blob = bytearray(encode(make_entry(4)))
+    assert_same(decode(blob, check=check), make_entry(4))
     n = int.from_bytes(blob[:8], "little")
     pos = {"header": 8 + n // 2, "data_first": 8 + n, "data_last": len(blob) - 1}[where]
     blob[pos] ^= 0x10
     with pytest.raises(CorruptEntryError):
-        decode(blob)
+        decode(blob, check=check)
     with pytest.raises(CorruptEntryError):
         read_entry(_Stream(bytes(blob)))
 
@@ -89,3 +91,15 @@ def test_entry_key_is_content_address() -> None:
     assert k == entry_key("fp", "ctx", b"img")
     assert len({k, entry_key("fp2", "ctx", b"img"), entry_key("fp", "ctx2", b"img"),
                 entry_key("fp", "ctx", b"img2"), entry_key("fpc", "tx", b"img")}) == 5
+
+
+@pytest.mark.parametrize("check", ["blake3", "xxh3_128"])
+def test_metadata_tampering_detected(check: str) -> None:
+    """Valid JSON with other metadata (id, extra, layout) never decodes as a different entry."""
+    e = make_entry(6, mrope=True)
+    blob = encode(e)
+    for old, new in ((e.entry_id[:12].encode(), b"0" * 12), (b'[1, 4, 4]', b'[1, 4, 5]'),
+                     (b'"shape":[2,16,2,8]', b'"shape":[2,16,8,2]')):
+        assert blob.count(old) >= 1, old
+        with pytest.raises(CorruptEntryError):
+            decode(blob.replace(old, new, 1), check=check)
