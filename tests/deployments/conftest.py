@@ -65,7 +65,7 @@ def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
                        "MPIC_ADMIN_KEYS": json.dumps([ADMIN_KEY]), "OMP_NUM_THREADS": "1"})
     cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("serve-store"))
     try:
-        url = start_local(cfg, port=_free_port(), num_cpus=2)
+        url = start_local(cfg, port=_free_port(), num_cpus=2, log_to_driver=False)
         yield ServeApp(url=url, config=cfg)
     finally:
         stop_local()
