@@ -201,6 +201,17 @@ def rollback(
     typer.echo(f"{collection}: current version is now {current}")
 
 
+@library_app.command("prune")
+def prune(
+    collection: CollectionOpt,
+    keep: Annotated[int, typer.Option(min=1, help="Newest versions to keep.")] = 3,
+    store: StoreOpt = None,
+) -> None:
+    """Release all but the newest KEEP versions of COLLECTION (the current one is always kept)."""
+    released = _run(lambda: _retriever(store).prune(collection, keep))
+    typer.echo(f"{collection}: released {len(released)} version(s) {' '.join(released)}".rstrip())
+
+
 @library_app.command("search")
 def search(
     collection: CollectionOpt,

@@ -155,6 +155,19 @@ class Retriever:
             raise NotFoundError(f"unknown collection {collection!r}", param="collection")
         return versions, lib.current_version()
 
+    def prune(self, collection: str, keep: int) -> list[str]:
+        """Release all but the newest `keep` versions (CURRENT is always kept); returns the
+        released ones. Their entries and media are freed by the storage sweeper once no other
+        version or file references them."""
+        if keep < 1:
+            raise InvalidRequestError("keep must be >= 1", param="keep")
+        versions, current = self.versions(collection)
+        lib = self.library(collection)
+        released = [v for v in versions[:-keep] if v != current]
+        for version in released:
+            lib.release_version(version)
+        return released
+
     def rollback(self, collection: str, version: str) -> Manifest:
         """Make a kept `version` current again; NotFoundError for an unknown one."""
         self.versions(collection)

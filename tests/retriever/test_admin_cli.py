@@ -54,6 +54,11 @@ def test_refresh_list_show_search_rollback(tmp_path, cli) -> None:
     assert cli("library", "rollback", v1, "--collection", "refs").exit_code == 0
     listed = json.loads(cli("library", "list", "--json").stdout)
     assert listed[0]["current"] == v1 and listed[0]["items"] == 3
+    assert cli("library", "rollback", report["version"], "--collection", "refs").exit_code == 0
+    pruned = cli("library", "prune", "--collection", "refs", "--keep", "1")
+    assert pruned.exit_code == 0 and f"released 1 version(s) {v1}" in pruned.stdout
+    gone = cli("library", "rollback", v1, "--collection", "refs")
+    assert gone.exit_code == 2 and f"No version {v1!r}" in gone.stderr
 
 
 def test_bad_input_exits_non_zero_with_a_message(tmp_path, cli) -> None:

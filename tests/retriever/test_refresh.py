@@ -97,6 +97,15 @@ def test_rollback_to_any_kept_version(tmp_path, engine, make_retriever):
     with pytest.raises(NotFoundError):
         retriever.search("nope", text="x")
 
+    v3 = _refresh(retriever, tmp_path / "a", engine).version
+    retriever.rollback("refs", v1)
+    assert retriever.prune("refs", keep=1) == [v2]  # v1 is current: kept with the newest
+    assert retriever.versions("refs") == ([v1, v3], v1)
+    with pytest.raises(NotFoundError):
+        retriever.rollback("refs", v2)
+    assert {h.name for h in retriever.search("refs", text="x", top_k=10).hits} == {
+        "img-000.png", "img-001.png"}
+
 
 def test_failed_refresh_leaves_old_version_and_nothing_visible(tmp_path, engine, make_retriever):
     retriever = make_retriever()
