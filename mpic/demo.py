@@ -1,8 +1,61 @@
-"""`mpic demo` (CLI process). Placeholder until the core-engine issue lands it."""
+"""`mpic demo` (CLI process): the README's main job on the embedded default.
+
+Makes the small random-weight LLaVA-like model if missing (under `MPICHome().models_dir`),
+caches three deterministic images, asks one interleaved question (text before, between and after
+the images) with each policy, and prints TTFT, the speed-up over `full` and the fidelity to
+`full` (first-token KL, agreement of 16 greedy tokens), using the offline benchmark's code.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import typer
 
+from mpic.config import MPICHome
 
-def command() -> None:
-    """Run the README's main job."""
-    raise typer.Exit(code=2)
+logger = logging.getLogger(__name__)
+DEMO_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1"
+
+
+def ensure_small_model(home: MPICHome) -> Path:
+    """The demo model folder, written by `make_tiny(..., "small")` the first time."""
+    from mpic.engine.tiny_models import make_tiny
+
+    path = home.models_dir / "llava-small"
+    if not (path / "config.json").is_file():
+        typer.echo(f"writing the small demo model to {path} (first run only)...")
+        make_tiny("llava", "small", path)
+    return path
+
+
+def command(
+    model: str = typer.Option(None, "--model", help="HF model folder (default: the small model)."),
+    policies: str = typer.Option(DEMO_POLICIES, "--policies", help="Comma-separated policies."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per policy (median)."),
+) -> None:
+    """Cache three images and ask one interleaved question with every policy."""
+    import torch
+    from rich.console import Console
+
+    from mpic.benchmarks.engines import ReferenceEngine
+    from mpic.benchmarks.offline import interleaved_prompt, print_table, run_offline, synthetic_png
+    from mpic.linker.policies import get_policy
+
+    try:
+        names = [get_policy(p).name for p in policies.split(",") if p.strip()]
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    torch.set_grad_enabled(False)
+    path = Path(model) if model else ensure_small_model(MPICHome())
+    engine = ReferenceEngine(str(path))
+    rows = run_offline(engine, [3], names, repeats)
+    print_table(rows)
+    console = Console()
+    parts = interleaved_prompt([engine.cache_image(synthetic_png(i)) for i in range(3)])
+    tokenizer = engine.runner.processor.tokenizer
+    for name in ("full", "mpic-32"):
+        answer = tokenizer.decode(engine.greedy(parts, name, 16))
+        console.print(f"[bold]{name}[/bold] answers (random weights): {answer!r}")
