@@ -54,6 +54,13 @@ def _register_shipped_configs() -> None:
         open_clip.add_model_config(CONFIG_DIR)
 
 
+class _IntendedRandomInit(logging.Filter):
+    """Drops open_clip's root-logger warning about random weights when they are intended."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No pretrained weights loaded" not in record.getMessage()
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -85,11 +92,16 @@ class ClipEmbedder:
         with tempfile.TemporaryDirectory() as tmp:
             weights = self._weights_file(cfg, get_bytes, Path(tmp))
             source = f"sha256:{_file_sha256(weights)}" if weights else f"random:{cfg.seed}"
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(cfg.seed)
-                model, _, preprocess = open_clip.create_model_and_transforms(
-                    cfg.model, pretrained=str(weights) if weights else None, device=self.device
-                )
+            quiet = _IntendedRandomInit()
+            logging.getLogger().addFilter(quiet)
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(cfg.seed)
+                    model, _, preprocess = open_clip.create_model_and_transforms(
+                        cfg.model, pretrained=str(weights) if weights else None,
+                        device=self.device)
+            finally:
+                logging.getLogger().removeFilter(quiet)
         self.fingerprint = hashlib.sha256(f"{cfg.model}|{source}".encode()).hexdigest()[:16]
         self.model = model.eval()
         self.preprocess = preprocess
