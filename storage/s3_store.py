@@ -111,9 +111,8 @@ class S3ObjectStore(ObjectStore):
         return self._read(key, start, length)
 
     def open_read(self, key: str) -> _ResponseStream:
-        size = self.stat(key).size
         resp = self._call(lambda: self.client.get_object(self.cfg.bucket, self._name(key)), key)
-        return _ResponseStream(resp, size)
+        return _ResponseStream(resp, int(resp.headers["Content-Length"]))
 
     def stat(self, key: str) -> ObjectInfo:
         st = self._call(lambda: self.client.stat_object(self.cfg.bucket, self._name(key)), key)
