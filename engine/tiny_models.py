@@ -137,9 +137,15 @@ def make_tiny_command(
     if size not in SIZES:
         typer.echo(f"error: unknown --size {size!r}; choose one of {', '.join(SIZES)}", err=True)
         raise typer.Exit(code=2)
+    from rich.console import Console
+
     try:
-        path = make_tiny(family, size, out, seed=seed)  # type: ignore[arg-type]
+        with Console(stderr=True).status(f"writing {family} {size} model to {out} ..."):
+            path = make_tiny(family, size, out, seed=seed)  # type: ignore[arg-type]
     except FileExistsError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
+    except OSError as exc:
+        typer.echo(f"error: cannot write {out}: {exc}", err=True)
+        raise typer.Exit(code=1) from exc
     typer.echo(f"wrote {family} {size} model to {path}")
