@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from mpic.errors import InvalidRequestError
 from mpic.retriever.embedder import ClipEmbedder
 from mpic.retriever.index import IndexConfig, VectorIndex
 from mpic.retriever.sources import ImageSource
@@ -61,6 +62,15 @@ class _Image:
     name: str
     content_hash: str
     aliases: list[str]
+
+
+def _read(source: ImageSource, im: _Image) -> bytes:
+    """The image's bytes, checked against the hash taken by `_scan`."""
+    data = source.read(im.name)
+    if hashlib.sha256(data).hexdigest() != im.content_hash:
+        raise InvalidRequestError(f"{im.name} changed during the refresh; run it again",
+                                  param="source")
+    return data
 
 
 def _scan(source: ImageSource, progress: bool) -> tuple[list[_Image], list[tuple[str, str]]]:
@@ -107,7 +117,7 @@ def _embed(images: list[_Image], source: ImageSource, embedder: ClipEmbedder,
     for start in tqdm(range(0, len(todo), batch), desc="embed", unit="batch",
                       disable=not progress):
         chunk = todo[start : start + batch]
-        embs = embedder.embed_images([source.read(im.name) for im in chunk],
+        embs = embedder.embed_images([_read(source, im) for im in chunk],
                                      [im.name for im in chunk])
         vectors.update((im.content_hash, e) for im, e in zip(chunk, embs, strict=True))
     return vectors
@@ -143,14 +153,14 @@ def refresh_collection(
 
     with lib.begin_version(base=None) as builder:
         builder.parent = prev.version if prev else None
-        for im in images:
-            if im.content_hash in old_items:
-                old = old_items[im.content_hash]
+        for im in tqdm(images, desc="KV entries", unit="img", disable=not progress):
+            old = old_items.get(im.content_hash)
+            if old is not None:  # unchanged image, same model: reuse its entry and media
                 builder.items[old.item_id] = old.model_copy(update=meta(im))
-        for im in tqdm(fresh, desc="KV entries", unit="img", disable=not progress):
-            data = source.read(im.name)
-            builder.put_item(im.content_hash[:16], media=data, entry=compute_entry(data),
-                             **meta(im))
+            else:
+                data = _read(source, im)
+                builder.put_item(im.content_hash[:16], media=data, entry=compute_entry(data),
+                                 **meta(im))
         ids = np.array([vector_id(im.content_hash) for im in images], dtype=np.int64)
         if len(set(ids.tolist())) != len(ids):
             raise RuntimeError("60-bit content-hash prefix collision; refusing to index")

@@ -148,3 +148,22 @@ def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
     assert INDEX_BLOB in man.blobs
     for name, data in images.items():
         assert retriever.search("s3refs", image=data, top_k=1).hits[0].name == f"batch/{name}"
+
+
+def test_image_changing_during_refresh_fails_before_writing(tmp_path, engine, make_retriever):
+    from mpic.errors import InvalidRequestError
+    from mpic.retriever.sources import ImageSource
+
+    write_images(tmp_path / "a", [0, 1])
+    real = open_source(str(tmp_path / "a"))
+    reads: dict[str, int] = {}
+
+    def read(name: str) -> bytes:  # the file is rewritten after the hashing pass
+        reads[name] = reads.get(name, 0) + 1
+        return real.read(name) if reads[name] == 1 else png_bytes(50)
+
+    retriever = make_retriever()
+    with pytest.raises(InvalidRequestError, match="changed during the refresh"):
+        retriever.refresh("refs", ImageSource(real.location, real.names, read), engine,
+                          model_fingerprint=engine.fingerprint)
+    assert engine.calls == [] and retriever.collections() == []
