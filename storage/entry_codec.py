@@ -203,7 +203,7 @@ def read_entry(stream: ReadStream) -> tuple[CacheEntry, bytearray]:
     if size != 8 + n + _data_size(header):
         raise CorruptEntryError(f"entry object is {size} bytes, expected "
                                 f"{8 + n + _data_size(header)}")
-    digest, chunks = _hasher("blake3", header, meta), SimpleQueue()
+    digest, chunks = _hasher("blake3", header, meta), SimpleQueue[memoryview | None]()
     hasher = threading.Thread(target=_hash_chunks, args=(digest, chunks), daemon=True)
     hasher.start()
     try:

@@ -38,7 +38,7 @@ def s3_config_from_url(url: str) -> S3Config:
 
 def make_object_store(cfg: StorageConfig | str | None = None) -> ObjectStore:
     """The durable store: `file://` (filesystem) or `s3://` (minio SDK); ValueError otherwise."""
-    if cfg is None or isinstance(cfg, str):
+    if not isinstance(cfg, StorageConfig):
         cfg = StorageConfig(url=cfg)
     if cfg.url is None:
         if cfg.s3 is not None:

@@ -59,6 +59,7 @@ class FetchResult:
     def release(self) -> None:
         """Unpin the entries pinned by `fetch_entries(pin=True)`."""
         for key in self._pinned:
+            assert self._store is not None
             self._store.unpin(key)
         self._pinned.clear()
 
