@@ -55,7 +55,8 @@ class LayerAdapter(Protocol):
     ) -> torch.Tensor:
         """Output projection, residual, post-attention norm, MLP, residual.
 
-        hidden [S, hidden] (the layer's input), attn_out [S, H, D] -> the layer's output [S, hidden].
+        hidden [S, hidden] (the layer's input), attn_out [S, H, D] -> the layer's output
+        [S, hidden].
         """
         ...
 

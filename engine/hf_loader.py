@@ -35,11 +35,11 @@ def load_hf_model(
     )
 
     spec = ModelSpec.from_pretrained(path)
-    model_cls = (
+    model_cls: Any = (
         LlavaForConditionalGeneration if spec.family == "llava" else Qwen2VLForConditionalGeneration
     )
     model = model_cls.from_pretrained(spec.path, dtype=dtype, attn_implementation="sdpa")
-    model = model.to(device).eval()
+    model = model.to(torch.device(device)).eval()
     processor = AutoProcessor.from_pretrained(spec.path)
     logger.info("loaded %s model %s on %s (%s)", spec.family, spec.path, device, dtype)
     return model, processor, spec

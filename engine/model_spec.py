@@ -115,7 +115,7 @@ def _llava_fields(config: dict[str, Any], image: dict[str, Any]) -> dict[str, An
     if config.get("vision_feature_select_strategy", "default") == "full":
         tokens += 1
     return {
-        "image_token_id": int(config.get("image_token_index", config.get("image_token_id"))),
+        "image_token_id": int(config.get("image_token_index") or config["image_token_id"]),
         "tokens_per_image": tokens,
         "image_size": (side, width),
         "bos_token_id": _first(config["text_config"].get("bos_token_id")),

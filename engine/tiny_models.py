@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -96,6 +97,7 @@ def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(family, shape.vocab, seed=seed)
     vocab = tokenizer.get_vocab()
+    model_cls: Any
     if family == "llava":
         config = llava_config(shape, vocab)
         model_cls = LlavaForConditionalGeneration
