@@ -15,13 +15,16 @@ import json
 import logging
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 import typer
-from PIL import Image
 
 from mpic.linker.prompt import ImageRef, PromptPart
+
+if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
+    import torch
+
+    from mpic.benchmarks.engines import BenchEngine
 
 logger = logging.getLogger(__name__)
 GREEDY_TOKENS = 16
@@ -30,6 +33,9 @@ _GAPS = ["Next comes another picture:", "And this one:", "Then look at", "Compar
 
 def synthetic_png(index: int, size: int = 96) -> bytes:
     """A deterministic, distinct RGB test image (coloured gradient with a seeded block)."""
+    import numpy as np
+    from PIL import Image
+
     rng = np.random.RandomState(index)
     ys, xs = np.mgrid[0:size, 0:size]
     base = rng.randint(0, 256, 3)
@@ -55,11 +61,15 @@ def interleaved_prompt(entry_ids: list[str]) -> list[PromptPart]:
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(p_ref || p) of the two first-token distributions (nats)."""
+    import torch
+
     ref, other = torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(logits.double(), -1)
     return max(0.0, float((ref.exp() * (ref - other)).sum()))
 
 
-def run_offline(engine, image_counts: list[int], policies: list[str], repeats: int) -> list[dict]:
+def run_offline(
+    engine: BenchEngine, image_counts: list[int], policies: list[str], repeats: int
+) -> list[dict]:
     """The benchmark's result rows (see the module docstring)."""
     from rich.progress import track
 
@@ -68,15 +78,17 @@ def run_offline(engine, image_counts: list[int], policies: list[str], repeats: i
     rows = []
     for n in track(image_counts, description="image counts"):
         parts = interleaved_prompt(ids[:n])
-        ref_logits, ref_tokens = None, None
+        ref: tuple[torch.Tensor, list[int]] | None = None
         for policy in order:
             engine.first_token(parts, policy)  # warm-up
             runs = [engine.first_token(parts, policy) for _ in range(repeats)]
             tokens = engine.greedy(parts, policy, GREEDY_TOKENS)
             if policy == "full":
-                ref_logits, ref_tokens = runs[0].logits, tokens
+                ref = (runs[0].logits, tokens)
             if policy not in policies:
                 continue
+            assert ref is not None, "full runs first"
+            ref_logits, ref_tokens = ref
             agree = sum(a == b for a, b in zip(tokens, ref_tokens, strict=True)) / GREEDY_TOKENS
             rows.append(
                 {
@@ -151,6 +163,8 @@ def command(
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
 ) -> None:
     """Run the offline TTFT/fidelity benchmark."""
+    import torch
+
     from mpic.benchmarks.engines import get_engine
     from mpic.linker.policies import get_policy
 
