@@ -170,3 +170,21 @@ def test_random_weights_are_not_degenerate(tiny_hf):
         probs = model(input_ids=ids).logits[0, -1].float().softmax(-1)
     assert torch.isfinite(probs).all()
     assert 1.5 / spec.vocab_size < probs.max() < 0.9
+
+
+def test_make_tiny_rejects_unknown_names(tmp_path: Path):
+    with pytest.raises(ValueError, match="family must be one of"):
+        make_tiny("gpt", "tiny", tmp_path / "m")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="size one of"):
+        make_tiny("llava", "huge", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_qwen2vl_side_is_the_largest_fitting_multiple():
+    from mpic.engine.model_spec import qwen2vl_side
+
+    assert qwen2vl_side(336 * 336, 14, 2) == 336
+    assert qwen2vl_side(336 * 336 - 1, 14, 2) == 308
+    assert qwen2vl_side(400 * 400, 14, 2) == 392
+    with pytest.raises(ValueError, match="below one merged patch"):
+        qwen2vl_side(27 * 27, 14, 2)
