@@ -177,7 +177,7 @@ def command(
 
     started = url is None
     if started:
-        url = start_local(load_config(None), port=port)
+        url = start_local(load_config(None), port=port, log_to_driver=False)
     try:
         file_ids = upload_images(url, key, images)
         res = asyncio.run(run_load_async(url, key, file_ids, clients, duration, policy,

@@ -126,7 +126,7 @@ def command(
     if started:
         port = httpx.URL(url).port or 8000
         typer.echo(f"no server at {url}: starting the embedded default (first start ~1 min)")
-        url = start_local(load_config(None), port=port)
+        url = start_local(load_config(None), port=port, log_to_driver=False)
     try:
         print_rows(run_demo(url, key, [p for p in policies.split(",") if p], max_tokens))
     finally:

@@ -66,14 +66,16 @@ class LinkedPrompt:
 
 @dataclass
 class EncodedImage:
-    """Encoder output: the content hash and the input embeddings of one image."""
+    """Encoder output: the bytes, content hash and input embeddings of one image."""
 
+    media: bytes
+    """The image file as uploaded (engines that encode inside `compute_entry` need it)."""
     content_hash: str
     """sha256 hex of the media bytes."""
     media_type: str
     """MIME type detected from the bytes, e.g. image/png."""
-    input_embeds: torch.Tensor
-    """[T, hidden]."""
+    input_embeds: torch.Tensor | None
+    """[T, hidden]; None for engines that encode inside `compute_entry` (vLLM)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,8 +145,13 @@ ENGINES = {
 }
 
 
-def build_engine(cfg: EngineConfig, store: StorageConfig) -> ServeEngine:
+Role = Literal["encoder", "worker"]
+"""An Encoder replica only calls `encode_image`; an engine may skip loading what it then needs
+not (the vLLM engine starts no vLLM in an encoder)."""
+
+
+def build_engine(cfg: EngineConfig, store: StorageConfig, role: Role) -> ServeEngine:
     """Instantiate the engine `cfg.kind` names (imports it lazily: vLLM only when asked)."""
     module, _, name = ENGINES[cfg.kind].partition(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls(cfg, store)
+    return cls(cfg, store, role)

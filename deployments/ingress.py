@@ -121,9 +121,8 @@ class Ingress:
         if len(data) > limit:
             raise PayloadTooLargeError(f"upload over the {limit}-byte limit", param="file")
         encoded = self.encoder.encode.remote(data)  # ObjectRef-backed; not materialised here
-        record = await self.worker.upload.remote(
-            who.user, file.filename or "", data, encoded, ttl_seconds
-        )
+        name = file.filename or ""
+        record = await self.worker.upload.remote(who.user, name, encoded, ttl_seconds)
         self.metrics.uploads.inc()
         return record
 

@@ -21,6 +21,7 @@ from mpic.deployments.engine import (
     DoneEvent,
     EncodedImage,
     LinkedPrompt,
+    Role,
     ServeEngine,
     TokenEvent,
 )
@@ -40,7 +41,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class ReferenceServeEngine(ServeEngine):
     """The reference runner behind the serving deployments (CPU, or CUDA when present)."""
 
-    def __init__(self, cfg: EngineConfig, store: StorageConfig) -> None:
+    def __init__(self, cfg: EngineConfig, store: StorageConfig, role: Role) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.cfg = cfg
         self.runner = ReferenceRunner(cfg.model, device, _DTYPES[cfg.dtype], cfg.system_prompt)
@@ -61,8 +62,8 @@ class ReferenceServeEngine(ServeEngine):
         with self._lock, torch.inference_mode():
             (embeds,) = encode_images(self.runner.model, self.runner.processor, [image])
         fmt = _image_format(image_bytes)
-        return EncodedImage(hashlib.sha256(image_bytes).hexdigest(), f"image/{fmt}",
-                            embeds.detach().cpu())
+        return EncodedImage(image_bytes, hashlib.sha256(image_bytes).hexdigest(),
+                            f"image/{fmt}", embeds.detach().cpu())
 
     def entry_id(self, media: bytes) -> str:
         """Content address over (fingerprint, canonical context, media bytes)."""

@@ -42,7 +42,7 @@ class Encoder:
     """Vision tower + projector behind `POST /v1/files` and inline images."""
 
     def __init__(self, config: ServeAppConfig) -> None:
-        self.engine = build_engine(config.engine, config.store)
+        self.engine = build_engine(config.engine, config.store, "encoder")
 
     def encode(self, image_bytes: bytes) -> EncodedImage:
         """Decode (415 if not an image) and encode one image."""
@@ -54,18 +54,15 @@ class LLMWorker:
 
     def __init__(self, config: ServeAppConfig) -> None:
         self.cfg = config
-        self.engine = build_engine(config.engine, config.store)
+        self.engine = build_engine(config.engine, config.store, "worker")
         self.entries = EntryStore.from_config(config.store)
         self.library = open_library(config.store, self.entries)
 
-    def upload(
-        self, user: str, name: str, media: bytes, image: EncodedImage, ttl_s: float | None
-    ) -> FileObject:
+    def upload(self, user: str, name: str, image: EncodedImage, ttl_s: float | None) -> FileObject:
         """Compute `image`'s canonical KV and register the file in `user`'s namespace."""
-        entry = self.engine.compute_entry(self.engine.entry_id(media), image)
-        rec = self.library.add_file(
-            user, name=name, media_type=image.media_type, media=media, entry=entry, ttl_s=ttl_s
-        )
+        entry = self.engine.compute_entry(self.engine.entry_id(image.media), image)
+        rec = self.library.add_file(user, name=name, media_type=image.media_type,
+                                    media=image.media, entry=entry, ttl_s=ttl_s)
         return file_object(rec)
 
     def fingerprint(self) -> str:
