@@ -24,10 +24,10 @@ from mpic.deployments.schemas import (
     ChatMessage,
     FilePart,
     ImagePart,
-    RetrievalOptions,
     TextPart,
 )
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
+from mpic.retriever.query import RetrievalSpec
 
 _DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(?P<b64>.*)$", re.DOTALL)
 
@@ -54,7 +54,7 @@ class Linker:
         if opts is not None and opts.retrieval is not None:
             spec = opts.retrieval
             if spec == "auto":
-                spec = RetrievalOptions(collection=self.cfg.default_collection)
+                spec = RetrievalSpec(collection=self.cfg.default_collection, mode="auto")
             retrieved = await self._retrieve(turns, spec)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return LinkedPrompt(
@@ -94,13 +94,11 @@ class Linker:
         ref = await self.encoder.encode.remote(data)._to_object_ref()  # not materialised here
         return Segment("inline", embeds=ref)
 
-    async def _retrieve(self, turns: list[LinkedTurn], spec: RetrievalOptions) -> list[str]:
+    async def _retrieve(self, turns: list[LinkedTurn], spec: RetrievalSpec) -> list[str]:
         users = [t for t in turns if t.role == "user"]
         if not users:
             raise InvalidRequestError("retrieval needs a user message to search with")
         query = " ".join(s.text for s in users[-1].segments if s.kind == "text").strip()
-        hits: list[tuple[str, str]] = await self.retriever.search.remote(
-            spec.collection, query, spec.top_k, spec.min_score
-        )
+        hits: list[tuple[str, str]] = await self.retriever.search.remote(spec, query)
         users[-1].segments[:0] = [Segment("entry", entry_id=e, content_hash=h) for e, h in hits]
         return [e for e, _ in hits]

@@ -10,7 +10,6 @@ for the request and never stored).
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterator
 
@@ -25,12 +24,19 @@ from mpic.deployments.engine import (
     ServeEngine,
     TokenEvent,
 )
+from mpic.deployments.prompting import (
+    INLINE_PREFIX,
+    identify_image,
+    prompt_parts,
+    stored_linked_tokens,
+    token_events,
+)
 from mpic.engine.entries import canonical_context_key, compute_entry
 from mpic.engine.reference_runner import ReferenceRunner
 from mpic.engine.vision import encode_images, load_image
 from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy
-from mpic.linker.prompt import ImageRef, PromptPart, canonical_context_ids
+from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
 from mpic.types import CacheEntry
@@ -58,12 +64,11 @@ class ReferenceServeEngine(ServeEngine):
 
     def encode_image(self, image_bytes: bytes) -> EncodedImage:
         """Decode (415 if not an image) and run vision tower + projector: [T, hidden]."""
-        image = load_image(image_bytes)
+        content_hash, media_type = identify_image(image_bytes)
         with self._lock, torch.inference_mode():
-            (embeds,) = encode_images(self.runner.model, self.runner.processor, [image])
-        fmt = _image_format(image_bytes)
-        return EncodedImage(image_bytes, hashlib.sha256(image_bytes).hexdigest(),
-                            f"image/{fmt}", embeds.detach().cpu())
+            (embeds,) = encode_images(self.runner.model, self.runner.processor,
+                                      [load_image(image_bytes)])
+        return EncodedImage(image_bytes, content_hash, media_type, embeds.detach().cpu())
 
     def entry_id(self, media: bytes) -> str:
         """Content address over (fingerprint, canonical context, media bytes)."""
@@ -86,57 +91,27 @@ class ReferenceServeEngine(ServeEngine):
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> Iterator[TokenEvent | DoneEvent]:
         """Greedy generation through the runner's link + selective prefill + decode."""
-        parts: list[PromptPart] = []
         table = dict(entries)
-        for turn in prompt.turns:
-            if turn.role == "system":
-                if turn.segments and "".join(s.text for s in turn.segments) != (
-                        self.cfg.system_prompt or ""):
-                    raise InvalidRequestError(
-                        "this deployment serves one system prompt (engine.system_prompt); "
-                        "omit the system message or send exactly that text", param="messages")
-                continue
-            if turn.role == "assistant":
-                raise InvalidRequestError("assistant turns (multi-turn chats) are not supported",
-                                          param="messages")
-            for seg in turn.segments:
-                if seg.kind == "text":
-                    parts.append(seg.text)
-                    continue
-                if seg.kind == "inline":
-                    inline = seg.embeds
-                    seg.entry_id = f"inline-{inline.content_hash}"
-                    table[seg.entry_id] = self.compute_entry(seg.entry_id, inline)
-                parts.append(ImageRef(seg.entry_id))
+
+        def inline_entry(image: EncodedImage) -> str:
+            entry_id = INLINE_PREFIX + image.content_hash
+            table[entry_id] = self.compute_entry(entry_id, image)
+            return entry_id
+
+        parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
         with self._lock:
             self.runner.entries = table
             try:
                 gen = self.runner.generate(parts, prompt.policy, prompt.max_tokens)
             finally:
                 self.runner.entries = {}
+        yield from token_events(self.runner.processor.tokenizer, gen.tokens)
         pre = gen.prefilled
-        tokenizer = self.runner.processor.tokenizer
-        text = ""
-        for i in range(len(gen.tokens)):  # one event per token (incremental detokenization)
-            piece = tokenizer.decode(gen.tokens[: i + 1], skip_special_tokens=True)
-            yield TokenEvent(piece[len(text):] if piece.startswith(text) else piece)
-            text = piece
-        plan = pre.plan
-        stored = torch.tensor([not e.startswith("inline-") for e in plan.entry_ids] + [False])
-        reused = (plan.recompute_depth < self.runner.adapter.num_layers) & stored[plan.source_entry]
-        reused = int(reused.sum())  # linked tokens of stored entries (inline images: not cached)
         yield DoneEvent(
-            prompt_tokens=pre.plan.num_tokens, cached_tokens=reused,
+            prompt_tokens=pre.plan.num_tokens,
+            cached_tokens=stored_linked_tokens(pre.plan, self.runner.adapter.num_layers),
             completion_tokens=len(gen.tokens),
             finish_reason="length" if len(gen.tokens) >= prompt.max_tokens else "stop",
             ttft_s=pre.ttft_s,
         )
 
-
-def _image_format(data: bytes) -> str:
-    from io import BytesIO
-
-    from PIL import Image
-
-    with Image.open(BytesIO(data)) as img:
-        return (img.format or "octet-stream").lower()

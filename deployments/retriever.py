@@ -14,6 +14,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.config import ServeAppConfig
+from mpic.retriever.query import RetrievalSpec, retrieve
 from mpic.retriever.service import Retriever as RetrieverService
 from mpic.retriever.sources import open_source, read_captions
 from mpic.storage.entry_store import EntryStore
@@ -29,12 +30,10 @@ class Retriever:
         self.service = RetrieverService(entries.objects, entries)
         self.worker = worker
 
-    def search(
-        self, collection: str, query: str, top_k: int, min_score: float
-    ) -> list[tuple[str, str]]:
-        """(entry key, media sha256) of the best `top_k` items scoring >= `min_score`."""
-        result = self.service.search(collection, text=query, top_k=top_k, min_score=min_score)
-        return [(h.entry_key, h.content_hash) for h in result.hits if h.entry_key]
+    def search(self, spec: RetrievalSpec, query: str) -> list[tuple[str, str]]:
+        """(entry key, media sha256) of the hits `spec` links for a text query, best first."""
+        found = retrieve(self.service, spec, text=query)
+        return [(h.entry_key, h.content_hash) for h in found.hits if h.entry_key]
 
     def collections(self) -> dict[str, Any]:
         """Collections and their current versions."""

@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mpic.retriever.query import RetrievalSpec
+
 
 class FileObject(BaseModel):
     """An uploaded file as `GET /v1/files/{id}` returns it (OpenAI `file` object + MPIC fields)."""
@@ -91,22 +93,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class RetrievalOptions(BaseModel):
-    """MRAG retrieval over a dynamic-library collection; hits are linked before the question."""
-
-    model_config = ConfigDict(extra="forbid")
-    collection: str = Field(description="Dynamic-library collection name.")
-    top_k: int = Field(3, ge=1, le=32, description="How many images to link at most.")
-    min_score: float = Field(0.0, description="Cosine similarity floor.")
-
-
 class MPICOptions(BaseModel):
     """The `mpic` extension object of a chat request."""
 
     model_config = ConfigDict(extra="forbid")
     policy: str = Field("mpic-32", description="Token-selection policy (linker registry name).")
-    retrieval: RetrievalOptions | Literal["auto"] | None = Field(
-        None, description='Retrieval spec, or "auto" (default collection, default top_k).'
+    retrieval: RetrievalSpec | Literal["auto"] | None = Field(
+        None, description='MRAG over a dynamic-library collection (mpic.retriever.query), or '
+        '"auto": the default collection in auto mode (linked only when close enough).'
     )
 
 

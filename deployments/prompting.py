@@ -1,0 +1,74 @@
+"""Engine-independent steps of serving (Encoder and LLM-worker replicas): identifying an
+uploaded image, chat turns -> the linker's prompt parts, generated token ids -> streamed text,
+and the linked-token count that `usage.prompt_tokens_details.cached_tokens` reports. Both
+`ServeEngine`s use them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from mpic.deployments.engine import EncodedImage, LinkedPrompt, TokenEvent
+from mpic.engine.vision import load_image
+from mpic.errors import InvalidRequestError
+from mpic.linker.prompt import ImageRef, PromptPart
+from mpic.types import LinkPlan
+
+INLINE_PREFIX = "inline-"
+"""Entry ids of inline images (computed for one request, never from the store)."""
+
+
+def identify_image(media: bytes) -> tuple[str, str]:
+    """(sha256 hex, MIME type) of an image; UnreadableMediaError (415) if it does not decode."""
+    from PIL import Image
+
+    load_image(media)
+    with Image.open(io.BytesIO(media)) as img:
+        return hashlib.sha256(media).hexdigest(), f"image/{(img.format or 'unknown').lower()}"
+
+
+def prompt_parts(
+    prompt: LinkedPrompt, system_prompt: str | None, inline_entry: Callable[[EncodedImage], str]
+) -> list[PromptPart]:
+    """The prompt as text strings and ImageRefs; `inline_entry(image)` makes an inline image
+    linkable and returns its entry id. InvalidRequestError for a system message other than the
+    deployment's (entries are cached after that system prompt) or an assistant turn."""
+    parts: list[PromptPart] = []
+    for turn in prompt.turns:
+        if turn.role == "system":
+            if "".join(s.text for s in turn.segments) != (system_prompt or ""):
+                raise InvalidRequestError(
+                    "this deployment serves one system prompt (engine.system_prompt); omit the "
+                    "system message or send exactly that text", param="messages")
+            continue
+        if turn.role == "assistant":
+            raise InvalidRequestError("assistant turns (multi-turn chats) are not supported",
+                                      param="messages")
+        for seg in turn.segments:
+            if seg.kind == "text":
+                parts.append(seg.text)
+            elif seg.kind == "inline":
+                parts.append(ImageRef(inline_entry(seg.embeds)))
+            else:
+                parts.append(ImageRef(seg.entry_id))
+    return parts
+
+
+def token_events(tokenizer, tokens: Sequence[int]) -> Iterator[TokenEvent]:
+    """One TokenEvent per token, by incremental detokenization (pieces join to the full text)."""
+    text = ""
+    for i in range(len(tokens)):
+        full = tokenizer.decode(list(tokens[: i + 1]), skip_special_tokens=True)
+        yield TokenEvent(full[len(text):] if full.startswith(text) else full)
+        text = full
+
+
+def stored_linked_tokens(plan: LinkPlan, num_layers: int) -> int:
+    """Prompt tokens whose KV was reused (depth < L) from STORED entries (not inline images)."""
+    stored = torch.tensor([not e.startswith(INLINE_PREFIX) for e in plan.entry_ids] + [False])
+    reused = (plan.recompute_depth < num_layers) & stored[plan.source_entry]
+    return int(reused.sum())
