@@ -1,8 +1,9 @@
 """What the linker and engines need to know about a model folder (all processes).
 
-`ModelSpec.from_pretrained(path)` reads an HF folder's config.json and processor config (plain
-JSON: no transformers import), so the linker can lay out prompts (placeholder ids, tokens per
-image, M-RoPE rules) and engines can size KV. docs/models.md lists the prompt conventions.
+`ModelSpec.from_pretrained(path)` reads an HF folder's config (through transformers' AutoConfig,
+which fills the defaults real checkpoints leave out and upgrades legacy layouts) and its image
+processor config, so the linker can lay out prompts (placeholder ids, tokens per image, M-RoPE
+rules) and engines can size KV. docs/models.md lists the prompt conventions.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class ModelSpec:
                 f"{root}: model_type {config.get('model_type')!r} is not supported; "
                 f"supported: {sorted(_MODEL_TYPES)}"
             )
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(root).to_dict()  # defaults filled in
         text = config["text_config"]
         heads = int(text["num_attention_heads"])
         rope = rope_spec(text)
@@ -115,7 +119,11 @@ def _llava_fields(config: dict[str, Any], image: dict[str, Any]) -> dict[str, An
     if config.get("vision_feature_select_strategy", "default") == "full":
         tokens += 1
     return {
-        "image_token_id": int(config.get("image_token_index") or config["image_token_id"]),
+        "image_token_id": int(
+            config["image_token_index"]
+            if config.get("image_token_index") is not None
+            else config["image_token_id"]
+        ),
         "tokens_per_image": tokens,
         "image_size": (side, width),
         "bos_token_id": _first(config["text_config"].get("bos_token_id")),

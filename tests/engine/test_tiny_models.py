@@ -3,7 +3,6 @@ deterministic, and ModelSpec reads the facts the processor actually applies."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -117,14 +116,6 @@ def test_fingerprint_follows_the_weights(tmp_path: Path, tiny_qwen2vl_dir: Path)
     assert fingerprint(copy) != fingerprint(tiny_qwen2vl_dir)
 
 
-def test_spec_rejects_non_models(tmp_path: Path):
-    with pytest.raises(FileNotFoundError):
-        ModelSpec.from_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ValueError, match="not supported"):
-        ModelSpec.from_pretrained(tmp_path)
-
-
 def test_small_shapes_are_realistic():
     for family in ("llava", "qwen2-vl"):
         shape = SHAPES[(family, "small")]
@@ -179,12 +170,3 @@ def test_make_tiny_rejects_unknown_names(tmp_path: Path):
         make_tiny("llava", "huge", tmp_path / "m")
     assert not (tmp_path / "m").exists()
 
-
-def test_qwen2vl_side_is_the_largest_fitting_multiple():
-    from mpic.engine.model_spec import qwen2vl_side
-
-    assert qwen2vl_side(336 * 336, 14, 2) == 336
-    assert qwen2vl_side(336 * 336 - 1, 14, 2) == 308
-    assert qwen2vl_side(400 * 400, 14, 2) == 392
-    with pytest.raises(ValueError, match="below one merged patch"):
-        qwen2vl_side(27 * 27, 14, 2)
