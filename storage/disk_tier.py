@@ -3,8 +3,10 @@ store: Serve replica or vLLM worker; one folder per node).
 
 Files are written atomically through `FileSystemObjectStore` (temp + os.replace). Large files
 are read by memory-mapping them privately and decoding in place: the XXH3 checksum pass
-(entry_codec) pulls the pages in (kernel readahead runs ahead of it, MADV_SEQUENTIAL) and the
-tensors view the mapping, so a load costs one fast hash pass and no copy. Small files are read
+(entry_codec) pulls the pages in (MADV_SEQUENTIAL readahead) and the tensors view the mapping,
+so a load costs one fast hash pass and no copy. Each mapping holds one file descriptor while its
+entry lives (at most memory_bytes / 8 MiB of them in the memory tier); `torch.from_file` keeps
+none but measured 20-25% slower on cold reads. Small files are read
 with one read() (mapping them would cost a page-fault round trip per readahead window). The LRU
 index is rebuilt from file mtimes at start-up. A corrupt file is deleted on sight; the next tier
 then serves the entry.

@@ -83,10 +83,11 @@ class FileSystemObjectStore(ObjectStore):
     def map_read(self, key: str) -> mmap.mmap:
         """A private copy-on-write memory map of the whole object (zero-copy reads; writes to it
         never reach the file). Safe with this store's writers: files are replaced by rename,
-        never truncated in place. Empty objects raise ValueError."""
+        never truncated in place. Python's mmap keeps a duplicate descriptor open while the map
+        lives. Empty objects raise ValueError."""
         with self._open(key) as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        mm.madvise(mmap.MADV_SEQUENTIAL)
+        mm.madvise(mmap.MADV_SEQUENTIAL)  # read front to back: aggressive readahead
         return mm
 
     def _open(self, key: str):  # noqa: ANN202 - a plain binary file
