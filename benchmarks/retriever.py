@@ -150,7 +150,7 @@ def print_table(rows: list[dict], k: int) -> None:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(*(str(r[c]) for c in cols))
-    Console().print(table)
+    Console(width=120).print(table)  # wide enough for every column when piped
 
 
 def command(
