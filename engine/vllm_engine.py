@@ -19,21 +19,20 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.engine import vllm_params, vllm_upload
 from mpic.engine.entries import canonical_context_key
 from mpic.engine.model_spec import ModelSpec
 from mpic.engine.vision import fit_image, load_image
+from mpic.engine.vllm_requests import EngineRequest, EngineResult
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
 from mpic.storage.entry_store import EntryStore
-from mpic.types import CacheEntry, LinkPlan
+from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +57,10 @@ class VllmEngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         True, description="vLLM's own prefix caching (the `prefix` baseline); keep it on."
     )
+    num_blocks: int | None = Field(
+        None, ge=1, description="Override the KV block count (None: sized from kv_cache_gib)."
+    )
+    log_stats: bool = Field(False, description="vLLM's Prometheus stats (preemptions, ...).")
     enforce_eager: bool = Field(True, description="No torch.compile (start-up in ~30-50 s).")
     seed: int = Field(0, description="Sampling seed.")
     linking: bool = Field(True, description="Load the MPIC KV connector.")
@@ -77,67 +80,6 @@ def prepare_environment(cfg: VllmEngineConfig) -> None:
     """Set the process environment vLLM reads at start-up (see the module docstring)."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
-
-@dataclass
-class EngineRequest:
-    """One prompt for `VllmEngine.generate`: exact (plain vLLM) or linked (an MPIC plan)."""
-
-    prompt_token_ids: list[int]
-    multi_modal_data: dict[str, Any] | None = None
-    """Images of an exact request, or the M-RoPE metadata of a linked Qwen2-VL one."""
-    plan: LinkPlan | None = None
-    """Linked requests: the plan with the policy's recompute depths (token ids = the prompt)."""
-    policy: str = ""
-    fallback: EngineRequest | None = None
-    """The exact request answering a linked one whose entries cannot be loaded."""
-
-
-@dataclass
-class EngineResult:
-    """Greedy output of one request."""
-
-    token_ids: list[int]
-    num_cached_tokens: int = 0
-    fell_back: bool = False
-    """True when a linked request failed to link and was answered by its exact fallback."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def collapse_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:
-    """One placeholder per image: vLLM's processor expands each into the image's T tokens (it
-    would expand an already expanded run again)."""
-    return [t for i, t in enumerate(token_ids)
-            if t != image_token_id or i == 0 or token_ids[i - 1] != image_token_id]
-
-
-def exact_request(plan: LinkPlan, image_token_id: int, images: list[Any]) -> EngineRequest:
-    """The plain vLLM request for a plan's prompt: its images, placeholders collapsed."""
-    ids = collapse_placeholders(plan.token_ids.tolist(), image_token_id)
-    mm = {"image": images} if images else None
-    return EngineRequest(prompt_token_ids=ids, multi_modal_data=mm)
-
-
-def linked_request(
-    plan: LinkPlan, policy: str, spec: ModelSpec, fallback: EngineRequest | None = None
-) -> EngineRequest:
-    """An `EngineRequest` for a linked prompt (plan depths already set by `policy`).
-
-    LLaVA: the expanded prompt, no multimodal data (1-D positions need none). Qwen2-VL: the
-    collapsed prompt with only `image_grid_thw` per image, so vLLM expands the placeholders and
-    computes the M-RoPE position of the last token as for the real images (ENVIRONMENT.md).
-    """
-    ids = plan.token_ids.tolist()
-    mm = None
-    if spec.family == "qwen2-vl":
-        ids = collapse_placeholders(ids, spec.image_token_id)
-        n_images = sum(1 for t in ids if t == spec.image_token_id)
-        if n_images:
-            grid = torch.tensor([list(spec.image_grid_thw or ())] * n_images, dtype=torch.int64)
-            mm = {"image": {"image_grid_thw": grid}}
-    return EngineRequest(
-        prompt_token_ids=ids, multi_modal_data=mm, plan=plan, policy=policy, fallback=fallback
-    )
 
 
 class VllmEngine:
@@ -165,6 +107,8 @@ class VllmEngine:
                 kv_connector_extra_config={"storage": cfg.storage.model_dump(mode="json")},
             )
         kwargs: dict[str, Any] = {}
+        if cfg.num_blocks is not None:
+            kwargs["num_gpu_blocks_override"] = cfg.num_blocks
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         self.llm = LLM(
@@ -178,6 +122,7 @@ class VllmEngine:
             seed=cfg.seed,
             kv_transfer_config=kv_transfer,
             limit_mm_per_prompt={"image": 16},
+            disable_log_stats=not cfg.log_stats,
             **kwargs,
         )
 
@@ -281,6 +226,11 @@ class VllmEngine:
         )
         self.llm.generate([prompt], [sampling], use_tqdm=False)
         return self.store.get(entry_id)
+
+    def metric(self, name: str) -> float:
+        """A vLLM counter/gauge summed over labels, e.g. "vllm:num_preemptions" (needs
+        `log_stats`)."""
+        return float(sum(getattr(m, "value", 0) for m in self.llm.get_metrics() if m.name == name))
 
     def close(self) -> None:
         """Stop vLLM's engine-core and worker processes."""

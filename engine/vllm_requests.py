@@ -1,0 +1,74 @@
+"""Requests for `mpic.engine.vllm_engine.VllmEngine`: exact prompts and linked (MPIC) prompts in
+the form vLLM's input processor expects (process that submits requests: CLI, benchmark, Serve).
+
+vLLM's processor expands every image placeholder into the image's T tokens, even a run that is
+already expanded, so exact prompts and Qwen2-VL linked prompts carry ONE placeholder per image.
+A LLaVA linked prompt is the plan's expanded token ids with no multimodal data (its 1-D
+positions need none); a Qwen2-VL one carries `image_grid_thw` per image and no pixels, which
+lets vLLM expand the placeholders and give the last token its M-RoPE position (ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mpic.engine.model_spec import ModelSpec
+from mpic.types import LinkPlan
+
+
+@dataclass
+class EngineRequest:
+    """One prompt for `VllmEngine.generate`: exact (plain vLLM) or linked (an MPIC plan)."""
+
+    prompt_token_ids: list[int]
+    multi_modal_data: dict[str, Any] | None = None
+    """Images of an exact request, or the M-RoPE metadata of a linked Qwen2-VL one."""
+    plan: LinkPlan | None = None
+    """Linked requests: the plan with the policy's recompute depths (token ids = the prompt)."""
+    policy: str = ""
+    fallback: EngineRequest | None = None
+    """The exact request answering a linked one whose entries cannot be loaded."""
+
+
+@dataclass
+class EngineResult:
+    """Greedy output of one request."""
+
+    token_ids: list[int]
+    num_cached_tokens: int = 0
+    fell_back: bool = False
+    """True when a linked request failed to link and was answered by its exact fallback."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def collapse_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:
+    """Each run of image tokens -> one placeholder."""
+    return [t for i, t in enumerate(token_ids)
+            if t != image_token_id or i == 0 or token_ids[i - 1] != image_token_id]
+
+
+def exact_request(plan: LinkPlan, image_token_id: int, images: list[Any]) -> EngineRequest:
+    """The plain vLLM request for a plan's prompt: its images, placeholders collapsed."""
+    ids = collapse_placeholders(plan.token_ids.tolist(), image_token_id)
+    mm = {"image": images} if images else None
+    return EngineRequest(prompt_token_ids=ids, multi_modal_data=mm)
+
+
+def linked_request(
+    plan: LinkPlan, policy: str, spec: ModelSpec, fallback: EngineRequest | None = None
+) -> EngineRequest:
+    """An `EngineRequest` for a linked prompt (plan depths already set by `policy`)."""
+    ids = plan.token_ids.tolist()
+    mm = None
+    if spec.family == "qwen2-vl":
+        ids = collapse_placeholders(ids, spec.image_token_id)
+        n_images = sum(1 for t in ids if t == spec.image_token_id)
+        if n_images:
+            grid = torch.tensor([list(spec.image_grid_thw or ())] * n_images, dtype=torch.int64)
+            mm = {"image": {"image_grid_thw": grid}}
+    return EngineRequest(
+        prompt_token_ids=ids, multi_modal_data=mm, plan=plan, policy=policy, fallback=fallback
+    )
