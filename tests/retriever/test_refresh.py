@@ -141,7 +141,8 @@ def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
            "&access_key=testing&secret_key=testing&region=us-east-1")
     source = open_source(url)
     assert source.names == [f"batch/{n}" for n in sorted(images)]
-    retriever = Retriever(S3ObjectStore(s3_server.config()))
+    # moto serves from a thread of this process: allow for a busy machine
+    retriever = Retriever(S3ObjectStore(s3_server.config().model_copy(update={"timeout_s": 30.0})))
     report = retriever.refresh("s3refs", source, engine, model_fingerprint=engine.fingerprint)
     assert report.items == 3 and retriever.collections() == ["s3refs"]
     man = retriever.library("s3refs").current()
