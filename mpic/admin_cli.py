@@ -13,6 +13,7 @@ Bad input (missing folder, unreadable image, unknown collection or version) prin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -64,8 +65,10 @@ def _client(server: str, api_key: str | None):
     return AdminClient(server, api_key)
 
 
-def _engine(model_dir: Path | None) -> tuple[Callable[[bytes], object], str]:
-    """(compute_entry, model fingerprint) of the HF model folder (reference runner, CPU f32).
+def _engine(model_dir: Path | None, system_prompt: str | None
+            ) -> tuple[Callable[[bytes], object], str]:
+    """(compute_entry, fingerprint of model + canonical context) of the HF model folder
+    (reference runner, CPU f32); entries are cached after `system_prompt` (None: the template's).
 
     Default: the serving app's default model (`EngineConfig().model`, the embedded tiny LLaVA),
     written on first use, so the entries match what the default server links.
@@ -86,7 +89,10 @@ def _engine(model_dir: Path | None) -> tuple[Callable[[bytes], object], str]:
         raise _fail(f"model folder not found: {model_dir}")
     model, processor, spec = load_hf_model(model_dir)
     adapter = make_adapter(model)
-    return (lambda media: cache_image(model, processor, adapter, spec, media)), spec.fingerprint
+    fingerprint = spec.fingerprint if system_prompt is None else (
+        f"{spec.fingerprint}:{hashlib.sha256(system_prompt.encode()).hexdigest()[:16]}")
+    return (lambda media: cache_image(model, processor, adapter, spec, media, system_prompt),
+            fingerprint)
 
 
 @library_app.command("refresh")
@@ -95,6 +101,9 @@ def refresh(
     collection: CollectionOpt,
     captions: Annotated[Path | None, typer.Option(help="JSONL of {file, caption}.")] = None,
     model: Annotated[Path | None, typer.Option(help="HF model folder computing the KV.")] = None,
+    system_prompt: Annotated[str | None, typer.Option(
+        help="System prompt of the canonical context (as the server's engine.system_prompt).")
+    ] = None,
     index: Annotated[str, typer.Option(help="flat | ivf | hnsw")] = "flat",
     clip_model: Annotated[str, typer.Option(help="open_clip model name.")] = "mpic-tiny-clip",
     clip_weights: Annotated[Path | None, typer.Option(help="CLIP weights file.")] = None,
@@ -122,7 +131,7 @@ def refresh(
                 "index_cfg": IndexConfig(kind=index)}
         retriever = _retriever(store, **cfgs)
         retriever.library(collection)  # validate the name before loading a model
-        compute_entry, fingerprint = _engine(model)
+        compute_entry, fingerprint = _engine(model, system_prompt)
         return retriever.refresh(collection, src, compute_entry, model_fingerprint=fingerprint,
                                  captions=caps, progress=progress)
 

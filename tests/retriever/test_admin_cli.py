@@ -59,6 +59,9 @@ def test_refresh_list_show_search_rollback(tmp_path, cli) -> None:
     assert pruned.exit_code == 0 and f"released 1 version(s) {v1}" in pruned.stdout
     gone = cli("library", "rollback", v1, "--collection", "refs")
     assert gone.exit_code == 2 and f"No version {v1!r}" in gone.stderr
+    other = cli("library", "refresh", str(tmp_path / "src"), "--collection", "refs",
+                "--system-prompt", "Be brief.", "--no-progress")
+    assert json.loads(other.stdout)["computed"] == 4  # another canonical context: new entries
 
 
 def test_bad_input_exits_non_zero_with_a_message(tmp_path, cli) -> None:
