@@ -96,6 +96,7 @@ def bench_size(n: int, dim: int, *, queries: int, k: int, seed: int) -> list[dic
             lat = _single_query_latencies(index, qs, k)
             _, found = index.search(qs, k)
             truth = found if kind == "flat" else truth
+            assert truth is not None  # flat runs first
             rows.append({
                 "vectors": n, "dim": dim, "kind": kind, "search": _label(search),
                 "build_s": round(build_s, 3),

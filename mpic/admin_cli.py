@@ -18,12 +18,13 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from mpic.errors import MPICError
 
+T = TypeVar("T")
 app = typer.Typer(no_args_is_help=True, help="MPIC administration: dynamic library.")
 library_app = typer.Typer(no_args_is_help=True, help="Dynamic-library collections (MRAG).")
 app.add_typer(library_app, name="library")
@@ -44,7 +45,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _run(fn: Callable[[], object]) -> object:
+def _run(fn: Callable[[], T]) -> T:
     """Run `fn`, turning typed errors and bad values into a message and exit status 2."""
     try:
         return fn()

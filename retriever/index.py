@@ -62,14 +62,16 @@ class VectorIndex:
         if vectors.ndim != 2 or ids.shape != (vectors.shape[0],):
             raise InvalidRequestError(f"vectors {vectors.shape} and ids {ids.shape} disagree")
         n, dim = vectors.shape
+        base: faiss.Index
         if cfg.kind == "ivf":
             quantizer = faiss.IndexFlatIP(dim)
             base = faiss.IndexIVFFlat(quantizer, dim, _nlist(cfg, n), faiss.METRIC_INNER_PRODUCT)
             base.train(vectors)
             base.make_direct_map()  # `reconstruct` by id
         elif cfg.kind == "hnsw":
-            base = faiss.IndexHNSWFlat(dim, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-            base.hnsw.efConstruction = cfg.ef_construction
+            hnsw = faiss.IndexHNSWFlat(dim, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            hnsw.hnsw.efConstruction = cfg.ef_construction
+            base = hnsw
         else:
             base = faiss.IndexFlatIP(dim)
         index = faiss.IndexIDMap2(base)  # faiss's Python layer keeps `base` alive
@@ -98,7 +100,7 @@ class VectorIndex:
 
     def reconstruct(self, item_id: int) -> np.ndarray:
         """The stored vector of `item_id`, float32 [d] (reused by incremental refresh)."""
-        return self.cpu_index.reconstruct(int(item_id))
+        return np.asarray(self.cpu_index.reconstruct(int(item_id)), dtype=np.float32)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries float32 [q, d] -> (scores float32 [q, k'], ids int64 [q, k']), best first.
