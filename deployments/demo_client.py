@@ -1,22 +1,21 @@
 """The HTTP demo (CLI process): `mpic demo --http` / `python -m mpic.deployments.demo_client`.
 
-Starts the embedded server in this process if none answers at the URL, uploads three images,
-asks one interleaved question (text, image, text, image, text, image, text) with every policy
-over streaming HTTP and prints each answer with the TTFT the client saw and the linked tokens.
+Starts the embedded server in this process if none answers at the URL, uploads the offline
+demo's three images, asks its interleaved question (text before, between and after the images)
+with every policy over streaming HTTP and prints each answer with the TTFT the client saw and
+the linked tokens.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from dataclasses import dataclass
 
 import httpx
-import numpy as np
 import typer
 
-DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-8,mpic-32"
+DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1"
 
 
 @dataclass
@@ -30,37 +29,14 @@ class DemoRow:
     cached_tokens: int
 
 
-def demo_images() -> list[tuple[str, bytes]]:
-    """Three small deterministic PNGs: a red square, a blue disc, a green gradient."""
-    from PIL import Image, ImageDraw
-
-    out = []
-    red = Image.new("RGB", (64, 64), "white")
-    ImageDraw.Draw(red).rectangle([12, 12, 52, 52], fill="red")
-    blue = Image.new("RGB", (64, 64), "white")
-    ImageDraw.Draw(blue).ellipse([8, 8, 56, 56], fill="blue")
-    ramp = np.linspace(0, 255, 64, dtype=np.uint8)
-    green = Image.fromarray(np.stack([ramp * 0, np.tile(ramp, (64, 1)), ramp * 0 + 40], -1)
-                            .astype(np.uint8))
-    for name, img in [("red-square.png", red), ("blue-disc.png", blue), ("green.png", green)]:
-        buf = io.BytesIO()
-        img.save(buf, "PNG")
-        out.append((name, buf.getvalue()))
-    return out
-
-
 def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -> DemoRow:
-    """One streaming interleaved question; TTFT = first content chunk."""
-    a, b, c = file_ids
-    content = [
-        {"type": "text", "text": "Here is the first picture:"},
-        {"type": "file", "file": {"file_id": a}},
-        {"type": "text", "text": "and the second:"},
-        {"type": "file", "file": {"file_id": b}},
-        {"type": "text", "text": "Which one looks more like this third picture?"},
-        {"type": "file", "file": {"file_id": c}},
-        {"type": "text", "text": "Answer briefly."},
-    ]
+    """The offline demo's interleaved question (`interleaved_prompt`) with the images as cached
+    files, streamed; TTFT = the first content chunk."""
+    from mpic.benchmarks.offline import interleaved_prompt
+
+    content = [{"type": "text", "text": p} if isinstance(p, str)
+               else {"type": "file", "file": {"file_id": p.entry_id}}
+               for p in interleaved_prompt(file_ids)]
     body = {"model": "mpic", "stream": True, "max_tokens": max_tokens,
             "stream_options": {"include_usage": True}, "mpic": {"policy": policy},
             "messages": [{"role": "user", "content": content}]}
@@ -74,7 +50,7 @@ def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -
             chunk = json.loads(line[6:])
             for choice in chunk["choices"]:
                 piece = choice["delta"].get("content")
-                if piece:
+                if piece is not None:
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
                     text.append(piece)
             usage = chunk.get("usage") or usage
@@ -84,11 +60,14 @@ def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -
 
 def run_demo(url: str, key: str, policies: list[str], max_tokens: int) -> list[DemoRow]:
     """Upload the three images and ask with every policy (one warm-up request first)."""
+    from mpic.benchmarks.offline import synthetic_png
+
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"},
                       timeout=300) as http:
         ids = []
-        for name, data in demo_images():
-            resp = http.post("/v1/files", files={"file": (name, data, "image/png")},
+        for i in range(3):  # the offline demo's three images
+            data = synthetic_png(i)
+            resp = http.post("/v1/files", files={"file": (f"trip-{i}.png", data, "image/png")},
                              data={"purpose": "vision", "ttl_seconds": "3600"})
             resp.raise_for_status()
             ids.append(resp.json()["id"])
@@ -112,13 +91,9 @@ def print_rows(rows: list[DemoRow]) -> None:
     Console().print(table)
 
 
-def command(
-    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Server to use or start."),
-    key: str = typer.Option("mpic-dev-alice", "--key", help="API key (dev key by default)."),
-    policies: str = typer.Option(DEFAULT_POLICIES, "--policies"),
-    max_tokens: int = typer.Option(8, "--max-tokens", min=1, max=256),
-) -> None:
-    """Start the server if none runs, upload three images, ask, print answer + TTFT per policy."""
+def http_demo(url: str = "http://127.0.0.1:8000", key: str = "mpic-dev-alice",
+              policies: str = DEFAULT_POLICIES, max_tokens: int = 8) -> None:
+    """Start the embedded server if none answers at `url`, run the demo, print the table."""
     from mpic.deployments.config import load_config
     from mpic.deployments.local import is_serving, start_local, stop_local
 
@@ -132,6 +107,16 @@ def command(
     finally:
         if started:
             stop_local()
+
+
+def command(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Server to use or start."),
+    key: str = typer.Option("mpic-dev-alice", "--key", help="API key (dev key by default)."),
+    policies: str = typer.Option(DEFAULT_POLICIES, "--policies"),
+    max_tokens: int = typer.Option(8, "--max-tokens", min=1, max=256),
+) -> None:
+    """Start the server if none runs, upload three images, ask, print answer + TTFT per policy."""
+    http_demo(url, key, policies, max_tokens)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import torch
 
 from mpic.deployments.config import EngineConfig
+from mpic.errors import InvalidRequestError
+from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
@@ -134,9 +136,12 @@ class ServeEngine(ABC):
         selectively by `prompt.policy`, decode greedily; ends with a DoneEvent (the worker fills
         its tier_hits and fallbacks). InvalidRequestError for a prompt over the context length."""
 
-    @abstractmethod
     def check_policy(self, policy: str) -> None:
-        """InvalidRequestError unless `policy` names a registered policy."""
+        """InvalidRequestError (listing the valid names) unless `policy` is a registered one."""
+        try:
+            get_policy(policy)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="mpic.policy") from exc
 
 
 ENGINES = {

@@ -67,8 +67,9 @@ def token_events(tokenizer, tokens: Sequence[int]) -> Iterator[TokenEvent]:
         text = full
 
 
-def stored_linked_tokens(plan: LinkPlan, num_layers: int) -> int:
-    """Prompt tokens whose KV was reused (depth < L) from STORED entries (not inline images)."""
+def stored_linked_tokens(plan: LinkPlan) -> int:
+    """Prompt tokens served from STORED entries at every layer (recompute depth 0; inline images
+    excluded). Tokens a policy recomputes at some layers (VLCache's partial depths, CacheBlend's
+    check layers) ran through the model and do not count."""
     stored = torch.tensor([not e.startswith(INLINE_PREFIX) for e in plan.entry_ids] + [False])
-    reused = (plan.recompute_depth < num_layers) & stored[plan.source_entry]
-    return int(reused.sum())
+    return int(((plan.recompute_depth == 0) & stored[plan.source_entry]).sum())

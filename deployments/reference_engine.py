@@ -34,8 +34,6 @@ from mpic.deployments.prompting import (
 from mpic.engine.entries import canonical_context_key, compute_entry
 from mpic.engine.reference_runner import ReferenceRunner
 from mpic.engine.vision import encode_images, load_image
-from mpic.errors import InvalidRequestError
-from mpic.linker.policies import get_policy
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
@@ -80,13 +78,6 @@ class ReferenceServeEngine(ServeEngine):
             return compute_entry(self.runner.adapter, self.runner.spec, self._context_ids,
                                  image.input_embeds, entry_id)
 
-    def check_policy(self, policy: str) -> None:
-        """InvalidRequestError listing the valid names for an unknown policy."""
-        try:
-            get_policy(policy)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="mpic.policy") from exc
-
     def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> Iterator[TokenEvent | DoneEvent]:
@@ -109,7 +100,7 @@ class ReferenceServeEngine(ServeEngine):
         pre = gen.prefilled
         yield DoneEvent(
             prompt_tokens=pre.plan.num_tokens,
-            cached_tokens=stored_linked_tokens(pre.plan, self.runner.adapter.num_layers),
+            cached_tokens=stored_linked_tokens(pre.plan),
             completion_tokens=len(gen.tokens),
             finish_reason="length" if len(gen.tokens) >= prompt.max_tokens else "stop",
             ttft_s=pre.ttft_s,

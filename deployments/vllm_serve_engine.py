@@ -35,7 +35,6 @@ from mpic.deployments.prompting import (
 )
 from mpic.engine.entries import canonical_context_key
 from mpic.engine.model_spec import ModelSpec
-from mpic.errors import InvalidRequestError
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.prompt import canonical_context_ids, image_refs, render_prompt_ids
@@ -85,13 +84,6 @@ class VLLMServeEngine(ServeEngine):
         assert entry.entry_id == entry_id, "vLLM and the serving layer name entries alike"
         return entry
 
-    def check_policy(self, policy: str) -> None:
-        """InvalidRequestError listing the valid names for an unknown policy."""
-        try:
-            get_policy(policy)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="mpic.policy") from exc
-
     def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> Iterator[TokenEvent | DoneEvent]:
@@ -120,7 +112,7 @@ class VLLMServeEngine(ServeEngine):
         yield from token_events(self.processor.tokenizer, result.token_ids)
         yield DoneEvent(
             prompt_tokens=plan.num_tokens,
-            cached_tokens=stored_linked_tokens(plan, self.spec.num_layers),
+            cached_tokens=stored_linked_tokens(plan),
             completion_tokens=len(result.token_ids),
             finish_reason="length" if len(result.token_ids) >= prompt.max_tokens else "stop",
             ttft_s=elapsed,

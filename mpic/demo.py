@@ -34,8 +34,16 @@ def command(
     model: str = typer.Option(None, "--model", help="HF model folder (default: the small model)."),
     policies: str = typer.Option(DEMO_POLICIES, "--policies", help="Comma-separated policies."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per policy (median)."),
+    http: bool = typer.Option(
+        False, "--http", help="Over HTTP: start the Ray Serve app if none runs (docs/serving.md)."
+    ),
 ) -> None:
     """Cache three images and ask one interleaved question with every policy."""
+    if http:
+        from mpic.deployments.demo_client import http_demo
+
+        http_demo(policies=policies)
+        return
     import torch
     from rich.console import Console
 

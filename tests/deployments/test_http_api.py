@@ -48,9 +48,8 @@ def test_answer_equals_offline_engine(serve_app: ServeApp, offline, policy: str)
     entries = [offline.cache_image(d).entry_id for d in images]
     parts = ["first", ImageRef(entries[0]), "then", ImageRef(entries[1]), "why?"]
     assert body["choices"][0]["message"]["content"] == _offline_answer(offline, parts, policy)
-    linked = {"full": 0, "mpic-4": 2 * (16 - 4)}.get(policy)
-    if linked is not None:
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == linked
+    linked = {"full": 0, "mpic-4": 2 * (16 - 4), "cacheblend-15": 0}[policy]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == linked  # depth-0 tokens
     assert body["mpic"]["tier_hits"] and body["mpic"]["fallbacks"] == 0
 
 
