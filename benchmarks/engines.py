@@ -25,6 +25,8 @@ class FirstToken:
     """float32 [vocab] first-token logits."""
     prompt_tokens: int
     recomputed_tokens: int
+    cpu_s: float | None = None
+    """Process CPU seconds of the prefill, where the engine can tell (busy shared hosts)."""
 
 
 class BenchEngine(Protocol):
@@ -62,7 +64,9 @@ class ReferenceEngine:
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
         """Timed prefill (entries already in memory)."""
         out = self.runner.prefill(parts, policy)
-        return FirstToken(out.ttft_s, out.logits, out.plan.num_tokens, out.recomputed_tokens)
+        return FirstToken(
+            out.ttft_s, out.logits, out.plan.num_tokens, out.recomputed_tokens, out.cpu_s
+        )
 
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Greedy tokens after the policy's prefill."""

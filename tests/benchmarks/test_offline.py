@@ -16,6 +16,7 @@ KEYS = {
     "ttft_ms",
     "kl_vs_full",
     "token_agreement",
+    "cpu_ms",
 }
 
 
