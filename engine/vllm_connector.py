@@ -12,8 +12,8 @@ vLLM builds one instance per role, in different processes:
   `get_num_new_matched_tokens` when they are rescheduled and are linked again into their new
   blocks (`scheduled_cached_reqs.resumed_req_ids`).
 - WORKER: `start_load_kv` runs before the model forward of that step. For each linked request it
-  rebuilds the plan, loads the cache entries, and runs the selective prefill over prompt tokens
-  0..N-2 with vLLM's own modules (`VllmLayerAdapter`), writing every position's K/V into the
+  rebuilds the plan, loads the cache entries, and runs the selective prefill over the prompt
+  with vLLM's own modules (`VllmLayerAdapter`), writing every position's K/V into the
   request's paged blocks (`PagedLinkedKV`). vLLM's forward then computes token N-1 over those
   blocks and decodes as usual (continuous batching).
 
@@ -47,7 +47,6 @@ from mpic.linker.two_step import prefill_text_first
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
-from mpic.types import LinkPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -207,19 +206,22 @@ class MPICConnector(KVConnectorBase_V1):
             )
 
     def _link(self, job: LinkJob) -> None:
-        """Selective prefill of prompt tokens 0..N-2 of one request into its paged blocks."""
+        """Selective prefill of the whole prompt of one request into its paged blocks.
+
+        Token N-1 runs too (its block exists already), so in-pass selections see the same
+        tokens as in the reference runner; vLLM's forward then recomputes it identically.
+        """
         adapter = self._model_adapter()
         plan, policy = vllm_params.plan_from_params(job.params, job.token_ids)
-        head = prompt_head(plan)
         store = self._entry_store()
-        entries = [store.get(entry_id) for entry_id in head.entry_ids]
+        entries = [store.get(entry_id) for entry_id in plan.entry_ids]
         num_layers = adapter.num_layers
         policy_obj = get_policy(policy)
-        hook = policy_obj.layer_hook(head, num_layers)
+        hook = policy_obj.layer_hook(plan, num_layers)
         layers = [adapter.attention_layer(i) for i in range(num_layers)]
         mirror = None
         if hook is not None:  # a runtime selection reads linked keys back (CacheBlend)
-            shape = (num_layers, head.num_tokens, adapter.num_kv_heads, adapter.head_dim)
+            shape = (num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
             mirror = torch.zeros(shape, dtype=adapter.dtype)
         kv = PagedLinkedKV(
             layers,
@@ -228,12 +230,13 @@ class MPICConnector(KVConnectorBase_V1):
             self._block_size,
             keys=mirror,
         )
+        kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
         if policy_obj.two_step:  # full reuse, CacheBlend: text KV first, without the items
-            prefill_text_first(adapter, head, kv)
-        link_entries(kv, head, entries, adapter.rope, num_layers)
-        index = torch.nonzero(head.recompute_depth > 0).flatten()
-        embeds = gather_input_embeds(adapter, head, entries, index)
-        selective_prefill(adapter, head, kv, embeds, hook=hook, compute_logits=False)
+            prefill_text_first(adapter, plan, kv)
+        link_entries(kv, plan, entries, adapter.rope, num_layers)
+        index = torch.nonzero(plan.recompute_depth > 0).flatten()
+        embeds = gather_input_embeds(adapter, plan, entries, index)
+        selective_prefill(adapter, plan, kv, embeds, hook=hook, compute_logits=False)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of requests whose entries could not be loaded this step (then cleared)."""
@@ -253,15 +256,3 @@ class MPICConnector(KVConnectorBase_V1):
         if self._capture is not None:
             self._capture.end_step(self._entry_store().put)
 
-
-def prompt_head(plan: LinkPlan) -> LinkPlan:
-    """The plan of prompt tokens 0..N-2 (vLLM computes token N-1 itself)."""
-    m = plan.num_tokens - 1
-    return LinkPlan(
-        token_ids=plan.token_ids[:m],
-        positions=plan.positions[..., :m],
-        source_entry=plan.source_entry[:m],
-        source_offset=plan.source_offset[:m],
-        entry_ids=plan.entry_ids,
-        recompute_depth=plan.recompute_depth[:m],
-    )

@@ -57,6 +57,11 @@ class PagedLinkedKV:
         bs = self._block_size
         return self._blocks[index // bs] * bs + index % bs
 
+    def clear(self) -> None:
+        """Zero the request's blocks in every layer (zero is zero in any in-block layout)."""
+        for cache in self._caches:
+            cache[self._blocks] = 0
+
     def _split(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self._caches[layer]
         num_blocks, num_kv_heads, block_size, _ = cache.shape
