@@ -103,10 +103,8 @@ def test_full_recompute_equals_plain_vllm(setup: Setup) -> None:
     parts, items = _parts(setup, [0, 1, 0], "full")
     plan = setup.plan(parts, items, "full")
     spec = setup.engine.spec
-    linked, plain = setup.engine.generate(
-        [linked_request(plan, "full", spec), setup.exact(plan, [setup.media[i] for i in (0, 1, 0)])],
-        max_tokens=12,
-    )
+    exact = setup.exact(plan, [setup.media[i] for i in (0, 1, 0)])
+    linked, plain = setup.engine.generate([linked_request(plan, "full", spec), exact], 12)
     assert linked.token_ids == plain.token_ids
     assert linked.num_cached_tokens == plan.num_tokens - 1  # the connector claimed P-1 tokens
 
