@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,21 +81,30 @@ class ReferenceRunner:
         """Make an entry (e.g. read from storage) linkable."""
         self.entries[entry.entry_id] = entry
 
-    def plan(self, parts: Sequence[PromptPart], max_new_tokens: int = 0) -> tuple:
-        """(plan, entries aligned with plan.entry_ids) of a prompt; raises on bad input."""
-        token_ids = render_prompt_ids(self.processor, parts, self.system_prompt)
+    def plan(
+        self, parts: Sequence[PromptPart], max_new_tokens: int = 0, system_prompt: str | None = None
+    ) -> tuple[LinkPlan, list[CacheEntry]]:
+        """(plan, entries aligned with plan.entry_ids) of a prompt; raises on bad input.
+
+        system_prompt: this request's, or None for the runner's own."""
+        system = self.system_prompt if system_prompt is None else system_prompt
+        token_ids = render_prompt_ids(self.processor, parts, system)
         items = resolve_entries(image_refs(parts), self.entries)
         plan = build_plan(self.spec, token_ids, items, max_new_tokens)
         return plan, unique_entries(plan, items)
 
     @torch.inference_mode()
     def prefill(
-        self, parts: Sequence[PromptPart], policy: str | Policy, max_new_tokens: int = 0
+        self,
+        parts: Sequence[PromptPart],
+        policy: str | Policy,
+        max_new_tokens: int = 0,
+        system_prompt: str | None = None,
     ) -> Prefilled:
         """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved."""
         start, cpu_start = time.perf_counter(), time.process_time()
         policy = get_policy(policy) if isinstance(policy, str) else policy
-        plan, entries = self.plan(parts, max_new_tokens)
+        plan, entries = self.plan(parts, max_new_tokens, system_prompt)
         a = self.adapter
         kv = DenseLinkedKV(
             a.num_layers,
@@ -112,7 +121,7 @@ class ReferenceRunner:
         return Prefilled(out.plan, kv, logits, out.recomputed_tokens, ttft, cpu)
 
     @torch.inference_mode()
-    def generate(
+    def stream(
         self,
         parts: Sequence[PromptPart],
         policy: str | Policy = "mpic-32",
@@ -120,17 +129,19 @@ class ReferenceRunner:
         temperature: float = 0.0,
         seed: int | None = None,
         stop_at_eos: bool = True,
-    ) -> Generation:
-        """Prefill then decode up to `max_new_tokens` (greedy when temperature is 0)."""
-        pre = self.prefill(parts, policy, max_new_tokens)
+        system_prompt: str | None = None,
+    ) -> Iterator[tuple[int, Prefilled]]:
+        """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
+        temperature is 0, else seeded sampling); stops after EOS or `max_new_tokens`."""
+        pre = self.prefill(parts, policy, max_new_tokens, system_prompt)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
-        tokens, logits = [], pre.logits
+        logits = pre.logits
         for step in range(max_new_tokens):
             token = _pick(logits, temperature, gen)
-            tokens.append(token)
+            yield token, pre
             if (stop_at_eos and token == self.spec.eos_token_id) or step == max_new_tokens - 1:
-                break
+                return
             pos = torch.tensor([pos0 + step])
             if pre.plan.positions.dim() == 2:
                 pos = pos.expand(3, 1)
@@ -143,7 +154,26 @@ class ReferenceRunner:
                 torch.tensor([a.num_layers]),
             )
             logits = a.logits(hidden)[0]
-        return Generation(tokens, pre)
+
+    def generate(
+        self,
+        parts: Sequence[PromptPart],
+        policy: str | Policy = "mpic-32",
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        system_prompt: str | None = None,
+    ) -> Generation:
+        """All of `stream`'s tokens at once."""
+        steps = list(
+            self.stream(
+                parts, policy, max_new_tokens, temperature, seed, stop_at_eos, system_prompt
+            )
+        )
+        if not steps:  # max_new_tokens == 0: prefill only
+            return Generation([], self.prefill(parts, policy, 0, system_prompt))
+        return Generation([t for t, _ in steps], steps[0][1])
 
 
 def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:

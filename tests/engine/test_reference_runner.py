@@ -88,3 +88,12 @@ def test_sampling_is_seeded(runner):
     one = runner.generate(parts, "mpic-4", 6, temperature=1.0, seed=3, stop_at_eos=False).tokens
     two = runner.generate(parts, "mpic-4", 6, temperature=1.0, seed=3, stop_at_eos=False).tokens
     assert one == two and len(one) == 6
+
+
+def test_stream_yields_generate_tokens_and_honours_system_prompt(runner):
+    parts = [ImageRef(runner.test_ids[0]), "Describe."]
+    streamed = [t for t, _ in runner.stream(parts, "mpic-4", 5, stop_at_eos=False)]
+    assert streamed == runner.generate(parts, "mpic-4", 5, stop_at_eos=False).tokens
+    plan, _ = runner.plan(parts)
+    other, _ = runner.plan(parts, system_prompt="You answer in one word.")
+    assert other.num_tokens != plan.num_tokens or not torch.equal(other.token_ids, plan.token_ids)
