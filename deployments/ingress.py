@@ -112,10 +112,16 @@ class Ingress:
         file: Annotated[UploadFile, File(description="The image.")],
         purpose: Annotated[Literal["vision", "user_data"], Form()],
         ttl_seconds: Annotated[int | None, Form(ge=1)] = None,
+        expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]", ge=1)] = None,
+        expires_anchor: Annotated[
+            Literal["created_at"] | None, Form(alias="expires_after[anchor]")
+        ] = None,
         authorization: Annotated[str | None, Header()] = None,
     ) -> FileObject:
-        """Upload an image: encode it, cache its KV, register it in the caller's namespace."""
+        """Upload an image: encode it, cache its KV, register it in the caller's namespace.
+        The TTL is `ttl_seconds` or OpenAI's `expires_after` (anchor `created_at`)."""
         who = self._auth(authorization)
+        ttl_seconds = ttl_seconds or expires_seconds
         limit = self.cfg.limits.max_upload_bytes
         data = await file.read(limit + 1)
         if len(data) > limit:

@@ -28,6 +28,10 @@ def test_openai_files_and_chat(client) -> None:
     assert created.purpose == "vision"
     assert created.id in [f.id for f in client.files.list()]
     assert client.files.retrieve(created.id).filename == "cat.png"
+    short = client.files.create(file=("dog.png", io.BytesIO(png(8)), "image/png"),
+                                purpose="user_data",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    assert short.expires_at - short.created_at == 3600
 
     content = [{"type": "text", "text": "Describe"},
                {"type": "file", "file": {"file_id": created.id}},
