@@ -69,6 +69,9 @@ def test_same_place_same_context_needs_no_item_recompute(runner, sample_images):
     assert int(items.sum()) == runner.spec.tokens_per_image
     assert linked.recomputed_tokens == linked.plan.num_tokens - runner.spec.tokens_per_image
     torch.testing.assert_close(linked.logits, exact.logits, rtol=1e-4, atol=1e-4)
+    prefix = runner.prefill(parts, "prefix")  # the prompt starts like the canonical context
+    assert prefix.recomputed_tokens == linked.recomputed_tokens
+    torch.testing.assert_close(prefix.logits, exact.logits, rtol=1e-4, atol=1e-4)
     moved = runner.prefill(["Some words first.", ImageRef(a), "What is this?"], "mpic-0")
     exact_moved = runner.prefill(["Some words first.", ImageRef(a), "What is this?"], "full")
     assert (moved.logits - exact_moved.logits).abs().max() > 1e-3  # moved: approximate
