@@ -74,7 +74,17 @@ class ReferenceEngine:
         return gen.tokens
 
 
-_ENGINES: dict[str, Callable[[str], BenchEngine]] = {"reference": ReferenceEngine}
+def _vllm_engine(model_dir: str) -> BenchEngine:
+    """vLLM + the MPIC connector (imported only when asked for: vLLM starts processes)."""
+    from mpic.engine.vllm_bench import VllmBenchEngine
+
+    return VllmBenchEngine(model_dir)
+
+
+_ENGINES: dict[str, Callable[[str], BenchEngine]] = {
+    "reference": ReferenceEngine,
+    "vllm": _vllm_engine,
+}
 
 
 def register_engine(name: str, factory: Callable[[str], BenchEngine]) -> None:

@@ -21,6 +21,7 @@ import os
 import uuid
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.engine import vllm_params, vllm_upload
@@ -59,6 +60,9 @@ class VllmEngineConfig(BaseModel):
     )
     num_blocks: int | None = Field(
         None, ge=1, description="Override the KV block count (None: sized from kv_cache_gib)."
+    )
+    max_logprobs: int = Field(
+        20, ge=-1, description="Most log-probs a request may ask for (-1: the whole vocabulary)."
     )
     log_stats: bool = Field(False, description="vLLM's Prometheus stats (preemptions, ...).")
     enforce_eager: bool = Field(True, description="No torch.compile (start-up in ~30-50 s).")
@@ -123,10 +127,13 @@ class VllmEngine:
             kv_transfer_config=kv_transfer,
             limit_mm_per_prompt={"image": 16},
             disable_log_stats=not cfg.log_stats,
+            max_logprobs=cfg.max_logprobs,
             **kwargs,
         )
 
-    def _submit_form(self, req: EngineRequest, max_tokens: int) -> tuple[dict, Any]:
+    def _submit_form(
+        self, req: EngineRequest, max_tokens: int, logprobs: bool
+    ) -> tuple[dict, Any]:
         from vllm import SamplingParams
 
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
@@ -137,15 +144,22 @@ class VllmEngine:
             params = vllm_params.plan_to_params(req.plan, req.policy)
             prompt["cache_salt"] = vllm_params.cache_salt(params)
             extra = {"kv_transfer_params": params}
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
         sampling = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
+            logprobs=-1 if logprobs else None,
         )
         return prompt, sampling
 
-    def generate(self, requests: list[EngineRequest], max_tokens: int = 8) -> list[EngineResult]:
+    def generate(
+        self, requests: list[EngineRequest], max_tokens: int = 8, logprobs: bool = False
+    ) -> list[EngineResult]:
         """Greedy-decode `requests` together (continuous batching); linked requests whose entries
-        fail to load are answered by their `fallback` (logged, counted in `self.fallbacks`)."""
-        forms = [self._submit_form(r, max_tokens) for r in requests]
+        fail to load are answered by their `fallback` (logged, counted in `self.fallbacks`).
+        With `logprobs`, each result carries the first token's log-probs over the vocabulary
+        (needs `max_logprobs=-1`)."""
+        forms = [self._submit_form(r, max_tokens, logprobs) for r in requests]
         outputs = self.llm.generate(
             [f[0] for f in forms], [f[1] for f in forms], use_tqdm=False
         )
@@ -159,22 +173,31 @@ class VllmEngine:
                 EngineResult(
                     token_ids=list(completion.token_ids),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
+                    logprobs=self._first_logprobs(completion.logprobs) if logprobs else None,
                 )
             )
         if retry:
-            self._recompute(requests, results, retry, max_tokens)
+            self._recompute(requests, results, retry, max_tokens, logprobs)
         return results
+
+    def _first_logprobs(self, steps: Any) -> torch.Tensor | None:
+        if not steps:
+            return None
+        out = torch.full((self.spec.vocab_size,), float("-inf"))
+        for token_id, entry in steps[0].items():
+            out[token_id] = entry.logprob
+        return out
 
     def _recompute(
         self, requests: list[EngineRequest], results: list[EngineResult], retry: list[int],
-        max_tokens: int,
+        max_tokens: int, logprobs: bool,
     ) -> None:
         missing = [i for i in retry if requests[i].fallback is None]
         if missing:
             raise RuntimeError(f"linked requests {missing} failed to link and have no fallback")
         self.fallbacks += len(retry)
         logger.warning("MPIC: %d linked request(s) could not link; recomputing exactly", len(retry))
-        again = self.generate([requests[i].fallback for i in retry], max_tokens)
+        again = self.generate([requests[i].fallback for i in retry], max_tokens, logprobs)
         for i, res in zip(retry, again, strict=True):
             res.fell_back = True
             results[i] = res

@@ -31,6 +31,8 @@ class EngineRequest:
     policy: str = ""
     fallback: EngineRequest | None = None
     """The exact request answering a linked one whose entries cannot be loaded."""
+    cache_salt: str | None = None
+    """Prefix-cache salt; None: none for exact requests, the plan's salt for linked ones."""
 
 
 @dataclass
@@ -41,6 +43,8 @@ class EngineResult:
     num_cached_tokens: int = 0
     fell_back: bool = False
     """True when a linked request failed to link and was answered by its exact fallback."""
+    logprobs: torch.Tensor | None = None
+    """float32 [vocab] log-probabilities of the first generated token (when asked for)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
