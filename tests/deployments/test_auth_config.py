@@ -144,3 +144,15 @@ def test_load_config_variants(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ValidationError):
         ServeAppConfig(unknown_field=1)
+
+
+def test_serve_command_rejects_a_bad_config(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mpic.cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {kind: tensorrt}\n")
+    for path in [bad, tmp_path / "missing.yaml"]:
+        result = CliRunner().invoke(app, ["serve", "--config", str(path)])
+        assert result.exit_code == 2 and "bad config" in result.output
