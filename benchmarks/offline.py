@@ -191,6 +191,13 @@ def command(
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per point (median)."),
     json_out: str = typer.Option(None, "--json", help="Write the results JSON here."),
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
+    threads: int = typer.Option(
+        1,
+        "--threads",
+        min=0,
+        help="torch intra-op threads (0: torch's default). 1 is what vLLM "
+        "binds on 2 cores, and keeps timings stable on a shared host (no spinning workers).",
+    ),
 ) -> None:
     """Run the offline TTFT/fidelity benchmark."""
     import torch
@@ -210,6 +217,8 @@ def command(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     torch.set_grad_enabled(False)
+    if threads:
+        torch.set_num_threads(threads)
     rows = run_offline(bench, counts, names, repeats)
     print_table(rows)
     if json_out:

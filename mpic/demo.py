@@ -34,6 +34,7 @@ def command(
     model: str = typer.Option(None, "--model", help="HF model folder (default: the small model)."),
     policies: str = typer.Option(DEMO_POLICIES, "--policies", help="Comma-separated policies."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per policy (median)."),
+    threads: int = typer.Option(1, "--threads", min=0, help="torch threads (0: torch default)."),
     http: bool = typer.Option(
         False, "--http", help="Over HTTP: start the Ray Serve app if none runs (docs/serving.md)."
     ),
@@ -57,6 +58,8 @@ def command(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     torch.set_grad_enabled(False)
+    if threads:
+        torch.set_num_threads(threads)
     path = Path(model) if model else ensure_small_model(MPICHome())
     engine = ReferenceEngine(str(path))
     rows = run_offline(engine, [3], names, repeats)
