@@ -8,8 +8,9 @@ Implements `mpic.benchmarks.engines.BenchEngine` with `VllmEngine` (float32 on C
   connector in the worker; its salted blocks may hit vLLM's cache on repeats, but the connector
   relinks the whole prompt every time, so the work is timed in full).
 TTFT = wall time of a 1-token request from the prompt parts (planning included) with the
-entries resident in the worker's memory tier. First-token log-probs for the KL come from one
-untimed run with the full vocabulary's log-probs.
+entries resident in the worker's memory tier; `cpu_ms` = this process's CPU time plus that of
+vLLM's worker process over the same request (robust to a busy shared host). First-token
+log-probs for the KL come from one untimed run with the full vocabulary's log-probs.
 """
 
 from __future__ import annotations
@@ -76,18 +77,20 @@ class VllmBenchEngine:
         timed = parts
         if policy == "prefix":  # a new opening text each time (paper Fig. 3)
             timed = [f"({uuid.uuid4().hex[:8]}) {parts[0]}", *parts[1:]]
+        cpu0, worker0 = time.process_time(), self.engine.worker_cpu_s()
         began = time.perf_counter()
         request, _, recomputed = self._request(timed, policy)
         if policy == "full":
             request.cache_salt = f"full-{uuid.uuid4().hex}"
         (result,) = self.engine.generate([request], max_tokens=1)
         ttft = time.perf_counter() - began
+        cpu = time.process_time() - cpu0 + self.engine.worker_cpu_s() - worker0
         if policy == "prefix":
             recomputed -= result.num_cached_tokens
         request, prompt_tokens, _ = self._request(parts, policy)
         (scored,) = self.engine.generate([request], max_tokens=1, logprobs=True)
         return FirstToken(ttft_s=ttft, logits=scored.logprobs, prompt_tokens=prompt_tokens,
-                          recomputed_tokens=recomputed)
+                          recomputed_tokens=recomputed, cpu_s=cpu)
 
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Exactly `max_new_tokens` greedy tokens under `policy`."""
