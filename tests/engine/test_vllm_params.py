@@ -1,0 +1,80 @@
+"""Fast checks of the vLLM glue that needs no engine: the plan codec carried in
+`kv_transfer_params`, the prefix-cache salt, prompt placeholders, run splitting, the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from mpic.engine import vllm_params
+from mpic.engine.vllm_engine import VllmEngineConfig
+from mpic.engine.vllm_paged_kv import contiguous_runs
+from mpic.engine.vllm_requests import collapse_placeholders
+from mpic.errors import InvalidRequestError
+from mpic.types import LinkPlan
+
+
+def _plan(mrope: bool) -> LinkPlan:
+    n = 40
+    src = torch.full((n,), -1, dtype=torch.int64)
+    off = torch.full((n,), -1, dtype=torch.int64)
+    src[5:21], off[5:21] = 0, torch.arange(16)
+    src[25:41], off[25:41] = 1, torch.arange(15)
+    pos = torch.arange(n)
+    if mrope:
+        pos = torch.stack([pos, pos.flip(0), pos % 7])
+    depth = torch.where(src < 0, 4, 0)
+    depth[5:9] = 4
+    return LinkPlan(
+        token_ids=torch.randint(0, 100, (n,)), positions=pos, source_entry=src,
+        source_offset=off, entry_ids=["a" * 64, "b" * 64], recompute_depth=depth,
+    )
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_plan_round_trips_through_params(mrope: bool) -> None:
+    plan = _plan(mrope)
+    params = vllm_params.plan_to_params(plan, "mpic-4")
+    assert vllm_params.is_linked(params) and not vllm_params.is_linked({"other": 1})
+    back, policy = vllm_params.plan_from_params(params, plan.token_ids.tolist())
+    assert policy == "mpic-4" and back.entry_ids == plan.entry_ids
+    for name in ("token_ids", "positions", "source_entry", "source_offset", "recompute_depth"):
+        assert torch.equal(getattr(back, name), getattr(plan, name)), name
+    assert len(params["mpic"]["source_offset"]) <= 6  # run-length coded, not one int per token
+
+
+def test_params_that_do_not_fit_the_prompt_are_rejected() -> None:
+    plan = _plan(False)
+    params = vllm_params.plan_to_params(plan, "full")
+    with pytest.raises(InvalidRequestError):
+        vllm_params.plan_from_params(params, plan.token_ids.tolist()[:-1])
+    with pytest.raises(InvalidRequestError):
+        vllm_params.plan_from_params({"mpic": {"policy": "full"}}, [1, 2])
+
+
+def test_cache_salt_separates_policies_and_plans() -> None:
+    plan = _plan(False)
+    salt = vllm_params.cache_salt(vllm_params.plan_to_params(plan, "mpic-4"))
+    assert salt == vllm_params.cache_salt(vllm_params.plan_to_params(plan, "mpic-4"))
+    assert salt != vllm_params.cache_salt(vllm_params.plan_to_params(plan, "mpic-8"))
+    other = LinkPlan(**{**plan.__dict__, "entry_ids": ["c" * 64, "b" * 64]})
+    assert salt != vllm_params.cache_salt(vllm_params.plan_to_params(other, "mpic-4"))
+
+
+def test_collapse_placeholders_keeps_one_per_image() -> None:
+    assert collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3, 9], 9) == [1, 9, 2, 9, 3, 9]
+    assert collapse_placeholders([9, 9], 9) == [9]
+
+
+def test_contiguous_runs() -> None:
+    assert contiguous_runs(torch.tensor([0, 1, 2, 7, 8, 10])) == [(0, 3), (3, 5), (5, 6)]
+    assert contiguous_runs(torch.tensor([], dtype=torch.int64)) == []
+
+
+def test_config_enforces_cpu_block_size_and_no_extra_fields() -> None:
+    assert VllmEngineConfig(model="m", block_size=64).block_size == 64
+    with pytest.raises(ValidationError):
+        VllmEngineConfig(model="m", block_size=16)
+    with pytest.raises(ValidationError):
+        VllmEngineConfig(model="m", blocksize=32)
