@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -33,17 +33,15 @@ def identify_image(media: bytes) -> tuple[str, str]:
 
 def prompt_parts(
     prompt: LinkedPrompt, system_prompt: str | None, inline_entry: Callable[[EncodedImage], str]
-) -> list[PromptPart]:
-    """The prompt as text strings and ImageRefs; `inline_entry(image)` makes an inline image
-    linkable and returns its entry id. InvalidRequestError for a system message other than the
-    deployment's (entries are cached after that system prompt) or an assistant turn."""
+) -> tuple[str | None, list[PromptPart]]:
+    """(system prompt, parts): the request's system message (default `system_prompt`) and the
+    user turns as text strings and ImageRefs; `inline_entry(image)` makes an inline image
+    linkable and returns its entry id. Entries cached after the deployment's system prompt link
+    after any other (MPIC is position-independent). InvalidRequestError for an assistant turn."""
     parts: list[PromptPart] = []
     for turn in prompt.turns:
         if turn.role == "system":
-            if "".join(s.text for s in turn.segments) != (system_prompt or ""):
-                raise InvalidRequestError(
-                    "this deployment serves one system prompt (engine.system_prompt); omit the "
-                    "system message or send exactly that text", param="messages")
+            system_prompt = "".join(s.text for s in turn.segments)
             continue
         if turn.role == "assistant":
             raise InvalidRequestError("assistant turns (multi-turn chats) are not supported",
@@ -55,14 +53,16 @@ def prompt_parts(
                 parts.append(ImageRef(inline_entry(seg.embeds)))
             else:
                 parts.append(ImageRef(seg.entry_id))
-    return parts
+    return system_prompt, parts
 
 
-def token_events(tokenizer, tokens: Sequence[int]) -> Iterator[TokenEvent]:
-    """One TokenEvent per token, by incremental detokenization (pieces join to the full text)."""
-    text = ""
-    for i in range(len(tokens)):
-        full = tokenizer.decode(list(tokens[: i + 1]), skip_special_tokens=True)
+def token_events(tokenizer, tokens: Iterable[int]) -> Iterator[TokenEvent]:
+    """One TokenEvent per token as it arrives, by incremental detokenization (the pieces join
+    to the decoded text)."""
+    text, seen = "", []
+    for token in tokens:
+        seen.append(token)
+        full = tokenizer.decode(seen, skip_special_tokens=True)
         yield TokenEvent(full[len(text):] if full.startswith(text) else full)
         text = full
 

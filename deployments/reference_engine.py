@@ -2,10 +2,11 @@
 reference`): the same linking path as `mpic.engine.reference_runner` offline, so an HTTP answer
 equals the offline engine's for the same prompt and policy.
 
-The runner is not thread-safe and keeps a table of linkable entries; Serve runs sync replica
-methods on worker threads, so every call into the runner holds one lock, and the entries of a
-request are made linkable for that request only (inline images included: their entry is computed
-for the request and never stored).
+Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`), with the request's
+own system prompt. The runner is not thread-safe and keeps a table of linkable entries; Serve runs
+sync replica methods on worker threads, so every call into the runner holds one lock, and the
+entries of a request are made linkable for that request only (inline images included: their
+entry is computed for the request and never stored).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from mpic.deployments.prompting import (
     token_events,
 )
 from mpic.engine.entries import canonical_context_key, compute_entry
-from mpic.engine.reference_runner import ReferenceRunner
+from mpic.engine.reference_runner import Prefilled, ReferenceRunner
 from mpic.engine.vision import encode_images, load_image
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
@@ -81,7 +82,8 @@ class ReferenceServeEngine(ServeEngine):
     def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> Iterator[TokenEvent | DoneEvent]:
-        """Greedy generation through the runner's link + selective prefill + decode."""
+        """Greedy generation through the runner's link + selective prefill + decode, one event
+        per token as it is decoded (the runner is held for the whole generation)."""
         table = dict(entries)
 
         def inline_entry(image: EncodedImage) -> str:
@@ -89,20 +91,28 @@ class ReferenceServeEngine(ServeEngine):
             table[entry_id] = self.compute_entry(entry_id, image)
             return entry_id
 
-        parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        tokens: list[int] = []
+        prefilled: list[Prefilled] = []
+
+        def decoded() -> Iterator[int]:
+            for token, pre in self.runner.stream(parts, prompt.policy, prompt.max_tokens,
+                                                 system_prompt=system):
+                prefilled[:1] = [pre]
+                tokens.append(token)
+                yield token
+
         with self._lock:
             self.runner.entries = table
             try:
-                gen = self.runner.generate(parts, prompt.policy, prompt.max_tokens)
+                yield from token_events(self.runner.processor.tokenizer, decoded())
             finally:
                 self.runner.entries = {}
-        yield from token_events(self.runner.processor.tokenizer, gen.tokens)
-        pre = gen.prefilled
+        pre = prefilled[0]
         yield DoneEvent(
             prompt_tokens=pre.plan.num_tokens,
             cached_tokens=stored_linked_tokens(pre.plan),
-            completion_tokens=len(gen.tokens),
-            finish_reason="length" if len(gen.tokens) >= prompt.max_tokens else "stop",
+            completion_tokens=len(tokens),
+            finish_reason="length" if len(tokens) >= prompt.max_tokens else "stop",
             ttft_s=pre.ttft_s,
         )
-

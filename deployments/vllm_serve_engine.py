@@ -98,9 +98,9 @@ class VLLMServeEngine(ServeEngine):
             table[entry.entry_id] = entry
             return entry.entry_id
 
-        parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
         start = time.perf_counter()
-        ids = render_prompt_ids(self.processor, parts, self.cfg.system_prompt)
+        ids = render_prompt_ids(self.processor, parts, system)
         items = resolve_entries(image_refs(parts), table)
         plan = build_plan(self.spec, ids, items, prompt.max_tokens)
         plan = get_policy(prompt.policy).apply(plan, unique_entries(plan, items),

@@ -25,8 +25,9 @@ def offline(tiny_llava_dir: Path):
     return ReferenceRunner(str(tiny_llava_dir))
 
 
-def _offline_answer(runner, parts: list, policy: str, max_tokens: int = 6) -> str:
-    gen = runner.generate(parts, policy, max_tokens)
+def _offline_answer(runner, parts: list, policy: str, max_tokens: int = 6,
+                    system: str | None = None) -> str:
+    gen = runner.generate(parts, policy, max_tokens, system_prompt=system)
     return runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
 
 
@@ -51,6 +52,24 @@ def test_answer_equals_offline_engine(serve_app: ServeApp, offline, policy: str)
     linked = {"full": 0, "mpic-4": 2 * (16 - 4), "cacheblend-15": 0}[policy]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == linked  # depth-0 tokens
     assert body["mpic"]["tier_hits"] and body["mpic"]["fallbacks"] == 0
+
+
+def test_request_system_prompt_links_like_offline(serve_app: ServeApp, offline) -> None:
+    from mpic.linker.prompt import ImageRef
+
+    data = png(15)
+    fid = upload(serve_app, "alice-key", data).json()["id"]
+    system = "You answer in one word."
+    resp = chat(serve_app, "alice-key", [_file(fid), {"type": "text", "text": "colour?"}],
+                messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": [_file(fid),
+                                                       {"type": "text", "text": "colour?"}]}])
+    assert resp.status_code == 200, resp.text
+    parts = [ImageRef(offline.cache_image(data).entry_id), "colour?"]
+    expected = _offline_answer(offline, parts, "mpic-4", system=system)
+    assert resp.json()["choices"][0]["message"]["content"] == expected
+    plain = chat(serve_app, "alice-key", [_file(fid), {"type": "text", "text": "colour?"}])
+    assert resp.json()["usage"]["prompt_tokens"] != plain.json()["usage"]["prompt_tokens"]
 
 
 def test_inline_image_is_linked_but_not_cached(serve_app: ServeApp, offline) -> None:
