@@ -29,6 +29,7 @@ from mpic.engine.entries import canonical_context_key
 from mpic.engine.model_spec import ModelSpec
 from mpic.engine.vision import fit_image, load_image
 from mpic.engine.vllm_requests import EngineRequest, EngineResult
+from mpic.errors import CorruptEntryError
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
@@ -110,25 +111,15 @@ class VllmEngine:
                 kv_load_failure_policy="fail",
                 kv_connector_extra_config={"storage": cfg.storage.model_dump(mode="json")},
             )
-        kwargs: dict[str, Any] = {}
-        if cfg.num_blocks is not None:
-            kwargs["num_gpu_blocks_override"] = cfg.num_blocks
-        if cfg.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        optional = {"num_gpu_blocks_override": cfg.num_blocks,
+                    "max_num_batched_tokens": cfg.max_num_batched_tokens}
         self.llm = LLM(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enforce_eager=cfg.enforce_eager,
-            seed=cfg.seed,
-            kv_transfer_config=kv_transfer,
-            limit_mm_per_prompt={"image": 16},
-            disable_log_stats=not cfg.log_stats,
-            max_logprobs=cfg.max_logprobs,
-            **kwargs,
+            model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed, kv_transfer_config=kv_transfer, limit_mm_per_prompt={"image": 16},
+            disable_log_stats=not cfg.log_stats, max_logprobs=cfg.max_logprobs,
+            **{k: v for k, v in optional.items() if v is not None},
         )
 
     def _submit_form(
@@ -160,9 +151,7 @@ class VllmEngine:
         With `logprobs`, each result carries the first token's log-probs over the vocabulary
         (needs `max_logprobs=-1`)."""
         forms = [self._submit_form(r, max_tokens, logprobs) for r in requests]
-        outputs = self.llm.generate(
-            [f[0] for f in forms], [f[1] for f in forms], use_tqdm=False
-        )
+        outputs = self.llm.generate([f[0] for f in forms], [f[1] for f in forms], use_tqdm=False)
         results = []
         retry: list[int] = []
         for i, out in enumerate(outputs):
@@ -194,7 +183,8 @@ class VllmEngine:
     ) -> None:
         missing = [i for i in retry if requests[i].fallback is None]
         if missing:
-            raise RuntimeError(f"linked requests {missing} failed to link and have no fallback")
+            raise CorruptEntryError(f"linked requests {missing} could not load their entries "
+                                    "and carry no exact fallback")
         self.fallbacks += len(retry)
         logger.warning("MPIC: %d linked request(s) could not link; recomputing exactly", len(retry))
         again = self.generate([requests[i].fallback for i in retry], max_tokens, logprobs)
