@@ -2,15 +2,17 @@
 reference`): the same linking path as `mpic.engine.reference_runner` offline, so an HTTP answer
 equals the offline engine's for the same prompt and policy.
 
-Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`), with the request's
-own system prompt. The runner is not thread-safe and keeps a table of linkable entries; Serve runs
-sync replica methods on worker threads, so every call into the runner holds one lock, and the
-entries of a request are made linkable for that request only (inline images included: their
-entry is computed for the request and never stored).
+Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`, on a decode thread that
+does not wait for the consumer), with the request's own system prompt. The runner is not
+thread-safe and keeps a table of linkable entries; Serve runs sync replica methods on worker
+threads, so every call into the runner holds one lock, and the entries of a request are made
+linkable for that request only (inline images included: their entry is computed for the request
+and never stored).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -94,20 +96,32 @@ class ReferenceServeEngine(ServeEngine):
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
         tokens: list[int] = []
         prefilled: list[Prefilled] = []
+        out: queue.SimpleQueue = queue.SimpleQueue()
+
+        def produce() -> None:  # decodes at the runner's pace, whatever the consumer does
+            with self._lock:
+                self.runner.entries = table
+                try:
+                    for token, pre in self.runner.stream(parts, prompt.policy, prompt.max_tokens,
+                                                         system_prompt=system):
+                        out.put((token, pre))
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                    out.put(exc)
+                finally:
+                    self.runner.entries = {}
+                    out.put(None)
 
         def decoded() -> Iterator[int]:
-            for token, pre in self.runner.stream(parts, prompt.policy, prompt.max_tokens,
-                                                 system_prompt=system):
+            while (item := out.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                token, pre = item
                 prefilled[:1] = [pre]
                 tokens.append(token)
                 yield token
 
-        with self._lock:
-            self.runner.entries = table
-            try:
-                yield from token_events(self.runner.processor.tokenizer, decoded())
-            finally:
-                self.runner.entries = {}
+        threading.Thread(target=produce, name="mpic-decode", daemon=True).start()
+        yield from token_events(self.runner.processor.tokenizer, decoded())
         pre = prefilled[0]
         yield DoneEvent(
             prompt_tokens=pre.plan.num_tokens,
