@@ -25,13 +25,18 @@ def link_entries(
     entries: Sequence[CacheEntry],
     rope: RopeSpec,
     num_layers: int,
+    every_item: bool = False,
 ) -> int:
-    """Write rotated cached K/V of every item token with recompute_depth < L into `linked_kv`.
+    """Write rotated cached K/V of item tokens into `linked_kv`: those with recompute_depth < L,
+    or every item token when `every_item` (a policy that drops tokens inside the pass, such as
+    CacheBlend, needs cached KV under all of them).
 
     entries: aligned with `plan.entry_ids`. Returns the number of token slots linked.
     """
     linked = 0
     reused = plan.recompute_depth < num_layers
+    if every_item:
+        reused = torch.ones_like(reused)
     for e_idx, entry in enumerate(entries):
         slots = torch.nonzero((plan.source_entry == e_idx) & reused).flatten()
         if slots.numel() == 0:

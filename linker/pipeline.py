@@ -50,10 +50,12 @@ def link_and_prefill(
     if policy.two_step:
         prefill_text_first(adapter, plan, linked_kv)
         ran |= plan.is_text
-    link_entries(linked_kv, plan, entries, adapter.rope, adapter.num_layers)
+    hook = policy.layer_hook(plan, adapter.num_layers)
+    link_entries(
+        linked_kv, plan, entries, adapter.rope, adapter.num_layers, every_item=hook is not None
+    )
     index = torch.nonzero(plan.recompute_depth > 0).flatten()
     embeds = gather_input_embeds(adapter, plan, entries, index)
-    hook = policy.layer_hook(plan, adapter.num_layers)
     result = selective_prefill(adapter, plan, linked_kv, embeds, hook=hook)
     ran |= result.recompute_depth > 0
     return LinkedPrefill(plan=plan, result=result, recomputed_tokens=int(ran.sum()))

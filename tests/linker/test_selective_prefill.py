@@ -100,3 +100,21 @@ def test_vlcache_tokens_keep_cached_kv_from_their_depth_on():
     assert not torch.equal(kv.keys[2, slot], fresh.keys[2, slot])
     torch.testing.assert_close(kv.values[2, slot], e.values[2, 1], rtol=0, atol=0)
     assert not torch.equal(kv.values[1, slot], e.values[1, 1])
+
+
+def test_cacheblend_dropped_tokens_keep_cached_kv_and_deviation_sees_it():
+    adapter, plan, entries = _setup(mrope=False)
+    out, kv = _run(adapter, plan, entries, "cacheblend-15")
+    depth = out.result.recompute_depth
+    items = torch.nonzero(plan.source_entry >= 0).flatten()
+    dropped = items[depth[items] == 1]  # check layer 1: recomputed at layer 0 only
+    assert dropped.numel() > 0
+    for slot in dropped.tolist():
+        e = entries[int(plan.source_entry[slot])]
+        off = int(plan.source_offset[slot])
+        torch.testing.assert_close(kv.values[1:, slot], e.values[1:, off], rtol=0, atol=0)
+    kept = int((depth == adapter.num_layers).sum())
+    assert (
+        kept == max(1, -(-15 * plan.num_tokens // 100))
+        or kept == -(-15 * plan.num_tokens // 100) + 1
+    )
