@@ -64,8 +64,14 @@ def upload_images(url: str, key: str, n: int) -> list[str]:
 
 
 async def _client(
-    cid: int, http: httpx.AsyncClient, file_ids: list[str], policy: str, max_tokens: int,
-    t_start: float, t_end: float, out: LoadResult,
+    cid: int,
+    http: httpx.AsyncClient,
+    file_ids: list[str],
+    policy: str,
+    max_tokens: int,
+    t_start: float,
+    t_end: float,
+    out: LoadResult,
 ) -> None:
     turn = 0
     while time.perf_counter() < t_end:
@@ -73,9 +79,14 @@ async def _client(
         content = [{"type": "text", "text": f"client {cid} turn {turn}: compare"}]
         for fid in file_ids:
             content += [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "and"}]
-        body = {"model": "mpic", "stream": True, "max_tokens": max_tokens,
-                "stream_options": {"include_usage": True}, "mpic": {"policy": policy},
-                "messages": [{"role": "user", "content": content}]}
+        body = {
+            "model": "mpic",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True},
+            "mpic": {"policy": policy},
+            "messages": [{"role": "user", "content": content}],
+        }
         t0 = time.perf_counter()
         ttft, tokens = None, 0
         try:
@@ -86,8 +97,11 @@ async def _client(
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get(
-                            "content"):
+                    if (
+                        ttft is None
+                        and chunk["choices"]
+                        and chunk["choices"][0]["delta"].get("content")
+                    ):
                         ttft = time.perf_counter() - t0
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
@@ -103,18 +117,28 @@ async def _client(
 
 
 async def run_load_async(
-    url: str, key: str, file_ids: list[str], clients: int, duration_s: float,
-    policy: str = "mpic-32", max_tokens: int = 8,
+    url: str,
+    key: str,
+    file_ids: list[str],
+    clients: int,
+    duration_s: float,
+    policy: str = "mpic-32",
+    max_tokens: int = 8,
 ) -> LoadResult:
     """Run `clients` concurrent streaming clients for `duration_s` against `url`."""
     out = LoadResult(clients, duration_s, 0, 0, 0.0, 0.0, 0, 0.0, 0.0)
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"},
-                                 timeout=120, limits=limits) as http:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120, limits=limits
+    ) as http:
         t_start = time.perf_counter()
         t_end = t_start + duration_s
-        await asyncio.gather(*[_client(i, http, file_ids, policy, max_tokens, t_start, t_end, out)
-                               for i in range(clients)])
+        await asyncio.gather(
+            *[
+                _client(i, http, file_ids, policy, max_tokens, t_start, t_end, out)
+                for i in range(clients)
+            ]
+        )
         elapsed = time.perf_counter() - t_start
     ttfts = np.array([s[1] for s in out.samples]) if out.samples else np.zeros(1)
     out.duration_s = elapsed
@@ -133,9 +157,14 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
     table = Table(title=f"load: {res.clients} clients, {res.duration_s:.1f} s")
     for col in ["requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "req/s"]:
         table.add_column(col, justify="right")
-    table.add_row(str(res.requests), str(res.errors), f"{res.ttft_p50_s * 1e3:.1f}",
-                  f"{res.ttft_p99_s * 1e3:.1f}", f"{res.output_tokens_per_s:.1f}",
-                  f"{res.requests_per_s:.2f}")
+    table.add_row(
+        str(res.requests),
+        str(res.errors),
+        f"{res.ttft_p50_s * 1e3:.1f}",
+        f"{res.ttft_p99_s * 1e3:.1f}",
+        f"{res.output_tokens_per_s:.1f}",
+        f"{res.requests_per_s:.2f}",
+    )
     Console().print(table)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +180,11 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         a.scatter(t, ttft * 1e3, s=4)
         a.set(xlabel="request start (s)", ylabel="TTFT (ms)", title="TTFT over the run")
         b.hist(ttft * 1e3, bins=40)
-        b.set(xlabel="TTFT (ms)", ylabel="requests",
-              title=f"p50 {res.ttft_p50_s * 1e3:.0f} ms, p99 {res.ttft_p99_s * 1e3:.0f} ms")
+        b.set(
+            xlabel="TTFT (ms)",
+            ylabel="requests",
+            title=f"p50 {res.ttft_p50_s * 1e3:.0f} ms, p99 {res.ttft_p99_s * 1e3:.0f} ms",
+        )
         fig.tight_layout()
         Path(plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(plot, dpi=120)
@@ -180,8 +212,7 @@ def command(
         url = start_local(load_config(None), port=port, log_to_driver=False)
     try:
         file_ids = upload_images(url, key, images)
-        res = asyncio.run(run_load_async(url, key, file_ids, clients, duration, policy,
-                                         max_tokens))
+        res = asyncio.run(run_load_async(url, key, file_ids, clients, duration, policy, max_tokens))
         write_outputs(res, json_out, plot)
     finally:
         if started:
