@@ -12,8 +12,9 @@ vLLM builds one instance per role, in different processes:
   `get_num_new_matched_tokens` when they are rescheduled and are linked again into their new
   blocks (`scheduled_cached_reqs.resumed_req_ids`).
 - WORKER: `start_load_kv` runs before the model forward of that step. For each linked request it
-  rebuilds the plan, loads the cache entries, and runs the selective prefill over the prompt
-  with vLLM's own modules (`VllmLayerAdapter`), writing every position's K/V into the
+  rebuilds the plan, loads the cache entries, and runs the linker's `link_and_prefill` (policy,
+  text-first pass of two-step policies, rotated entry KV, one-pass selective prefill) over the
+  prompt with vLLM's own modules (`VllmLayerAdapter`), writing every position's K/V into the
   request's paged blocks (`PagedLinkedKV`). vLLM's forward then computes token N-1 over those
   blocks and decodes as usual (continuous batching).
 
@@ -40,10 +41,8 @@ from mpic.engine.vllm_adapter import VllmLayerAdapter
 from mpic.engine.vllm_paged_kv import PagedLinkedKV
 from mpic.engine.vllm_plugin import current_runner
 from mpic.errors import MPICError
-from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import get_policy
-from mpic.linker.selective_prefill import selective_prefill
-from mpic.linker.two_step import prefill_text_first
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
@@ -206,37 +205,27 @@ class MPICConnector(KVConnectorBase_V1):
             )
 
     def _link(self, job: LinkJob) -> None:
-        """Selective prefill of the whole prompt of one request into its paged blocks.
+        """The linker's `link_and_prefill` over the whole prompt, into the request's blocks.
 
         Token N-1 runs too (its block exists already), so in-pass selections see the same
-        tokens as in the reference runner; vLLM's forward then recomputes it identically.
+        tokens as in the reference runner; vLLM's forward then recomputes it identically. The
+        policy re-derives the plan's depths (deterministic: the front end's choice).
         """
         adapter = self._model_adapter()
-        plan, policy = vllm_params.plan_from_params(job.params, job.token_ids)
+        plan, name = vllm_params.plan_from_params(job.params, job.token_ids)
         store = self._entry_store()
         entries = [store.get(entry_id) for entry_id in plan.entry_ids]
+        policy = get_policy(name)
         num_layers = adapter.num_layers
-        policy_obj = get_policy(policy)
-        hook = policy_obj.layer_hook(plan, num_layers)
         layers = [adapter.attention_layer(i) for i in range(num_layers)]
         mirror = None
-        if hook is not None:  # a runtime selection reads linked keys back (CacheBlend)
+        if policy.layer_hook(plan, num_layers) is not None:  # reads linked keys (CacheBlend)
             shape = (num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
             mirror = torch.zeros(shape, dtype=adapter.dtype)
-        kv = PagedLinkedKV(
-            layers,
-            [self._kv_caches[layer.layer_name] for layer in layers],
-            job.block_ids,
-            self._block_size,
-            keys=mirror,
-        )
+        caches = [self._kv_caches[layer.layer_name] for layer in layers]
+        kv = PagedLinkedKV(layers, caches, job.block_ids, self._block_size, keys=mirror)
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
-        if policy_obj.two_step:  # full reuse, CacheBlend: text KV first, without the items
-            prefill_text_first(adapter, plan, kv)
-        link_entries(kv, plan, entries, adapter.rope, num_layers)
-        index = torch.nonzero(plan.recompute_depth > 0).flatten()
-        embeds = gather_input_embeds(adapter, plan, entries, index)
-        selective_prefill(adapter, plan, kv, embeds, hook=hook, compute_logits=False)
+        link_and_prefill(adapter, plan, entries, policy, kv)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of requests whose entries could not be loaded this step (then cleared)."""

@@ -29,6 +29,15 @@ def contiguous_runs(index: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
+def _cache_format(attn: nn.Module) -> dict:
+    """The KV cache's dtype and quantisation scales, as vLLM's CPU ops take them."""
+    return {
+        "k_scale": attn._k_scale_float,
+        "v_scale": attn._v_scale_float,
+        "kv_cache_dtype": attn.impl.kv_cache_dtype,
+    }
+
+
 class PagedLinkedKV:
     """Linked KV of one prompt living in vLLM's paged cache (one tensor per attention layer).
 
@@ -80,9 +89,7 @@ class PagedLinkedKV:
             value_cache,
             self.slots(index),
             attn.isa,
-            k_scale=attn._k_scale_float,
-            v_scale=attn._v_scale_float,
-            kv_cache_dtype=attn.impl.kv_cache_dtype,
+            **_cache_format(attn),
         )
         if self._keys is not None:
             self._keys[layer, index] = k.to(self._keys.dtype)
@@ -103,18 +110,10 @@ class PagedLinkedKV:
         block_table = self._block_table.expand(len(runs), -1).contiguous()
         num_heads, head_dim = q.shape[1], q.shape[2]
         metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(runs),
-            num_heads=num_heads,
-            num_kv_heads=impl.num_kv_heads,
-            head_dim=head_dim,
-            seq_lens=seq_lens,
-            dtype=q.dtype,
-            query_start_loc=starts,
-            causal=True,
-            sliding_window_size=-1,
-            isa=attn.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=impl.kv_cache_dtype,
+            num_reqs=len(runs), num_heads=num_heads, num_kv_heads=impl.num_kv_heads,
+            head_dim=head_dim, seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts,
+            causal=True, sliding_window_size=-1, isa=attn.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=impl.kv_cache_dtype,
         )
         key_cache, value_cache = self._split(layer)
         out = torch.empty_like(q)
@@ -133,8 +132,6 @@ class PagedLinkedKV:
             softcap=0.0,
             scheduler_metadata=metadata,
             s_aux=None,
-            k_scale=attn._k_scale_float,
-            v_scale=attn._v_scale_float,
-            kv_cache_dtype=impl.kv_cache_dtype,
+            **_cache_format(attn),
         )
         return out
