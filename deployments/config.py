@@ -81,8 +81,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
     max_tokens_default: int = Field(16, ge=1, description="max_tokens when a request omits it.")
     system_prompt: str | None = Field(
-        None, description="System prompt of the canonical context entries are cached in (and of "
-        "prompts without a system message); None: the chat template's default."
+        None,
+        description="System prompt of the canonical context entries are cached in (and of "
+        "prompts without a system message); None: the chat template's default.",
     )
 
 

@@ -34,12 +34,20 @@ def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -
     files, streamed; TTFT = the first content chunk."""
     from mpic.benchmarks.offline import interleaved_prompt
 
-    content = [{"type": "text", "text": p} if isinstance(p, str)
-               else {"type": "file", "file": {"file_id": p.entry_id}}
-               for p in interleaved_prompt(file_ids)]
-    body = {"model": "mpic", "stream": True, "max_tokens": max_tokens,
-            "stream_options": {"include_usage": True}, "mpic": {"policy": policy},
-            "messages": [{"role": "user", "content": content}]}
+    content = [
+        {"type": "text", "text": p}
+        if isinstance(p, str)
+        else {"type": "file", "file": {"file_id": p.entry_id}}
+        for p in interleaved_prompt(file_ids)
+    ]
+    body = {
+        "model": "mpic",
+        "stream": True,
+        "max_tokens": max_tokens,
+        "stream_options": {"include_usage": True},
+        "mpic": {"policy": policy},
+        "messages": [{"role": "user", "content": content}],
+    }
     t0, ttft, text, usage = time.perf_counter(), None, [], {}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -54,21 +62,30 @@ def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
                     text.append(piece)
             usage = chunk.get("usage") or usage
-    return DemoRow(policy, "".join(text), ttft or float("nan"), usage.get("prompt_tokens", 0),
-                   usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
+    return DemoRow(
+        policy,
+        "".join(text),
+        ttft or float("nan"),
+        usage.get("prompt_tokens", 0),
+        usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+    )
 
 
 def run_demo(url: str, key: str, policies: list[str], max_tokens: int) -> list[DemoRow]:
     """Upload the three images and ask with every policy (one warm-up request first)."""
     from mpic.benchmarks.offline import synthetic_png
 
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"},
-                      timeout=300) as http:
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300
+    ) as http:
         ids = []
         for i in range(3):  # the offline demo's three images
             data = synthetic_png(i)
-            resp = http.post("/v1/files", files={"file": (f"trip-{i}.png", data, "image/png")},
-                             data={"purpose": "vision", "ttl_seconds": "3600"})
+            resp = http.post(
+                "/v1/files",
+                files={"file": (f"trip-{i}.png", data, "image/png")},
+                data={"purpose": "vision", "ttl_seconds": "3600"},
+            )
             resp.raise_for_status()
             ids.append(resp.json()["id"])
         ask(http, ids, policies[0], 1)  # warm-up: first-request costs are not a policy's
@@ -86,13 +103,22 @@ def print_rows(rows: list[DemoRow]) -> None:
         table.add_column(col)
     for r in rows:
         speed = f"{base / r.ttft_s:.2f}x" if base else "-"
-        table.add_row(r.policy, f"{r.ttft_s * 1e3:.1f}", speed,
-                      f"{r.cached_tokens}/{r.prompt_tokens}", repr(r.answer))
+        table.add_row(
+            r.policy,
+            f"{r.ttft_s * 1e3:.1f}",
+            speed,
+            f"{r.cached_tokens}/{r.prompt_tokens}",
+            repr(r.answer),
+        )
     Console().print(table)
 
 
-def http_demo(url: str = "http://127.0.0.1:8000", key: str = "mpic-dev-alice",
-              policies: str = DEFAULT_POLICIES, max_tokens: int = 8) -> None:
+def http_demo(
+    url: str = "http://127.0.0.1:8000",
+    key: str = "mpic-dev-alice",
+    policies: str = DEFAULT_POLICIES,
+    max_tokens: int = 8,
+) -> None:
     """Start the embedded server if none answers at `url`, run the demo, print the table."""
     from mpic.deployments.config import load_config
     from mpic.deployments.local import is_serving, start_local, stop_local

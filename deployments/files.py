@@ -18,19 +18,29 @@ def open_library(cfg: StorageConfig, entries: EntryStore | None = None) -> Stati
     """A StaticLibrary over the configured store; catalog-only replicas pass no EntryStore
     (they never write entries, so no memory tier is kept for them)."""
     if entries is None:
-        entries = EntryStore.from_config(cfg.model_copy(update={"memory_bytes": 0,
-                                                                "disk_cache_dir": None}))
-    return StaticLibrary(entries.objects, entries, default_ttl_s=cfg.file_ttl_s,
-                         max_ttl_s=cfg.max_file_ttl_s, grace_s=cfg.sweep_grace_s,
-                         tombstone_ttl_s=cfg.tombstone_ttl_s)
+        entries = EntryStore.from_config(
+            cfg.model_copy(update={"memory_bytes": 0, "disk_cache_dir": None})
+        )
+    return StaticLibrary(
+        entries.objects,
+        entries,
+        default_ttl_s=cfg.file_ttl_s,
+        max_ttl_s=cfg.max_file_ttl_s,
+        grace_s=cfg.sweep_grace_s,
+        tombstone_ttl_s=cfg.tombstone_ttl_s,
+    )
 
 
 def file_object(rec: FileRecord) -> FileObject:
     """OpenAI file object of a catalog record."""
     return FileObject(
-        id=rec.file_id, bytes=rec.bytes, created_at=int(rec.created_at),
-        expires_at=int(rec.expires_at), filename=rec.name,
-        purpose=getattr(rec, "purpose", "vision"), tokens=rec.token_count,
+        id=rec.file_id,
+        bytes=rec.bytes,
+        created_at=int(rec.created_at),
+        expires_at=int(rec.expires_at),
+        filename=rec.name,
+        purpose=getattr(rec, "purpose", "vision"),
+        tokens=rec.token_count,
         status="processed" if rec.status == "active" else "expired",
     )
 

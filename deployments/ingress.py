@@ -61,8 +61,12 @@ def _usage(done: DoneEvent) -> Usage:
 
 def _mpic_info(policy: str, done: DoneEvent, ttft: float, retrieved: list[str]) -> dict:
     return {
-        "policy": policy, "ttft_s": ttft, "engine_ttft_s": done.ttft_s,
-        "tier_hits": done.tier_hits, "fallbacks": done.fallbacks, "retrieved": retrieved,
+        "policy": policy,
+        "ttft_s": ttft,
+        "engine_ttft_s": done.ttft_s,
+        "tier_hits": done.tier_hits,
+        "fallbacks": done.fallbacks,
+        "retrieved": retrieved,
     }
 
 
@@ -178,9 +182,16 @@ class Ingress:
         assert done is not None, "the worker always ends with a DoneEvent"
         self.metrics.record(prompt.policy, done, ttft, time.perf_counter() - t_first)
         out = ChatCompletion(
-            id=rid, created=created, model=body.model, usage=_usage(done),
-            choices=[Choice(message=AssistantMessage(content="".join(text)),
-                            finish_reason=done.finish_reason)],
+            id=rid,
+            created=created,
+            model=body.model,
+            usage=_usage(done),
+            choices=[
+                Choice(
+                    message=AssistantMessage(content="".join(text)),
+                    finish_reason=done.finish_reason,
+                )
+            ],
             mpic=_mpic_info(prompt.policy, done, ttft, prompt.retrieved),
         )
         return Response(out.model_dump_json(), media_type="application/json")
@@ -188,7 +199,10 @@ class Ingress:
     async def _sse(self, events, body, rid, created, policy, t0) -> AsyncIterator[str]:
         def chunk(delta: Delta, finish=None, usage=None) -> str:
             c = ChatCompletionChunk(
-                id=rid, created=created, model=body.model, usage=usage,
+                id=rid,
+                created=created,
+                model=body.model,
+                usage=usage,
                 choices=[ChunkChoice(delta=delta, finish_reason=finish)] if delta else [],
             )
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
@@ -225,7 +239,9 @@ class Ingress:
 
     @app.post("/v1/admin/collections/{name}/refresh")
     async def admin_refresh(
-        self, name: str, body: RefreshBody,
+        self,
+        name: str,
+        body: RefreshBody,
         authorization: Annotated[str | None, Header()] = None,
     ):
         """Admin: build a new version from a source folder/prefix and swap it in atomically."""
@@ -234,7 +250,9 @@ class Ingress:
 
     @app.post("/v1/admin/collections/{name}/rollback")
     async def admin_rollback(
-        self, name: str, body: RollbackBody,
+        self,
+        name: str,
+        body: RollbackBody,
         authorization: Annotated[str | None, Header()] = None,
     ):
         """Admin: make an earlier version current again."""

@@ -36,7 +36,10 @@ class Linker:
     """Turns an OpenAI chat body into resolved turns for the worker."""
 
     def __init__(
-        self, config: ServeAppConfig, encoder: DeploymentHandle, retriever: DeploymentHandle,
+        self,
+        config: ServeAppConfig,
+        encoder: DeploymentHandle,
+        retriever: DeploymentHandle,
         worker: DeploymentHandle,
     ) -> None:
         self.cfg = config
@@ -58,7 +61,9 @@ class Linker:
             retrieved = await self._retrieve(turns, spec)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return LinkedPrompt(
-            turns=turns, policy=policy, retrieved=retrieved,
+            turns=turns,
+            policy=policy,
+            retrieved=retrieved,
             max_tokens=max_tokens or self.cfg.engine.max_tokens_default,
         )
 

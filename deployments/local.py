@@ -22,8 +22,14 @@ from mpic.deployments.config import ServeAppConfig
 
 logger = logging.getLogger(__name__)
 
-_ENV_PASSED = ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS", "MPIC_S3_ACCESS_KEY", "MPIC_S3_SECRET_KEY",
-               "MPIC_HOME", "OMP_NUM_THREADS")
+_ENV_PASSED = (
+    "MPIC_API_KEYS",
+    "MPIC_ADMIN_KEYS",
+    "MPIC_S3_ACCESS_KEY",
+    "MPIC_S3_SECRET_KEY",
+    "MPIC_HOME",
+    "OMP_NUM_THREADS",
+)
 
 
 def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfig:
@@ -42,7 +48,10 @@ def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfi
 
 
 def start_local(
-    cfg: ServeAppConfig, port: int = 8000, num_cpus: int | None = None, timeout_s: float = 300,
+    cfg: ServeAppConfig,
+    port: int = 8000,
+    num_cpus: int | None = None,
+    timeout_s: float = 300,
     log_to_driver: bool = True,
 ) -> str:
     """Start Ray + Serve on 127.0.0.1:`port` with the application; returns the base URL.
@@ -55,9 +64,13 @@ def start_local(
     cfg = prepare_local(cfg)
     env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 runtime_env={"env_vars": env}, logging_level=logging.WARNING,
-                 log_to_driver=log_to_driver)
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+        )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
     url = f"http://127.0.0.1:{port}"

@@ -26,12 +26,18 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
-            "mpic_ttft_seconds", "Time to first token seen by the ingress.", ["policy"],
-            buckets=_TTFT_BUCKETS, registry=r,
+            "mpic_ttft_seconds",
+            "Time to first token seen by the ingress.",
+            ["policy"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.tokens_per_s = Histogram(
-            "mpic_output_tokens_per_second", "Decode speed per request.", ["policy"],
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=r,
+            "mpic_output_tokens_per_second",
+            "Decode speed per request.",
+            ["policy"],
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000),
+            registry=r,
         )
         self.requests = Counter(
             "mpic_requests", "Chat requests by outcome.", ["policy", "outcome"], registry=r
@@ -69,7 +75,7 @@ class ServeMetrics:
             from ray import serve
 
             app = serve.status().applications.get(app_name)
-            for name, dep in (app.deployments.items() if app else []):
+            for name, dep in app.deployments.items() if app else []:
                 running = dep.replica_states.get("RUNNING", 0)
                 self.replicas.labels(name).set(running)
         except Exception:  # the controller may be briefly unreachable; metrics must still serve

@@ -44,8 +44,9 @@ def prompt_parts(
             system_prompt = "".join(s.text for s in turn.segments)
             continue
         if turn.role == "assistant":
-            raise InvalidRequestError("assistant turns (multi-turn chats) are not supported",
-                                      param="messages")
+            raise InvalidRequestError(
+                "assistant turns (multi-turn chats) are not supported", param="messages"
+            )
         for seg in turn.segments:
             if seg.kind == "text":
                 parts.append(seg.text)
@@ -63,7 +64,7 @@ def token_events(tokenizer, tokens: Iterable[int]) -> Iterator[TokenEvent]:
     for token in tokens:
         seen.append(token)
         full = tokenizer.decode(seen, skip_special_tokens=True)
-        yield TokenEvent(full[len(text):] if full.startswith(text) else full)
+        yield TokenEvent(full[len(text) :] if full.startswith(text) else full)
         text = full
 
 

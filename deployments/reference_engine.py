@@ -67,8 +67,9 @@ class ReferenceServeEngine(ServeEngine):
         """Decode (415 if not an image) and run vision tower + projector: [T, hidden]."""
         content_hash, media_type = identify_image(image_bytes)
         with self._lock, torch.inference_mode():
-            (embeds,) = encode_images(self.runner.model, self.runner.processor,
-                                      [load_image(image_bytes)])
+            (embeds,) = encode_images(
+                self.runner.model, self.runner.processor, [load_image(image_bytes)]
+            )
         return EncodedImage(image_bytes, content_hash, media_type, embeds.detach().cpu())
 
     def entry_id(self, media: bytes) -> str:
@@ -78,8 +79,13 @@ class ReferenceServeEngine(ServeEngine):
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
         """KV of [canonical context + image] (a plain prefill of those tokens)."""
         with self._lock:
-            return compute_entry(self.runner.adapter, self.runner.spec, self._context_ids,
-                                 image.input_embeds, entry_id)
+            return compute_entry(
+                self.runner.adapter,
+                self.runner.spec,
+                self._context_ids,
+                image.input_embeds,
+                entry_id,
+            )
 
     def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
@@ -102,8 +108,9 @@ class ReferenceServeEngine(ServeEngine):
             with self._lock:
                 self.runner.entries = table
                 try:
-                    for token, pre in self.runner.stream(parts, prompt.policy, prompt.max_tokens,
-                                                         system_prompt=system):
+                    for token, pre in self.runner.stream(
+                        parts, prompt.policy, prompt.max_tokens, system_prompt=system
+                    ):
                         out.put((token, pre))
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                     out.put(exc)

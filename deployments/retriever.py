@@ -25,8 +25,9 @@ class Retriever:
     """Search and admin routes of the dynamic library."""
 
     def __init__(self, config: ServeAppConfig, worker: DeploymentHandle) -> None:
-        entries = EntryStore.from_config(config.store.model_copy(
-            update={"memory_bytes": 0, "disk_cache_dir": None}))
+        entries = EntryStore.from_config(
+            config.store.model_copy(update={"memory_bytes": 0, "disk_cache_dir": None})
+        )
         self.service = RetrieverService(entries.objects, entries)
         self.worker = worker
 
@@ -38,8 +39,10 @@ class Retriever:
     def collections(self) -> dict[str, Any]:
         """Collections and their current versions."""
         names = self.service.collections()
-        return {"object": "list", "data": [
-            {"collection": n, "current": self.service.versions(n)[1]} for n in names]}
+        return {
+            "object": "list",
+            "data": [{"collection": n, "current": self.service.versions(n)[1]} for n in names],
+        }
 
     def versions(self, collection: str) -> dict[str, Any]:
         """Versions of one collection, oldest first (404 for an unknown collection)."""
@@ -54,12 +57,21 @@ class Retriever:
             return self.worker.make_entry.remote(media).result()
 
         report = self.service.refresh(
-            collection, open_source(source), make_entry, model_fingerprint=fingerprint,
+            collection,
+            open_source(source),
+            make_entry,
+            model_fingerprint=fingerprint,
             captions=read_captions(captions),
         )
-        return {"collection": report.collection, "version": report.version,
-                "parent": report.parent, "items": report.items, "computed": report.computed,
-                "reused": report.reused, "removed": report.removed}
+        return {
+            "collection": report.collection,
+            "version": report.version,
+            "parent": report.parent,
+            "items": report.items,
+            "computed": report.computed,
+            "reused": report.reused,
+            "removed": report.removed,
+        }
 
     def rollback(self, collection: str, version: str) -> dict[str, Any]:
         """Make an earlier version current again (404 for an unknown one)."""

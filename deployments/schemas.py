@@ -99,8 +99,9 @@ class MPICOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy: str = Field("mpic-32", description="Token-selection policy (linker registry name).")
     retrieval: RetrievalSpec | Literal["auto"] | None = Field(
-        None, description='MRAG over a dynamic-library collection (mpic.retriever.query), or '
-        '"auto": the default collection in auto mode (linked only when close enough).'
+        None,
+        description="MRAG over a dynamic-library collection (mpic.retriever.query), or "
+        '"auto": the default collection in auto mode (linked only when close enough).',
     )
 
 

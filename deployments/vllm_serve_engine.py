@@ -59,8 +59,9 @@ class VLLMServeEngine(ServeEngine):
         if role == "worker":
             from mpic.engine.vllm_engine import VllmEngine, VllmEngineConfig
 
-            self.vllm = VllmEngine(VllmEngineConfig(model=cfg.model, dtype=cfg.dtype,
-                                                    storage=store))
+            self.vllm = VllmEngine(
+                VllmEngineConfig(model=cfg.model, dtype=cfg.dtype, storage=store)
+            )
 
     @property
     def fingerprint(self) -> str:
@@ -103,11 +104,13 @@ class VLLMServeEngine(ServeEngine):
         ids = render_prompt_ids(self.processor, parts, system)
         items = resolve_entries(image_refs(parts), table)
         plan = build_plan(self.spec, ids, items, prompt.max_tokens)
-        plan = get_policy(prompt.policy).apply(plan, unique_entries(plan, items),
-                                               self.spec.num_layers)
+        plan = get_policy(prompt.policy).apply(
+            plan, unique_entries(plan, items), self.spec.num_layers
+        )
         with self._lock:
-            (result,) = self.vllm.generate([linked_request(plan, prompt.policy, self.spec)],
-                                           prompt.max_tokens)
+            (result,) = self.vllm.generate(
+                [linked_request(plan, prompt.policy, self.spec)], prompt.max_tokens
+            )
         elapsed = time.perf_counter() - start
         yield from token_events(self.processor.tokenizer, result.token_ids)
         yield DoneEvent(

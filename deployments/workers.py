@@ -61,8 +61,14 @@ class LLMWorker:
     def upload(self, user: str, name: str, image: EncodedImage, ttl_s: float | None) -> FileObject:
         """Compute `image`'s canonical KV and register the file in `user`'s namespace."""
         entry = self.engine.compute_entry(self.engine.entry_id(image.media), image)
-        rec = self.library.add_file(user, name=name, media_type=image.media_type,
-                                    media=image.media, entry=entry, ttl_s=ttl_s)
+        rec = self.library.add_file(
+            user,
+            name=name,
+            media_type=image.media_type,
+            media=image.media,
+            entry=entry,
+            ttl_s=ttl_s,
+        )
         return file_object(rec)
 
     def fingerprint(self) -> str:
@@ -71,8 +77,9 @@ class LLMWorker:
 
     def make_entry(self, media: bytes) -> CacheEntry:
         """The canonical entry of an image (dynamic-library refresh); not stored here."""
-        return self.engine.compute_entry(self.engine.entry_id(media),
-                                         self.engine.encode_image(media))
+        return self.engine.compute_entry(
+            self.engine.entry_id(media), self.engine.encode_image(media)
+        )
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (400) for an unknown policy name."""
@@ -88,9 +95,14 @@ class LLMWorker:
         segs = {s.entry_id: s for t in prompt.turns for s in t.segments if s.kind == "entry"}
         keys = list(segs)
         store = self.cfg.store
-        with fetch_entries(self.entries, keys, lambda k: self._recompute(segs[k]), pin=True,
-                           max_workers=store.load_workers,
-                           load_timeout_s=store.load_timeout_s) as got:
+        with fetch_entries(
+            self.entries,
+            keys,
+            lambda k: self._recompute(segs[k]),
+            pin=True,
+            max_workers=store.load_workers,
+            load_timeout_s=store.load_timeout_s,
+        ) as got:
             tiers = Counter(src for src in got.sources if src != "computed")
             for ev in self.engine.generate(prompt, dict(zip(keys, got.entries, strict=True))):
                 if isinstance(ev, DoneEvent):

@@ -42,17 +42,31 @@ def serve_config(model_dir: Path, store_dir: Path):
     from mpic.deployments.config import ServeAppConfig
 
     small = {"num_cpus": 0.1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
-    return ServeAppConfig.model_validate({
-        "engine": {"kind": "reference", "model": str(model_dir), "max_tokens_default": 6},
-        "store": {"url": store_dir.as_uri(), "fsync": False, "memory_bytes": 64 << 20},
-        "auth": {"mode": "production"},
-        "limits": {"max_upload_bytes": MAX_UPLOAD},
-        "ingress": small, "encoder": small, "retriever": small, "linker": small,
-        "llm_worker": {"num_cpus": 0.1, "max_ongoing_requests": 8, "autoscaling": {
-            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-            "upscale_delay_s": 0.5, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
-            "look_back_period_s": 2}},
-    })
+    return ServeAppConfig.model_validate(
+        {
+            "engine": {"kind": "reference", "model": str(model_dir), "max_tokens_default": 6},
+            "store": {"url": store_dir.as_uri(), "fsync": False, "memory_bytes": 64 << 20},
+            "auth": {"mode": "production"},
+            "limits": {"max_upload_bytes": MAX_UPLOAD},
+            "ingress": small,
+            "encoder": small,
+            "retriever": small,
+            "linker": small,
+            "llm_worker": {
+                "num_cpus": 0.1,
+                "max_ongoing_requests": 8,
+                "autoscaling": {
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "target_ongoing_requests": 1,
+                    "upscale_delay_s": 0.5,
+                    "downscale_delay_s": 600,
+                    "metrics_interval_s": 0.5,
+                    "look_back_period_s": 2,
+                },
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +75,13 @@ def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from mpic.deployments.local import start_local, stop_local
 
     saved = {k: os.environ.get(k) for k in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS", "OMP_NUM_THREADS")}
-    os.environ.update({"MPIC_API_KEYS": json.dumps(KEYS),
-                       "MPIC_ADMIN_KEYS": json.dumps([ADMIN_KEY]), "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "MPIC_API_KEYS": json.dumps(KEYS),
+            "MPIC_ADMIN_KEYS": json.dumps([ADMIN_KEY]),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("serve-store"))
     try:
         url = start_local(cfg, port=_free_port(), num_cpus=2, log_to_driver=False)
@@ -93,16 +112,26 @@ def upload(app: ServeApp, key: str, data: bytes, name: str = "x.png", **form: st
     """POST /v1/files; returns the httpx response."""
     import httpx
 
-    return httpx.post(f"{app.url}/v1/files", headers=app.headers(key), timeout=120,
-                      files={"file": (name, data, "image/png")},
-                      data={"purpose": "vision", **form})
+    return httpx.post(
+        f"{app.url}/v1/files",
+        headers=app.headers(key),
+        timeout=120,
+        files={"file": (name, data, "image/png")},
+        data={"purpose": "vision", **form},
+    )
 
 
 def chat(app: ServeApp, key: str, content: list, policy: str = "mpic-4", **body):
     """POST /v1/chat/completions (non-streaming); returns the httpx response."""
     import httpx
 
-    payload = {"model": "mpic", "max_tokens": 6, "mpic": {"policy": policy},
-               "messages": [{"role": "user", "content": content}], **body}
-    return httpx.post(f"{app.url}/v1/chat/completions", headers=app.headers(key), json=payload,
-                      timeout=120)
+    payload = {
+        "model": "mpic",
+        "max_tokens": 6,
+        "mpic": {"policy": policy},
+        "messages": [{"role": "user", "content": content}],
+        **body,
+    }
+    return httpx.post(
+        f"{app.url}/v1/chat/completions", headers=app.headers(key), json=payload, timeout=120
+    )

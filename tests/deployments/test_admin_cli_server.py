@@ -35,14 +35,14 @@ def test_admin_cli_over_http(serve_app: ServeApp, tmp_path: Path) -> None:
     listed = json.loads(run("list", "--json").output)
     row = next(r for r in listed if r["collection"] == "refs")
     shown = json.loads(run("show", "--collection", "refs", "--json").output)
-    assert len(shown["versions"]) == 2 and shown["current"] == row["current"] == shown[
-        "versions"][-1]
+    assert (
+        len(shown["versions"]) == 2 and shown["current"] == row["current"] == shown["versions"][-1]
+    )
     back = run("rollback", shown["versions"][0], "--collection", "refs")
     assert back.exit_code == 0, back.output
     shown = json.loads(run("show", "--collection", "refs", "--json").output)
     assert shown["current"] == shown["versions"][0]
     missing = run("show", "--collection", "nope", "--json")
     assert missing.exit_code == 2 and "server answered 404" in missing.output
-    user = cli.invoke(app, ["library", "list", "--server", serve_app.url, "--api-key",
-                            "alice-key"])
+    user = cli.invoke(app, ["library", "list", "--server", serve_app.url, "--api-key", "alice-key"])
     assert user.exit_code == 2 and "403" in user.output

@@ -42,8 +42,10 @@ def test_production_mode_has_no_builtin_keys() -> None:
 
 
 def test_env_keys_map_users_and_admins() -> None:
-    env = {"MPIC_API_KEYS": json.dumps({"k-a": "alice", "k-b": "bob"}),
-           "MPIC_ADMIN_KEYS": json.dumps(["k-root"])}
+    env = {
+        "MPIC_API_KEYS": json.dumps({"k-a": "alice", "k-b": "bob"}),
+        "MPIC_ADMIN_KEYS": json.dumps(["k-root"]),
+    }
     ring = KeyRing.from_config(AuthConfig(), env=env)
     assert ring.authenticate("Bearer k-a").user == "alice"
     assert not ring.authenticate("bearer k-b").is_admin
@@ -67,8 +69,15 @@ def test_keys_file_and_dev_mode(tmp_path: Path) -> None:
     assert ring.authenticate(f"Bearer {DEV_ADMIN_KEY}").is_admin
 
 
-@pytest.mark.parametrize("env", [{"MPIC_API_KEYS": "not json"}, {"MPIC_API_KEYS": "[1]"},
-                                 {"MPIC_ADMIN_KEYS": '{"a": 1}'}, {"MPIC_API_KEYS": '{"k": ""}'}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"MPIC_API_KEYS": "not json"},
+        {"MPIC_API_KEYS": "[1]"},
+        {"MPIC_ADMIN_KEYS": '{"a": 1}'},
+        {"MPIC_API_KEYS": '{"k": ""}'},
+    ],
+)
 def test_bad_key_config_is_a_typed_error(env: dict) -> None:
     with pytest.raises(InvalidRequestError):
         KeyRing.from_config(AuthConfig(), env=env)
@@ -81,10 +90,15 @@ class _Body(BaseModel):
 def _error_app() -> TestClient:
     app = FastAPI()
     install_error_handlers(app)
-    errors = {"401": AuthenticationError("no key"), "403": PermissionDeniedError("admin"),
-              "404": NotFoundError("nope", param="file_id"), "410": ExpiredError("gone"),
-              "413": PayloadTooLargeError("big"), "415": UnreadableMediaError("not an image"),
-              "400": InvalidRequestError("bad policy")}
+    errors = {
+        "401": AuthenticationError("no key"),
+        "403": PermissionDeniedError("admin"),
+        "404": NotFoundError("nope", param="file_id"),
+        "410": ExpiredError("gone"),
+        "413": PayloadTooLargeError("big"),
+        "415": UnreadableMediaError("not an image"),
+        "400": InvalidRequestError("bad policy"),
+    }
 
     @app.get("/raise/{code}")
     def _raise(code: str) -> None:
@@ -114,9 +128,12 @@ def test_malformed_body_is_422() -> None:
 
 
 def test_deployment_options_use_target_ongoing_requests() -> None:
-    cfg = DeploymentConfig(num_cpus=0.25, num_gpus=1, max_ongoing_requests=5,
-                           autoscaling={"min_replicas": 1, "max_replicas": 3,
-                                        "target_ongoing_requests": 1.5})
+    cfg = DeploymentConfig(
+        num_cpus=0.25,
+        num_gpus=1,
+        max_ongoing_requests=5,
+        autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1.5},
+    )
     opts = deployment_options("LLMWorker", cfg)
     assert opts["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1}
     auto = opts["autoscaling_config"]

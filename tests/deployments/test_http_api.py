@@ -25,8 +25,9 @@ def offline(tiny_llava_dir: Path):
     return ReferenceRunner(str(tiny_llava_dir))
 
 
-def _offline_answer(runner, parts: list, policy: str, max_tokens: int = 6,
-                    system: str | None = None) -> str:
+def _offline_answer(
+    runner, parts: list, policy: str, max_tokens: int = 6, system: str | None = None
+) -> str:
     gen = runner.generate(parts, policy, max_tokens, system_prompt=system)
     return runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
 
@@ -41,8 +42,13 @@ def test_answer_equals_offline_engine(serve_app: ServeApp, offline, policy: str)
 
     images = [png(11), png(12)]
     ids = [upload(serve_app, "alice-key", d).json()["id"] for d in images]
-    content = [{"type": "text", "text": "first"}, _file(ids[0]),
-               {"type": "text", "text": "then"}, _file(ids[1]), {"type": "text", "text": "why?"}]
+    content = [
+        {"type": "text", "text": "first"},
+        _file(ids[0]),
+        {"type": "text", "text": "then"},
+        _file(ids[1]),
+        {"type": "text", "text": "why?"},
+    ]
     resp = chat(serve_app, "alice-key", content, policy=policy)
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -60,10 +66,15 @@ def test_request_system_prompt_links_like_offline(serve_app: ServeApp, offline) 
     data = png(15)
     fid = upload(serve_app, "alice-key", data).json()["id"]
     system = "You answer in one word."
-    resp = chat(serve_app, "alice-key", [_file(fid), {"type": "text", "text": "colour?"}],
-                messages=[{"role": "system", "content": system},
-                          {"role": "user", "content": [_file(fid),
-                                                       {"type": "text", "text": "colour?"}]}])
+    resp = chat(
+        serve_app,
+        "alice-key",
+        [_file(fid), {"type": "text", "text": "colour?"}],
+        messages=[
+            {"role": "system", "content": system},
+            {"role": "user", "content": [_file(fid), {"type": "text", "text": "colour?"}]},
+        ],
+    )
     assert resp.status_code == 200, resp.text
     parts = [ImageRef(offline.cache_image(data).entry_id), "colour?"]
     expected = _offline_answer(offline, parts, "mpic-4", system=system)
@@ -98,17 +109,20 @@ def test_retrieval_and_admin_routes(serve_app: ServeApp, offline, tmp_path: Path
         (folder / name).write_bytes(data)
     admin = serve_app.headers(ADMIN_KEY)
     base = f"{serve_app.url}/v1/admin/collections"
-    forbidden = httpx.post(f"{base}/docs/refresh", json={"source": str(folder)},
-                           headers=serve_app.headers("alice-key"))
+    forbidden = httpx.post(
+        f"{base}/docs/refresh", json={"source": str(folder)}, headers=serve_app.headers("alice-key")
+    )
     assert forbidden.status_code == 403
     assert forbidden.json()["error"]["type"] == "permission_error"
-    first = httpx.post(f"{base}/docs/refresh", json={"source": str(folder)}, headers=admin,
-                       timeout=300)
+    first = httpx.post(
+        f"{base}/docs/refresh", json={"source": str(folder)}, headers=admin, timeout=300
+    )
     assert first.status_code == 200, first.text
     assert first.json()["items"] == 3 and first.json()["computed"] == 3
     (folder / "r0.png").unlink()
-    second = httpx.post(f"{base}/docs/refresh", json={"source": str(folder)}, headers=admin,
-                        timeout=300).json()
+    second = httpx.post(
+        f"{base}/docs/refresh", json={"source": str(folder)}, headers=admin, timeout=300
+    ).json()
     assert second["items"] == 2 and second["reused"] == 2 and second["removed"] == 1
     versions = httpx.get(f"{base}/docs/versions", headers=admin).json()
     assert versions["versions"] == sorted([first.json()["version"], second["version"]])
@@ -118,21 +132,32 @@ def test_retrieval_and_admin_routes(serve_app: ServeApp, offline, tmp_path: Path
 
     content = [{"type": "text", "text": "what do the references show?"}]
     spec = {"collection": "docs", "top_k": 2, "min_score": -1.0}
-    resp = chat(serve_app, "alice-key", content, policy="mpic-4", mpic={
-        "policy": "mpic-4", "retrieval": spec})
+    resp = chat(
+        serve_app,
+        "alice-key",
+        content,
+        policy="mpic-4",
+        mpic={"policy": "mpic-4", "retrieval": spec},
+    )
     assert resp.status_code == 200, resp.text
     retrieved = resp.json()["mpic"]["retrieved"]
     offline_ids = {offline.cache_image(d).entry_id: n for n, d in media.items()}
     assert len(retrieved) == 2 and {offline_ids[e] for e in retrieved} == {"r1.png", "r2.png"}
     parts = [ImageRef(e) for e in retrieved] + ["what do the references show?"]
     assert resp.json()["choices"][0]["message"]["content"] == _offline_answer(
-        offline, parts, "mpic-4")
+        offline, parts, "mpic-4"
+    )
 
-    back = httpx.post(f"{base}/docs/rollback", json={"version": first.json()["version"]},
-                      headers=admin)
+    back = httpx.post(
+        f"{base}/docs/rollback", json={"version": first.json()["version"]}, headers=admin
+    )
     assert back.status_code == 200 and back.json()["current"] == first.json()["version"]
-    resp = chat(serve_app, "alice-key", content, mpic={
-        "policy": "mpic-4", "retrieval": {**spec, "top_k": 3}})
+    resp = chat(
+        serve_app,
+        "alice-key",
+        content,
+        mpic={"policy": "mpic-4", "retrieval": {**spec, "top_k": 3}},
+    )
     assert {offline_ids[e] for e in resp.json()["mpic"]["retrieved"]} == set(media)
     missing = httpx.post(f"{base}/docs/rollback", json={"version": "nope"}, headers=admin)
     assert missing.status_code == 404
@@ -150,19 +175,27 @@ def _err(resp: httpx.Response, status: int) -> dict:
 def test_every_error_code(serve_app: ServeApp) -> None:
     url, alice = serve_app.url, serve_app.headers("alice-key")
     _err(httpx.get(f"{url}/v1/files"), 401)
-    assert _err(httpx.get(f"{url}/v1/files", headers=serve_app.headers("wrong")), 401)[
-        "type"] == "authentication_error"
+    assert (
+        _err(httpx.get(f"{url}/v1/files", headers=serve_app.headers("wrong")), 401)["type"]
+        == "authentication_error"
+    )
     _err(httpx.get(f"{url}/v1/admin/collections", headers=alice), 403)
     _err(httpx.get(f"{url}/v1/files/file-{'x' * 24}", headers=alice), 404)
     _err(upload(serve_app, "alice-key", b"\0" * (MAX_UPLOAD + 1)), 413)
-    assert _err(upload(serve_app, "alice-key", b"GIF89a-not-really"), 415)[
-        "code"] == "unsupported_media_type"
+    assert (
+        _err(upload(serve_app, "alice-key", b"GIF89a-not-really"), 415)["code"]
+        == "unsupported_media_type"
+    )
     _err(upload(serve_app, "alice-key", png(1), purpose="fine-tune"), 422)
     _err(httpx.post(f"{url}/v1/chat/completions", headers=alice, json={"model": "m"}), 422)
     bad_part = [{"type": "video", "video": {}}]
     _err(chat(serve_app, "alice-key", bad_part), 422)
-    assert _err(chat(serve_app, "alice-key", [{"type": "text", "text": "hi"}], policy="magic"),
-                400)["param"] == "mpic.policy"
+    assert (
+        _err(chat(serve_app, "alice-key", [{"type": "text", "text": "hi"}], policy="magic"), 400)[
+            "param"
+        ]
+        == "mpic.policy"
+    )
     remote = [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
     _err(chat(serve_app, "alice-key", remote), 400)
 
@@ -191,12 +224,22 @@ def test_user_isolation(serve_app: ServeApp) -> None:
 
 def test_sse_stream_and_metrics(serve_app: ServeApp) -> None:
     fid = upload(serve_app, "alice-key", png(51)).json()["id"]
-    body = {"model": "m", "stream": True, "max_tokens": 4, "mpic": {"policy": "mpic-4"},
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": [_file(fid), {"type": "text", "text": "?"}]}]}
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 4,
+        "mpic": {"policy": "mpic-4"},
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": [_file(fid), {"type": "text", "text": "?"}]}],
+    }
     events = []
-    with httpx.stream("POST", f"{serve_app.url}/v1/chat/completions", json=body, timeout=120,
-                      headers=serve_app.headers("alice-key")) as resp:
+    with httpx.stream(
+        "POST",
+        f"{serve_app.url}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers=serve_app.headers("alice-key"),
+    ) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
@@ -207,7 +250,12 @@ def test_sse_stream_and_metrics(serve_app: ServeApp) -> None:
     assert sum(1 for c in chunks if c["choices"] and "content" in c["choices"][0]["delta"]) == 4
     assert httpx.get(f"{serve_app.url}/healthz").json() == {"status": "ok"}
     text = httpx.get(f"{serve_app.url}/metrics").text
-    for series in ["mpic_ttft_seconds_count", "mpic_output_tokens_per_second_count",
-                   'mpic_cache_hits_total{tier="memory"}', "mpic_fallbacks_total",
-                   'mpic_replicas{deployment="LLMWorker"}', "mpic_cached_tokens_total"]:
+    for series in [
+        "mpic_ttft_seconds_count",
+        "mpic_output_tokens_per_second_count",
+        'mpic_cache_hits_total{tier="memory"}',
+        "mpic_fallbacks_total",
+        'mpic_replicas{deployment="LLMWorker"}',
+        "mpic_cached_tokens_total",
+    ]:
         assert series in text, series

@@ -21,8 +21,12 @@ def _docs(path: Path) -> list[dict]:
 
 
 def _serve_configs() -> list[tuple[str, dict]]:
-    out = [("deployments/serve_config.yaml", yaml.safe_load(
-        (ROOT / "deployments" / "serve_config.yaml").read_text()))]
+    out = [
+        (
+            "deployments/serve_config.yaml",
+            yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text()),
+        )
+    ]
     for path in MANIFESTS:
         for doc in _docs(path):
             if doc.get("kind") == "RayService":
@@ -71,8 +75,11 @@ def test_serve_config_resolves_to_code(name: str, serve_cfg: dict) -> None:
     graph = builder(cfg)
     built = _bound_names(graph)
     assert built == set(DEPLOYMENT_NAMES)
-    for key, dep in zip(["ingress", "encoder", "retriever", "linker", "llm_worker"],
-                        ["Ingress", "Encoder", "Retriever", "Linker", "LLMWorker"], strict=True):
+    for key, dep in zip(
+        ["ingress", "encoder", "retriever", "linker", "llm_worker"],
+        ["Ingress", "Encoder", "Retriever", "Linker", "LLMWorker"],
+        strict=True,
+    ):
         opts = deployment_options(dep, getattr(cfg, key))
         assert opts["autoscaling_config"]["target_ongoing_requests"] > 0
     if name != "deployments/serve_config.yaml":
@@ -88,6 +95,7 @@ def _bound_names(app) -> set[str]:
         dep = stack.pop()._bound_deployment
         seen.add(dep.name)
         rc = dep._replica_config
-        stack.extend(a for a in [*rc.init_args, *rc.init_kwargs.values()]
-                     if hasattr(a, "_bound_deployment"))
+        stack.extend(
+            a for a in [*rc.init_args, *rc.init_kwargs.values()] if hasattr(a, "_bound_deployment")
+        )
     return seen

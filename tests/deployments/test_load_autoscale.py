@@ -32,8 +32,17 @@ def test_low_target_ongoing_requests_adds_a_replica(serve_app: ServeApp) -> None
 
     def load() -> None:
         while not done.is_set():
-            asyncio.run(run_load_async(serve_app.url, "alice-key", ids, clients=6,
-                                       duration_s=3, policy="full", max_tokens=16))
+            asyncio.run(
+                run_load_async(
+                    serve_app.url,
+                    "alice-key",
+                    ids,
+                    clients=6,
+                    duration_s=3,
+                    policy="full",
+                    max_tokens=16,
+                )
+            )
 
     thread = threading.Thread(target=load, daemon=True)
     thread.start()
@@ -51,8 +60,11 @@ def test_short_load_run(serve_app: ServeApp, tmp_path) -> None:
     from mpic.benchmarks.load import run_load_async, upload_images, write_outputs
 
     ids = upload_images(serve_app.url, "alice-key", 2)
-    res = asyncio.run(run_load_async(serve_app.url, "alice-key", ids, clients=4, duration_s=4,
-                                     policy="mpic-4", max_tokens=4))
+    res = asyncio.run(
+        run_load_async(
+            serve_app.url, "alice-key", ids, clients=4, duration_s=4, policy="mpic-4", max_tokens=4
+        )
+    )
     assert res.errors == 0, res.error_samples
     assert res.requests >= 4 and res.output_tokens == 4 * res.requests
     assert 0 < res.ttft_p50_s <= res.ttft_p99_s < 30

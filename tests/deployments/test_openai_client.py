@@ -21,33 +21,43 @@ def client(serve_app: ServeApp):
 
 def test_openai_files_and_chat(client) -> None:
     data = png(7)
-    created = client.files.create(file=("cat.png", io.BytesIO(data), "image/png"),
-                                  purpose="vision")
+    created = client.files.create(file=("cat.png", io.BytesIO(data), "image/png"), purpose="vision")
     assert created.id.startswith("file-") and created.bytes == len(data)
     assert created.model_extra["tokens"] == 16  # the tiny LLaVA's T
     assert created.purpose == "vision"
     assert created.id in [f.id for f in client.files.list()]
     assert client.files.retrieve(created.id).filename == "cat.png"
-    short = client.files.create(file=("dog.png", io.BytesIO(png(8)), "image/png"),
-                                purpose="user_data",
-                                expires_after={"anchor": "created_at", "seconds": 3600})
+    short = client.files.create(
+        file=("dog.png", io.BytesIO(png(8)), "image/png"),
+        purpose="user_data",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
     assert short.expires_at - short.created_at == 3600
 
-    content = [{"type": "text", "text": "Describe"},
-               {"type": "file", "file": {"file_id": created.id}},
-               {"type": "text", "text": "in one word."}]
+    content = [
+        {"type": "text", "text": "Describe"},
+        {"type": "file", "file": {"file_id": created.id}},
+        {"type": "text", "text": "in one word."},
+    ]
     resp = client.chat.completions.create(
-        model="mpic", messages=[{"role": "user", "content": content}], max_tokens=5,
-        extra_body={"mpic": {"policy": "mpic-4"}})
+        model="mpic",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=5,
+        extra_body={"mpic": {"policy": "mpic-4"}},
+    )
     answer = resp.choices[0].message.content
     assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "length"
     assert resp.usage.prompt_tokens_details.cached_tokens == 16 - 4  # T - k linked tokens
     assert resp.usage.prompt_tokens > 16
 
     stream = client.chat.completions.create(
-        model="mpic", messages=[{"role": "user", "content": content}], max_tokens=5,
-        stream=True, stream_options={"include_usage": True},
-        extra_body={"mpic": {"policy": "mpic-4"}})
+        model="mpic",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"mpic": {"policy": "mpic-4"}},
+    )
     pieces, usage, finish = [], None, None
     for chunk in stream:
         if chunk.usage:

@@ -24,9 +24,14 @@ def vllm_url(serve_app: ServeApp, tiny_llava_dir: Path, tmp_path_factory) -> Ite
 
     cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("vllm-store"))
     one = cfg.llm_worker.model_copy(update={"autoscaling": cfg.encoder.autoscaling})
-    cfg = cfg.model_copy(update={
-        "name": "mpic-vllm", "route_prefix": "/vllm", "llm_worker": one,
-        "engine": cfg.engine.model_copy(update={"kind": "vllm"})})
+    cfg = cfg.model_copy(
+        update={
+            "name": "mpic-vllm",
+            "route_prefix": "/vllm",
+            "llm_worker": one,
+            "engine": cfg.engine.model_copy(update={"kind": "vllm"}),
+        }
+    )
     serve.run(build_app(prepare_local(cfg)), name=cfg.name, route_prefix=cfg.route_prefix)
     url = f"{serve_app.url}/vllm"
     wait_healthy(url, 300)
@@ -44,21 +49,35 @@ def test_vllm_worker_answers_like_the_reference_runner(vllm_url: str, tiny_llava
     images = [png(61), png(62)]
     ids = []
     for data in images:
-        resp = httpx.post(f"{vllm_url}/v1/files", headers=headers, timeout=300,
-                          files={"file": ("v.png", data, "image/png")}, data={"purpose": "vision"})
+        resp = httpx.post(
+            f"{vllm_url}/v1/files",
+            headers=headers,
+            timeout=300,
+            files={"file": ("v.png", data, "image/png")},
+            data={"purpose": "vision"},
+        )
         assert resp.status_code == 200, resp.text
         ids.append(resp.json()["id"])
-    content = [{"type": "text", "text": "first"}, {"type": "file", "file": {"file_id": ids[0]}},
-               {"type": "text", "text": "then"}, {"type": "file", "file": {"file_id": ids[1]}},
-               {"type": "text", "text": "why?"}]
+    content = [
+        {"type": "text", "text": "first"},
+        {"type": "file", "file": {"file_id": ids[0]}},
+        {"type": "text", "text": "then"},
+        {"type": "file", "file": {"file_id": ids[1]}},
+        {"type": "text", "text": "why?"},
+    ]
     runner = ReferenceRunner(str(tiny_llava_dir))
     entries = [runner.cache_image(d).entry_id for d in images]
     parts = ["first", ImageRef(entries[0]), "then", ImageRef(entries[1]), "why?"]
     for policy, linked in [("full", 0), ("mpic-4", 2 * (16 - 4))]:
-        body = {"model": "m", "max_tokens": 6, "mpic": {"policy": policy},
-                "messages": [{"role": "user", "content": content}]}
-        resp = httpx.post(f"{vllm_url}/v1/chat/completions", headers=headers, json=body,
-                          timeout=300)
+        body = {
+            "model": "m",
+            "max_tokens": 6,
+            "mpic": {"policy": policy},
+            "messages": [{"role": "user", "content": content}],
+        }
+        resp = httpx.post(
+            f"{vllm_url}/v1/chat/completions", headers=headers, json=body, timeout=300
+        )
         assert resp.status_code == 200, resp.text
         gen = runner.generate(parts, policy, 6)
         expected = runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
