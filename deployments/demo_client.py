@@ -1,4 +1,4 @@
-"""The HTTP demo (CLI process): `mpic demo --http` / `python -m mpic.deployments.demo_client`.
+"""The HTTP demo (CLI process): `mpic demo` / `python -m mpic.deployments.demo_client`.
 
 Starts the embedded server in this process if none answers at the URL, uploads the offline
 demo's three images, asks its interleaved question (text before, between and after the images)

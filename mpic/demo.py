@@ -1,9 +1,12 @@
 """`mpic demo` (CLI process): the README's main job on the embedded default.
 
 Makes the small random-weight LLaVA-like model if missing (under `MPICHome().models_dir`),
-caches three deterministic images, asks one interleaved question (text before, between and after
-the images) with each policy, and prints TTFT, the speed-up over `full` and the fidelity to
-`full` (first-token KL, agreement of 16 greedy tokens), using the offline benchmark's code.
+caches three deterministic images and asks one interleaved question (text before, between and
+after the images) with each policy. By default it goes over HTTP (`mpic.deployments.demo_client`:
+starts the Ray Serve app if none runs, uploads the images, prints answer and TTFT per policy);
+`--offline` times the reference engine in-process and prints TTFT, the speed-up over `full` and
+the fidelity to `full` (first-token KL, agreement of 16 greedy tokens), using the offline
+benchmark's code.
 """
 
 from __future__ import annotations
@@ -35,12 +38,20 @@ def command(
     policies: str = typer.Option(DEMO_POLICIES, "--policies", help="Comma-separated policies."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per policy (median)."),
     threads: int = typer.Option(1, "--threads", min=0, help="torch threads (0: torch default)."),
-    http: bool = typer.Option(
-        False, "--http", help="Over HTTP: start the Ray Serve app if none runs (docs/serving.md)."
+    offline: bool = typer.Option(
+        False,
+        "--offline",
+        help="Drive the reference engine in-process instead of the HTTP app (no Ray Serve).",
     ),
 ) -> None:
-    """Cache three images and ask one interleaved question with every policy."""
-    if http:
+    """Cache three images and ask one interleaved question with every policy.
+
+    By default over HTTP: starts the Ray Serve app if none runs, uploads the images and queries
+    it (docs/serving.md); `--offline` times the reference engine in-process."""
+    if not offline:
+        if model:
+            typer.echo("error: --model needs --offline (the server runs its configured model)", err=True)
+            raise typer.Exit(code=2)
         from mpic.deployments.demo_client import http_demo
 
         http_demo(policies=policies)
