@@ -50,7 +50,7 @@ def command(
     it (docs/serving.md); `--offline` times the reference engine in-process."""
     if not offline:
         if model:
-            typer.echo("error: --model needs --offline (the server runs its configured model)", err=True)
+            typer.echo("error: --model needs --offline (the server runs its own model)", err=True)
             raise typer.Exit(code=2)
         from mpic.deployments.demo_client import http_demo
 
