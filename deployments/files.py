@@ -39,7 +39,7 @@ def file_object(rec: FileRecord) -> FileObject:
         created_at=int(rec.created_at),
         expires_at=int(rec.expires_at),
         filename=rec.name,
-        purpose=getattr(rec, "purpose", "vision"),
+        purpose=rec.purpose,
         tokens=rec.token_count,
         status="processed" if rec.status == "active" else "expired",
     )

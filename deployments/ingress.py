@@ -132,7 +132,7 @@ class Ingress:
             raise PayloadTooLargeError(f"upload over the {limit}-byte limit", param="file")
         encoded = self.encoder.encode.remote(data)  # ObjectRef-backed; not materialised here
         name = file.filename or ""
-        record = await self.worker.upload.remote(who.user, name, encoded, ttl_seconds)
+        record = await self.worker.upload.remote(who.user, name, encoded, ttl_seconds, purpose)
         self.metrics.uploads.inc()
         return record
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from typing import Literal
 
 import ray
 
@@ -58,7 +59,14 @@ class LLMWorker:
         self.entries = EntryStore.from_config(config.store)
         self.library = open_library(config.store, self.entries)
 
-    def upload(self, user: str, name: str, image: EncodedImage, ttl_s: float | None) -> FileObject:
+    def upload(
+        self,
+        user: str,
+        name: str,
+        image: EncodedImage,
+        ttl_s: float | None,
+        purpose: Literal["vision", "user_data"] = "vision",
+    ) -> FileObject:
         """Compute `image`'s canonical KV and register the file in `user`'s namespace."""
         entry = self.engine.compute_entry(self.engine.entry_id(image.media), image)
         rec = self.library.add_file(
@@ -68,6 +76,7 @@ class LLMWorker:
             media=image.media,
             entry=entry,
             ttl_s=ttl_s,
+            purpose=purpose,
         )
         return file_object(rec)
 

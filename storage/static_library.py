@@ -45,6 +45,9 @@ class FileRecord(BaseModel):
     file_id: str = Field(description="Opaque, unguessable id ('file-' + 24 url-safe chars).")
     name: str = Field(description="Client-given file name.")
     media_type: str = Field(description="MIME type, e.g. image/png.")
+    purpose: Literal["vision", "user_data"] = Field(
+        "vision", description="OpenAI upload purpose, reported back on the file object."
+    )
     bytes: int = Field(description="Size of the original media.")
     token_count: int = Field(description="Tokens the item occupies in a prompt.")
     content_hash: str = Field(description="sha256 hex of the media bytes.")
@@ -95,14 +98,16 @@ class StaticLibrary:
         return f"static.{self._user_dir(user).split('/')[2]}.{file_id}"
 
     def add_file(self, user: str, *, name: str, media_type: str, media: bytes,
-                 entry: CacheEntry, ttl_s: float | None = None) -> FileRecord:
+                 entry: CacheEntry, ttl_s: float | None = None,
+                 purpose: Literal["vision", "user_data"] = "vision") -> FileRecord:
         """Store media, entry and catalog record for `user` (record last); returns the record."""
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         if not 0 < ttl <= self.max_ttl_s:
             raise InvalidRequestError(f"ttl must be in (0, {self.max_ttl_s}] s", param="ttl")
         now = self.clock()
         rec = FileRecord(file_id="file-" + secrets.token_urlsafe(18), name=name,
-                         media_type=media_type, bytes=len(media), token_count=entry.num_tokens,
+                         media_type=media_type, purpose=purpose, bytes=len(media),
+                         token_count=entry.num_tokens,
                          content_hash=hashlib.sha256(media).hexdigest(),
                          entry_key=entry.entry_id, created_at=now, expires_at=now + ttl)
         self.objects.put(rec.media_key, media)

@@ -33,6 +33,8 @@ def test_openai_files_and_chat(client) -> None:
         expires_after={"anchor": "created_at", "seconds": 3600},
     )
     assert short.expires_at - short.created_at == 3600
+    assert short.purpose == "user_data"
+    assert client.files.retrieve(short.id).purpose == "user_data"
 
     content = [
         {"type": "text", "text": "Describe"},
