@@ -87,8 +87,8 @@ class KVCapture:
         starts = meta.query_start_loc.tolist()
         index = runner.input_batch.req_id_to_index
         for req_id, buf in self._active.items():
-            i = index[req_id]
-            buf.rows = (starts[i], starts[i + 1])
+            i = index.get(req_id)  # not in this batch (waiting): capture nothing this step
+            buf.rows = (starts[i], starts[i + 1]) if i is not None else (0, 0)
         self._armed = True
 
     def end_step(self, put: Callable[[CacheEntry], Any]) -> None:
