@@ -10,6 +10,7 @@ lets vLLM expand the placeholders and give the last token its M-RoPE position (E
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,9 @@ class EngineRequest:
     plan: LinkPlan | None = None
     """Linked requests: the plan with the policy's recompute depths (token ids = the prompt)."""
     policy: str = ""
-    fallback: EngineRequest | None = None
-    """The exact request answering a linked one whose entries cannot be loaded."""
+    fallback: EngineRequest | Callable[[], EngineRequest] | None = None
+    """The exact request answering a linked one whose entries cannot be loaded, or a function
+    building it (called only then: it may read the images' media from the store)."""
     cache_salt: str | None = None
     """Prefix-cache salt; None: none for exact requests, the plan's salt for linked ones."""
 
@@ -46,6 +48,12 @@ class EngineResult:
     logprobs: torch.Tensor | None = None
     """float32 [vocab] log-probabilities of the first generated token (when asked for)."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_fallback(req: EngineRequest) -> EngineRequest:
+    """The exact fallback of a linked request (built now if it was given as a function)."""
+    assert req.fallback is not None
+    return req.fallback() if callable(req.fallback) else req.fallback
 
 
 def collapse_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:

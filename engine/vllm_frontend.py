@@ -1,0 +1,213 @@
+"""What the offline and the async vLLM engines share (process that owns the engine: CLI,
+benchmark, Serve replica): `VllmEngineConfig`, the CPU set-up, vLLM's engine arguments with the
+MPIC connector, and `VllmFrontEnd` (request forms, upload prompt, failed-link fallback). vLLM
+starts its engine core and worker in child processes, which load `mpic.engine.vllm_connector`
+and the `mpic` general plugin (`mpic.engine.vllm_plugin`) themselves.
+
+Every CPU set-up step of ENVIRONMENT.md lives in `prepare_environment` (the ONE place):
+- `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
+- `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
+  that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);
+- float32 on CPU (bf16 is ~5x slower on these AVX2 cores) and `block_size` a multiple of 32
+  (the CPU attention kernel's requirement), both enforced by the config;
+- the torchvision shim for CPU torch is NOT here: it must run at interpreter start-up, so
+  scripts/setup.sh installs it as a `.pth` (scripts/torchvision_cpu_shim.py documents it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mpic.engine import vllm_params, vllm_upload
+from mpic.engine.entries import canonical_context_key
+from mpic.engine.model_spec import ModelSpec
+from mpic.engine.vision import fit_image, load_image
+from mpic.engine.vllm_requests import EngineRequest, resolve_fallback
+from mpic.errors import CorruptEntryError
+from mpic.linker.prompt import canonical_context_ids
+from mpic.storage.config import StorageConfig
+from mpic.storage.entry_codec import entry_key
+from mpic.storage.entry_store import EntryStore
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR = "MPICConnector"
+CONNECTOR_MODULE = "mpic.engine.vllm_connector"
+
+
+class VllmEngineConfig(BaseModel):
+    """How to start vLLM for MPIC."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model folder (config, weights, tokenizer, processor).")
+    dtype: str = Field("float32", description="Model dtype; float32 on CPU (bf16 ~5x slower).")
+    block_size: int = Field(32, description="KV block size; a multiple of 32 on CPU.")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: int | None = Field(None, description="Context limit (None: the model's).")
+    max_num_seqs: int = Field(16, ge=1, description="Largest batch of running requests.")
+    max_num_batched_tokens: int | None = Field(
+        None, description="Token budget of one step (None: vLLM's default)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM's own prefix caching (the `prefix` baseline); keep it on."
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="Override the KV block count (None: sized from kv_cache_gib)."
+    )
+    max_logprobs: int = Field(
+        20, ge=-1, description="Most log-probs a request may ask for (-1: the whole vocabulary)."
+    )
+    log_stats: bool = Field(False, description="vLLM's Prometheus stats (preemptions, ...).")
+    enforce_eager: bool = Field(True, description="No torch.compile (start-up in ~30-50 s).")
+    seed: int = Field(0, description="Sampling seed.")
+    linking: bool = Field(True, description="Load the MPIC KV connector.")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Entry store the worker loads entries from."
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _multiple_of_32(cls, value: int) -> int:
+        if value <= 0 or value % 32:
+            raise ValueError("block_size must be a positive multiple of 32 (vLLM CPU attention)")
+        return value
+
+
+def prepare_environment(cfg: VllmEngineConfig) -> None:
+    """Set the process environment vLLM reads at start-up (see the module docstring)."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
+    """vLLM `EngineArgs` keywords for `cfg` (the offline `LLM` and `AsyncEngineArgs` take the
+    same): the MPIC connector (`kv_load_failure_policy="fail"`: a failed link errors the request,
+    the caller answers it exactly) and the CPU-friendly settings."""
+    from vllm.config import KVTransferConfig
+
+    kv_transfer = None
+    if cfg.linking:
+        kv_transfer = KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_load_failure_policy="fail",
+            kv_connector_extra_config={"storage": cfg.storage.model_dump(mode="json")},
+        )
+    optional = {"num_gpu_blocks_override": cfg.num_blocks,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    return dict(
+        model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed, kv_transfer_config=kv_transfer, limit_mm_per_prompt={"image": 16},
+        disable_log_stats=not cfg.log_stats, max_logprobs=cfg.max_logprobs,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+
+
+class VllmFrontEnd:
+    """What both engines share: config, model spec, processor, entry store, request forms,
+    the upload prompt and the failed-link fallback (`VllmEngine`: offline `LLM`;
+    `mpic.engine.vllm_async_engine.AsyncVllmEngine`: V1 `AsyncLLM`)."""
+
+    def __init__(self, cfg: VllmEngineConfig) -> None:
+        prepare_environment(cfg)
+        self.cfg = cfg
+        self.spec = ModelSpec.from_pretrained(cfg.model)
+        self._processor: Any = None
+        self.store = EntryStore.from_config(cfg.storage)
+        """The entry store (the worker opens the same durable store from `cfg.storage`)."""
+        self.fallbacks = 0
+        """Linked requests answered by exact recomputation because an entry could not load."""
+
+    def _submit_form(
+        self, req: EngineRequest, max_tokens: int, logprobs: bool
+    ) -> tuple[dict, Any]:
+        from vllm import SamplingParams
+
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.multi_modal_data:
+            prompt["multi_modal_data"] = req.multi_modal_data
+        extra = None
+        if req.plan is not None:
+            params = vllm_params.plan_to_params(req.plan, req.policy)
+            prompt["cache_salt"] = vllm_params.cache_salt(params)
+            extra = {"kv_transfer_params": params}
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
+            logprobs=-1 if logprobs else None,
+        )
+        return prompt, sampling
+
+    @staticmethod
+    def link_failed(req: EngineRequest, finish_reason: str | None) -> bool:
+        """True when vLLM finished a linked request with an error: its entries did not load
+        (`kv_load_failure_policy="fail"`)."""
+        return req.plan is not None and finish_reason not in (None, "length", "stop")
+
+    def _fallbacks(self, failed: list[EngineRequest]) -> list[EngineRequest]:
+        """The exact requests answering `failed` linked ones (logged, counted);
+        CorruptEntryError when one carries no fallback."""
+        missing = [i for i, r in enumerate(failed) if r.fallback is None]
+        if missing:
+            raise CorruptEntryError(f"linked requests {missing} could not load their entries "
+                                    "and carry no exact fallback")
+        self.fallbacks += len(failed)
+        logger.warning("MPIC: %d linked request(s) could not link; recomputing exactly",
+                       len(failed))
+        return [resolve_fallback(r) for r in failed]
+
+    @property
+    def processor(self) -> Any:
+        """The model's HF processor (chat template, tokenizer), loaded once."""
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.cfg.model)
+        return self._processor
+
+    def _upload_form(
+        self, media: bytes, system_prompt: str | None
+    ) -> tuple[list[int], dict[str, Any], tuple[int, int], str, dict[str, Any]]:
+        """(ids, multi-modal data, span, entry id, extra) of an image's canonical upload prompt:
+        same canonical context, fitted image size and content address as the reference runner
+        (`mpic.engine.entries.cache_image`), so both engines name an image's entry alike."""
+        image = fit_image(load_image(media), self.spec.image_size)
+        context = canonical_context_ids(self.processor, system_prompt, self.spec.image_token_id)
+        entry_id = entry_key(self.spec.fingerprint, canonical_context_key(context), media)
+        ids = context + [self.spec.image_token_id]
+        if self.spec.vision_end_id is not None:
+            ids.append(self.spec.vision_end_id)
+        extra: dict[str, Any] = {"context_token_ids": list(context)}
+        if self.spec.image_grid_thw is not None:
+            extra["image_grid_thw"] = list(self.spec.image_grid_thw)
+        span = (len(context), len(context) + self.spec.tokens_per_image)
+        return ids, {"image": image}, span, entry_id, extra
+
+    def _entry_form(
+        self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any], span: tuple[int, int],
+        entry_id: str, extra: dict[str, Any] | None = None,
+    ) -> tuple[dict, Any]:
+        """The vLLM request that stores the KV of its expanded prompt's tokens [span) as
+        `entry_id` (`mpic.engine.vllm_upload`; a unique salt: the prefix cache never skips it)."""
+        from vllm import SamplingParams
+
+        params = vllm_upload.upload_params(entry_id, self.spec.fingerprint, *span, extra=extra)
+        prompt = {
+            "prompt_token_ids": list(prompt_token_ids),
+            "multi_modal_data": multi_modal_data,
+            "cache_salt": f"mpic-upload-{entry_id}-{uuid.uuid4().hex}",
+        }
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": params}
+        )
+        return prompt, sampling
