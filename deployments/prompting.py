@@ -57,15 +57,37 @@ def prompt_parts(
     return system_prompt, parts
 
 
+class Detokenizer:
+    """Incremental detokenization: `push(tokens)` gives the text the new tokens add, holding
+    back text that ends in an incomplete character (U+FFFD until its bytes are all decoded);
+    `flush()` gives the rest. The pieces join to the decoded text of all tokens."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.text, self.tokens = tokenizer, "", []
+
+    def push(self, tokens: Iterable[int]) -> TokenEvent:
+        """The TokenEvent of `tokens` (text may be empty while a character is incomplete)."""
+        self.tokens.extend(tokens)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return TokenEvent("")
+        piece, self.text = full[len(self.text) :], full
+        return TokenEvent(piece)
+
+    def flush(self) -> TokenEvent:
+        """The text held back so far."""
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        piece, self.text = full[len(self.text) :], full
+        return TokenEvent(piece)
+
+
 def token_events(tokenizer, tokens: Iterable[int]) -> Iterator[TokenEvent]:
-    """One TokenEvent per token as it arrives, by incremental detokenization (the pieces join
-    to the decoded text)."""
-    text, seen = "", []
+    """One TokenEvent per token as it arrives (`Detokenizer`), then any held-back text."""
+    detok = Detokenizer(tokenizer)
     for token in tokens:
-        seen.append(token)
-        full = tokenizer.decode(seen, skip_special_tokens=True)
-        yield TokenEvent(full[len(text) :] if full.startswith(text) else full)
-        text = full
+        yield detok.push([token])
+    if (rest := detok.flush()).text:
+        yield rest
 
 
 def stored_linked_tokens(plan: LinkPlan) -> int:

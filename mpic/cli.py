@@ -10,6 +10,7 @@ from mpic.benchmarks import offline as bench_offline
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import storage as bench_storage
 from mpic.engine import tiny_models
+from mpic.linker import vlcache_calibration_cli
 from mpic import demo, serve_command
 
 app = typer.Typer(no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching.")
@@ -19,6 +20,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 
 model_app.command("make-tiny")(tiny_models.make_tiny_command)
+model_app.command("calibrate-vlcache")(vlcache_calibration_cli.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("storage")(bench_storage.command)
 bench_app.command("retriever")(bench_retriever.command)
