@@ -137,7 +137,9 @@ def test_calibrated_ratios_beat_the_static_ratio_of_the_same_budget(toy):
     static = cal.proxy[f"vlcache-{':'.join(['0.2'] * NUM_LAYERS)}"]
     mine = cal.proxy[cal.policy]
     assert cal.policy != "vlcache-0.2:0.2:0.2:0.2"
-    # what the greedy minimises (Eq. 6), and the real proxy error it stands for
+    # what the greedy minimises (Eq. 6), and the real proxy error it stands for. Not a theorem
+    # (the greedy is approximate, Eq. 6 assumes additivity): a fact about these seeded weights,
+    # deterministic, margins 1.13 vs 1.36 MSE and 0.44 vs 0.49 nats KL.
     assert mine["objective"] < static["objective"]
     assert mine["mse"] < static["mse"]
     assert mine["kl"] < static["kl"]
