@@ -45,8 +45,6 @@ from mpic.linker.policies.full import FullPolicy
 from mpic.linker.policies.vlcache import VLCachePolicy
 from mpic.types import CacheEntry, LinkPlan
 
-PAPER_GRID = "0.002:0.3:0.002"
-"""Eq. 9: r in {0.002, 0.004, ..., 0.300}."""
 _EPS = 1e-9
 
 KVFactory = Callable[[LinkPlan], LinkedKV]

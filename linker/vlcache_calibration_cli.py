@@ -103,6 +103,7 @@ def command(
     from rich.progress import Progress
 
     from mpic.engine.reference_runner import ReferenceRunner
+    from mpic.errors import MPICError
     from mpic.linker.vlcache_calibration import calibrate, count_passes, parse_grid
 
     try:
@@ -119,7 +120,11 @@ def command(
     if threads:
         torch.set_num_threads(threads)
     runner = ReferenceRunner(model)
-    proxies = build_proxy_set(runner, images, prompts)
+    try:
+        proxies = build_proxy_set(runner, images, prompts)
+    except MPICError as exc:  # e.g. PromptTooLongError: too many images for the model
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
     total = count_passes(proxies, [0.0, *levels], runner.adapter.num_layers)
     with Progress() as progress:
         task = progress.add_task("sensitivity passes", total=total)

@@ -166,6 +166,7 @@ def test_cli_prints_ratios_and_policy(tiny_llava_dir, tmp_path):
         ["--target", "0"],
         ["--images", "0"],
         ["--model", "/nonexistent"],
+        ["--images", "200"],  # longer than the tiny model's context: PromptTooLongError
     ],
 )
 def test_cli_bad_input_exits_2(tiny_llava_dir, bad):
