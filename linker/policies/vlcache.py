@@ -5,7 +5,8 @@ r_1 >= r_2 >= ... >= r_L (Eq. 8): a token dropped at layer l skips attention and
 on and keeps its cached KV ("reuses hidden states of retained tokens ... and skips their
 corresponding attention and MLP computations in subsequent layers"). Text (the query) is always
 recomputed. A static ratio uses one r for all layers; a list shorter than L repeats its last
-value; the greedy calibration of Eq. 5-7 is not run here (ratios are given).
+value. Per-layer ratios come from the greedy calibration of Eq. 5-9
+(`mpic model calibrate-vlcache`, `mpic.linker.vlcache_calibration`).
 """
 
 from __future__ import annotations
