@@ -3,19 +3,20 @@
 Ray Serve LLM keeps its engine behind an ABC so the deployment graph does not care which engine
 runs; MPIC does the same: `ServeEngine` is implemented by the HF reference runner
 (`mpic.deployments.reference_engine`) and by vLLM + the MPIC connector
-(`mpic.deployments.vllm_engine`), chosen by `EngineConfig.kind` through `build_engine`.
+(`mpic.deployments.vllm_serve_engine`), chosen by `EngineConfig.kind` through `build_engine`.
 
 The linker deployment hands the worker a `LinkedPrompt`: the chat turns with every file
 reference already resolved to a content-addressed entry id in the caller's namespace. The worker
 builds the link plan next to the KV (policies such as CacheBlend read the linked keys) and streams
-`TokenEvent`s followed by one `DoneEvent`.
+`TokenEvent`s followed by one `DoneEvent` from the engine's async generator: the worker holds no
+lock, so an engine that batches (vLLM's `AsyncLLM`) serves concurrent requests together.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,10 +132,16 @@ class ServeEngine(ABC):
     @abstractmethod
     def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
-    ) -> Iterator[TokenEvent | DoneEvent]:
-        """Link `entries` (every id of `prompt.entry_ids`, loaded by the worker), prefill
-        selectively by `prompt.policy`, decode greedily; ends with a DoneEvent (the worker fills
-        its tier_hits and fallbacks). InvalidRequestError for a prompt over the context length."""
+    ) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """Async generator: link `entries` (every id of `prompt.entry_ids`, loaded by the
+        worker), prefill selectively by `prompt.policy`, decode greedily, one TokenEvent per
+        piece as it is decoded; ends with a DoneEvent (its `fallbacks`: entries the engine
+        recomputed; the worker adds its tier_hits and own fallbacks). Must not block the event
+        loop. InvalidRequestError for a prompt over the context length."""
+
+    def engine_stats(self) -> dict[str, int]:
+        """Engine-specific counters for tests and operators (none by default)."""
+        return {}
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (listing the valid names) unless `policy` is a registered one."""

@@ -4,19 +4,20 @@ equals the offline engine's for the same prompt and policy.
 
 Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`, on a decode thread that
 does not wait for the consumer), with the request's own system prompt. The runner is not
-thread-safe and keeps a table of linkable entries; Serve runs sync replica methods on worker
-threads, so every call into the runner holds one lock, and the entries of a request are made
-linkable for that request only (inline images included: their entry is computed for the request
-and never stored).
+thread-safe and keeps a table of linkable entries, so every call into the runner holds one lock
+(the LLM worker holds none; this engine's stream is iterated on a thread pool), and the entries
+of a request are made linkable for that request only (inline images included: their entry is
+computed for the request and never stored).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import torch
+from starlette.concurrency import iterate_in_threadpool
 
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import (
@@ -88,6 +89,12 @@ class ReferenceServeEngine(ServeEngine):
             )
 
     def generate(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """`_stream` on a thread pool (the event loop never waits on the runner)."""
+        return iterate_in_threadpool(self._stream(prompt, entries))
+
+    def _stream(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> Iterator[TokenEvent | DoneEvent]:
         """Greedy generation through the runner's link + selective prefill + decode, one event

@@ -1,5 +1,6 @@
 """`ServeEngine` on vLLM + the MPIC KV connector (Encoder and LLM-worker replicas,
-`engine.kind: vllm`), wrapping `mpic.engine.vllm_engine.VllmEngine`.
+`engine.kind: vllm`), wrapping `mpic.engine.vllm_async_engine.AsyncVllmEngine` (vLLM V1's
+`AsyncLLM`).
 
 vLLM runs its own vision tower inside the request that computes an entry (the upload path of
 `mpic.engine.vllm_upload`), so the Encoder replica here only validates and identifies the image
@@ -7,16 +8,17 @@ vLLM runs its own vision tower inside the request that computes an entry (the up
 is linked as in the reference runner (render -> plan -> policy depths) and submitted as a linked
 request whose KV the connector assembles from the shared entry store inside vLLM's worker.
 
-`VllmEngine.generate` drives vLLM's offline `LLM` and returns whole generations, so calls are
-serialised by a lock and the tokens are streamed after the generation ends; TTFT reported by the
-engine is the time of the whole call.
+No lock: every query is its own vLLM request, streamed token by token as vLLM decodes it, and
+vLLM's scheduler batches the requests in flight (continuous batching). A linked request whose
+entries vLLM's worker cannot load is answered by its exact fallback (the prompt with its images,
+read from the store only then), reported in the DoneEvent's `fallbacks`.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
 
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import (
@@ -28,19 +30,24 @@ from mpic.deployments.engine import (
     TokenEvent,
 )
 from mpic.deployments.prompting import (
+    Detokenizer,
     identify_image,
     prompt_parts,
     stored_linked_tokens,
-    token_events,
 )
 from mpic.engine.entries import canonical_context_key
 from mpic.engine.model_spec import ModelSpec
+from mpic.engine.vision import fit_image, load_image
+from mpic.engine.vllm_requests import EngineRequest, exact_request, linked_request
+from mpic.errors import InvalidRequestError
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.prompt import canonical_context_ids, image_refs, render_prompt_ids
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
-from mpic.types import CacheEntry
+from mpic.storage.object_store import ObjectNotFoundError
+from mpic.storage.static_library import media_key
+from mpic.types import CacheEntry, LinkPlan
 
 
 class VLLMServeEngine(ServeEngine):
@@ -54,12 +61,12 @@ class VLLMServeEngine(ServeEngine):
         self.processor = AutoProcessor.from_pretrained(cfg.model)
         context = canonical_context_ids(self.processor, cfg.system_prompt, self.spec.image_token_id)
         self._context_key = canonical_context_key(context)
-        self._lock = threading.Lock()
         self.vllm = None
         if role == "worker":
-            from mpic.engine.vllm_engine import VllmEngine, VllmEngineConfig
+            from mpic.engine.vllm_async_engine import AsyncVllmEngine
+            from mpic.engine.vllm_engine import VllmEngineConfig
 
-            self.vllm = VllmEngine(
+            self.vllm = AsyncVllmEngine(
                 VllmEngineConfig(model=cfg.model, dtype=cfg.dtype, storage=store)
             )
 
@@ -78,45 +85,80 @@ class VLLMServeEngine(ServeEngine):
         return entry_key(self.spec.fingerprint, self._context_key, media)
 
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
-        """The canonical entry computed by vLLM's own forward (written to the store)."""
+        """The canonical entry computed by vLLM's own forward (written to the store); blocks the
+        calling thread, batched with the queries in flight."""
         assert self.vllm is not None, "compute_entry runs in the LLM worker"
-        with self._lock:
-            entry = self.vllm.cache_image(image.media, self.cfg.system_prompt)
+        entry = self.vllm.cache_image(image.media, self.cfg.system_prompt)
         assert entry.entry_id == entry_id, "vLLM and the serving layer name entries alike"
         return entry
 
-    def generate(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
-    ) -> Iterator[TokenEvent | DoneEvent]:
-        """Link by `prompt.policy` and decode greedily through vLLM + the MPIC connector."""
-        from mpic.engine.vllm_requests import linked_request
+    def engine_stats(self) -> dict[str, int]:
+        """vLLM's batching and fallback counters: `peak_running` (most requests its scheduler
+        ran in one step) and `fallbacks` (linked requests answered exactly)."""
+        assert self.vllm is not None, "engine_stats runs in the LLM worker"
+        return {"peak_running": self.vllm.peak_running, "fallbacks": self.vllm.fallbacks}
 
-        assert self.vllm is not None, "generate runs in the LLM worker"
+    def _request(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> tuple[LinkPlan, EngineRequest]:
+        """(plan, linked request with a lazy exact fallback); blocking (inline images' entries
+        are computed by vLLM): runs on a thread."""
         table = dict(entries)
+        media: dict[str, Callable[[], bytes]] = {}
+        for turn in prompt.turns:
+            for seg in turn.segments:
+                if seg.kind == "entry":
+                    key = media_key(seg.content_hash)
+                    media[seg.entry_id] = lambda key=key: self.vllm.store.objects.get(key)
 
         def inline_entry(image: EncodedImage) -> str:  # stored by the connector: vLLM loads it
             entry = self.compute_entry(self.entry_id(image.media), image)
             table[entry.entry_id] = entry
+            media[entry.entry_id] = lambda: image.media
             return entry.entry_id
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
-        start = time.perf_counter()
         ids = render_prompt_ids(self.processor, parts, system)
-        items = resolve_entries(image_refs(parts), table)
+        refs = image_refs(parts)
+        items = resolve_entries(refs, table)
         plan = build_plan(self.spec, ids, items, prompt.max_tokens)
         plan = get_policy(prompt.policy).apply(
             plan, unique_entries(plan, items), self.spec.num_layers
         )
-        with self._lock:
-            (result,) = self.vllm.generate(
-                [linked_request(plan, prompt.policy, self.spec)], prompt.max_tokens
-            )
-        elapsed = time.perf_counter() - start
-        yield from token_events(self.processor.tokenizer, result.token_ids)
+
+        def exact() -> EngineRequest:  # the prompt with its images (pixels read only now)
+            try:
+                images = [fit_image(load_image(media[r]()), self.spec.image_size) for r in refs]
+            except ObjectNotFoundError:
+                raise InvalidRequestError("an entry and its media are gone") from None
+            return exact_request(plan, self.spec.image_token_id, images)
+
+        return plan, linked_request(plan, prompt.policy, self.spec, fallback=exact)
+
+    async def generate(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """Link by `prompt.policy` and stream greedy tokens from vLLM + the MPIC connector."""
+        assert self.vllm is not None, "generate runs in the LLM worker"
+        start = time.perf_counter()
+        plan, request = await asyncio.to_thread(self._request, prompt, entries)
+        detok = Detokenizer(self.processor.tokenizer)
+        ttft = None
+        result = None
+        async for result in self.vllm.stream(request, prompt.max_tokens):
+            new = result.token_ids[len(detok.tokens) :]
+            if new:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                yield detok.push(new)
+        if (rest := detok.flush()).text:
+            yield rest
+        n = len(detok.tokens)
+        fell_back = result is not None and result.fell_back
         yield DoneEvent(
             prompt_tokens=plan.num_tokens,
-            cached_tokens=stored_linked_tokens(plan),
-            completion_tokens=len(result.token_ids),
-            finish_reason="length" if len(result.token_ids) >= prompt.max_tokens else "stop",
-            ttft_s=elapsed,
+            cached_tokens=0 if fell_back else stored_linked_tokens(plan),
+            completion_tokens=n,
+            finish_reason="length" if n >= prompt.max_tokens else "stop",
+            ttft_s=ttft if ttft is not None else time.perf_counter() - start,
+            fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
         )

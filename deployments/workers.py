@@ -6,14 +6,16 @@ LLMWorker: computes an upload's entry and registers it in the static library (en
 written through to the object store, so other nodes read them by key), and generates from a
 `LinkedPrompt`: it loads the linked entries through the tiered entry store (memory -> disk ->
 object store), recomputes any entry that is lost or corrupt from its stored media (a fallback),
-and streams the engine's `TokenEvent`s and final `DoneEvent`.
+and streams the engine's `TokenEvent`s and final `DoneEvent` (an async generator holding no
+lock: requests in flight reach the engine together; sync methods run on Serve's threads).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Literal
 
 import ray
@@ -94,28 +96,36 @@ class LLMWorker:
         """InvalidRequestError (400) for an unknown policy name."""
         self.engine.check_policy(policy)
 
-    def generate(self, prompt: LinkedPrompt) -> Iterator[TokenEvent | DoneEvent]:
+    def engine_stats(self) -> dict[str, int]:
+        """The engine's own counters (vLLM: `peak_running`, `fallbacks`)."""
+        return self.engine.engine_stats()
+
+    async def generate(self, prompt: LinkedPrompt) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Stream the answer to `prompt`. Inline images arrive as ObjectRefs; linked entries
-        load in parallel from the fastest tier, lost ones are recomputed from their media."""
+        load in parallel from the fastest tier (on a thread), lost ones are recomputed from their
+        media. No lock: concurrent calls reach the engine together (vLLM batches them)."""
         for turn in prompt.turns:
             for seg in turn.segments:
                 if isinstance(seg.embeds, ray.ObjectRef):
-                    seg.embeds = ray.get(seg.embeds)
+                    seg.embeds = await seg.embeds
         segs = {s.entry_id: s for t in prompt.turns for s in t.segments if s.kind == "entry"}
         keys = list(segs)
         store = self.cfg.store
-        with fetch_entries(
+        got = await asyncio.to_thread(
+            fetch_entries,
             self.entries,
             keys,
             lambda k: self._recompute(segs[k]),
             pin=True,
             max_workers=store.load_workers,
             load_timeout_s=store.load_timeout_s,
-        ) as got:
+        )
+        with got:
             tiers = Counter(src for src in got.sources if src != "computed")
-            for ev in self.engine.generate(prompt, dict(zip(keys, got.entries, strict=True))):
+            entries = dict(zip(keys, got.entries, strict=True))
+            async for ev in self.engine.generate(prompt, entries):
                 if isinstance(ev, DoneEvent):
-                    ev.tier_hits, ev.fallbacks = dict(tiers), len(got.fallbacks)
+                    ev.tier_hits, ev.fallbacks = dict(tiers), ev.fallbacks + len(got.fallbacks)
                 yield ev
 
     def _recompute(self, seg: Segment) -> CacheEntry:

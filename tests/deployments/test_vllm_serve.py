@@ -1,18 +1,28 @@
-"""The LLM worker on vLLM + the MPIC connector (`engine.kind: vllm`), as a second Serve
-application on the session's Ray instance: uploads are cached by vLLM's own forward and linked
-answers equal the offline reference runner's for the same prompt and policy."""
+"""The LLM worker on vLLM + the MPIC connector (`engine.kind: vllm`, vLLM V1's `AsyncLLM`), as a
+second Serve application on the session's Ray instance, sharing the session app's store (files
+uploaded through the reference app are unseen by this app's memory tiers): uploads are cached by
+vLLM's own forward, linked answers equal the offline reference runner's, concurrent streams are
+batched by vLLM's scheduler and arrive token by token, and a lost entry still gets the exact
+answer (recomputed by the worker, or by vLLM's exact fallback when only vLLM cannot load it)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from tests.deployments.conftest import ServeApp, png, serve_config
+from tests.deployments.conftest import ServeApp, png, serve_config, upload
 
 pytestmark = pytest.mark.slow
+
+ALICE = {"Authorization": "Bearer alice-key"}
+APP = "mpic-vllm"
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +32,14 @@ def vllm_url(serve_app: ServeApp, tiny_llava_dir: Path, tmp_path_factory) -> Ite
     from mpic.deployments.app import build_app
     from mpic.deployments.local import prepare_local, wait_healthy
 
-    cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("vllm-store"))
+    cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("unused"))
     one = cfg.llm_worker.model_copy(update={"autoscaling": cfg.encoder.autoscaling})
     cfg = cfg.model_copy(
         update={
-            "name": "mpic-vllm",
+            "name": APP,
             "route_prefix": "/vllm",
             "llm_worker": one,
+            "store": serve_app.config.store,
             "engine": cfg.engine.model_copy(update={"kind": "vllm"}),
         }
     )
@@ -41,45 +52,153 @@ def vllm_url(serve_app: ServeApp, tiny_llava_dir: Path, tmp_path_factory) -> Ite
         serve.delete(cfg.name)
 
 
-def test_vllm_worker_answers_like_the_reference_runner(vllm_url: str, tiny_llava_dir) -> None:
+@pytest.fixture(scope="module")
+def runner(tiny_llava_dir: Path):
     from mpic.engine.reference_runner import ReferenceRunner
+
+    return ReferenceRunner(str(tiny_llava_dir))
+
+
+def _expected(runner, media: list[bytes], texts: list[str], policy: str, n: int) -> str:
+    """The reference runner's answer to texts[0], image 0, texts[1], image 1, ... ."""
     from mpic.linker.prompt import ImageRef
 
-    headers = {"Authorization": "Bearer alice-key"}
-    images = [png(61), png(62)]
+    parts: list = []
+    for i, text in enumerate(texts):
+        parts.append(text)
+        if i < len(media):
+            parts.append(ImageRef(runner.cache_image(media[i]).entry_id))
+    gen = runner.generate(parts, policy, n, stop_at_eos=False)
+    return runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+
+
+def _content(texts: list[str], file_ids: list[str]) -> list[dict]:
+    out: list[dict] = []
+    for i, text in enumerate(texts):
+        out.append({"type": "text", "text": text})
+        if i < len(file_ids):
+            out.append({"type": "file", "file": {"file_id": file_ids[i]}})
+    return out
+
+
+def _chat(url: str, content: list, policy: str, max_tokens: int = 6) -> dict:
+    body = {"model": "m", "max_tokens": max_tokens, "mpic": {"policy": policy},
+            "messages": [{"role": "user", "content": content}]}
+    resp = httpx.post(f"{url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _stats() -> dict[str, int]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMWorker", app_name=APP)
+    return handle.engine_stats.remote().result()
+
+
+@pytest.fixture(scope="module")
+def files(vllm_url: str) -> tuple[list[bytes], list[str]]:
+    media = [png(61), png(62)]
     ids = []
-    for data in images:
-        resp = httpx.post(
-            f"{vllm_url}/v1/files",
-            headers=headers,
-            timeout=300,
-            files={"file": ("v.png", data, "image/png")},
-            data={"purpose": "vision"},
-        )
+    for data in media:
+        resp = httpx.post(f"{vllm_url}/v1/files", headers=ALICE, timeout=300,
+                          files={"file": ("v.png", data, "image/png")}, data={"purpose": "vision"})
         assert resp.status_code == 200, resp.text
         ids.append(resp.json()["id"])
-    content = [
-        {"type": "text", "text": "first"},
-        {"type": "file", "file": {"file_id": ids[0]}},
-        {"type": "text", "text": "then"},
-        {"type": "file", "file": {"file_id": ids[1]}},
-        {"type": "text", "text": "why?"},
-    ]
-    runner = ReferenceRunner(str(tiny_llava_dir))
-    entries = [runner.cache_image(d).entry_id for d in images]
-    parts = ["first", ImageRef(entries[0]), "then", ImageRef(entries[1]), "why?"]
+    return media, ids
+
+
+def test_vllm_worker_answers_like_the_reference_runner(vllm_url, files, runner) -> None:
+    media, ids = files
+    texts = ["first", "then", "why?"]
     for policy, linked in [("full", 0), ("mpic-4", 2 * (16 - 4))]:
-        body = {
-            "model": "m",
-            "max_tokens": 6,
-            "mpic": {"policy": policy},
-            "messages": [{"role": "user", "content": content}],
-        }
-        resp = httpx.post(
-            f"{vllm_url}/v1/chat/completions", headers=headers, json=body, timeout=300
-        )
+        got = _chat(vllm_url, _content(texts, ids), policy)
+        assert got["choices"][0]["message"]["content"] == _expected(
+            runner, media, texts, policy, 6
+        ), policy
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == linked
+
+
+async def _stream(client: httpx.AsyncClient, url: str, content: list, policy: str, n: int):
+    """(text, arrival times of content chunks, end time) of one SSE chat stream."""
+    body = {"model": "m", "max_tokens": n, "stream": True, "mpic": {"policy": policy},
+            "messages": [{"role": "user", "content": content}]}
+    pieces, times = [], []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=ALICE,
+                             timeout=300) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if choices and choices[0]["delta"].get("content"):
+                pieces.append(choices[0]["delta"]["content"])
+                times.append(time.perf_counter())
+    return "".join(pieces), times, time.perf_counter()
+
+
+def test_concurrent_streams_are_batched_exact_and_incremental(vllm_url, files, runner) -> None:
+    media, ids = files
+    n = 24
+    cases = [  # (texts, files used, policy); the last one is plain text
+        (["a", "b", "c?"], 2, "full"),
+        (["first", "then", "why?"], 2, "mpic-4"),
+        (["look at", "now"], 1, "mpic-4"),
+        (["compare", "and", "ok"], 2, "cacheblend-15"),
+        (["only", "this"], 1, "full-reuse"),
+        (["no image here, just text"], 0, "mpic-4"),
+    ]
+
+    async def run_all():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*[
+                _stream(client, vllm_url, _content(t, ids[:k]), p, n) for t, k, p in cases
+            ])
+
+    before = _stats()["peak_running"]
+    outs = asyncio.run(run_all())
+    for (texts, k, policy), (text, times, end) in zip(cases, outs, strict=True):
+        assert text == _expected(runner, media[:k], texts, policy, n), policy
+        assert len(times) > 1, "tokens arrive as several SSE chunks"
+        assert times[-1] - times[0] > 0.005 and end > times[0], "first chunk before the last"
+    peak = _stats()["peak_running"]
+    assert peak >= 2 and peak >= before, "vLLM's scheduler ran concurrent requests together"
+
+
+def _blob(serve_app: ServeApp, entry_id: str) -> Path:
+    return Path(urlparse(serve_app.config.store.url).path) / "entries" / entry_id
+
+
+def test_lost_entries_still_get_the_exact_answer(vllm_url, serve_app, runner) -> None:
+    # Files uploaded through the reference app: this app's processes have never loaded them.
+    media = [png(71), png(72)]
+    ids = []
+    for data in media:
+        resp = upload(serve_app, "alice-key", data)
         assert resp.status_code == 200, resp.text
-        gen = runner.generate(parts, policy, 6)
-        expected = runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-        assert resp.json()["choices"][0]["message"]["content"] == expected, policy
-        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == linked
+        ids.append(resp.json()["id"])
+    entry = [runner.cache_image(m).entry_id for m in media]
+    texts = ["see", "well?"]
+    # Corrupt in the store: the worker's load fails and it recomputes the entry through vLLM.
+    blob = _blob(serve_app, entry[0])
+    blob.write_bytes(b"not an entry" + blob.read_bytes()[12:])
+    got = _chat(vllm_url, _content(texts, ids[:1]), "mpic-4")
+    assert got["mpic"]["fallbacks"] == 1
+    assert got["choices"][0]["message"]["content"] == _expected(
+        runner, media[:1], texts, "mpic-4", 6
+    )
+    # Loaded by the worker only (a request refused after the load: too long), then deleted:
+    # vLLM's worker cannot link it, the request is answered exactly (like `full`).
+    body = {"model": "m", "max_tokens": 4096, "messages": [
+        {"role": "user", "content": _content(texts, ids[1:])}]}
+    refused = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
+    assert refused.status_code == 400, refused.text
+    _blob(serve_app, entry[1]).unlink()
+    before = _stats()["fallbacks"]
+    got = _chat(vllm_url, _content(texts, ids[1:]), "mpic-4")
+    assert _stats()["fallbacks"] == before + 1
+    assert got["mpic"]["fallbacks"] == 1 and got["mpic"]["tier_hits"] == {"memory": 1}
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert got["choices"][0]["message"]["content"] == _expected(
+        runner, media[1:], texts, "full", 6
+    )
