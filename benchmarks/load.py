@@ -20,6 +20,8 @@ import httpx
 import numpy as np
 import typer
 
+from mpic.deployments.chat_client import sse_chunk, streaming_chat_body
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,14 +81,7 @@ async def _client(
         content = [{"type": "text", "text": f"client {cid} turn {turn}: compare"}]
         for fid in file_ids:
             content += [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "and"}]
-        body = {
-            "model": "mpic",
-            "stream": True,
-            "max_tokens": max_tokens,
-            "stream_options": {"include_usage": True},
-            "mpic": {"policy": policy},
-            "messages": [{"role": "user", "content": content}],
-        }
+        body = streaming_chat_body(content, policy, max_tokens)
         t0 = time.perf_counter()
         ttft, tokens = None, 0
         try:
@@ -94,9 +89,9 @@ async def _client(
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    chunk = sse_chunk(line)
+                    if chunk is None:
                         continue
-                    chunk = json.loads(line[6:])
                     if (
                         ttft is None
                         and chunk["choices"]

@@ -8,12 +8,13 @@ the linked tokens.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
 import httpx
 import typer
+
+from mpic.deployments.chat_client import sse_chunk, streaming_chat_body
 
 DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1"
 
@@ -40,22 +41,15 @@ def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -
         else {"type": "file", "file": {"file_id": p.entry_id}}
         for p in interleaved_prompt(file_ids)
     ]
-    body = {
-        "model": "mpic",
-        "stream": True,
-        "max_tokens": max_tokens,
-        "stream_options": {"include_usage": True},
-        "mpic": {"policy": policy},
-        "messages": [{"role": "user", "content": content}],
-    }
+    body = streaming_chat_body(content, policy, max_tokens)
     t0, ttft, text, usage = time.perf_counter(), None, [], {}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{policy}: HTTP {resp.status_code} {resp.read().decode()}")
         for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
-            chunk = json.loads(line[6:])
             for choice in chunk["choices"]:
                 piece = choice["delta"].get("content")
                 if piece is not None:
