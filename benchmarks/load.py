@@ -197,6 +197,9 @@ def command(
     port: int = typer.Option(8000, "--port"),
     json_out: str = typer.Option("out/load.json", "--json"),
     plot: str = typer.Option("out/load.png", "--plot"),
+    config: str = typer.Option(
+        None, "--config", help="ServeAppConfig YAML of the started server (default: embedded)."
+    ),
 ) -> None:
     """16 concurrent streaming clients for 60 s (defaults): TTFT p50/p99, output tokens/s."""
     from mpic.deployments.config import load_config
@@ -204,7 +207,7 @@ def command(
 
     started = url is None
     if started:
-        url = start_local(load_config(None), port=port, log_to_driver=False)
+        url = start_local(load_config(config), port=port, log_to_driver=False)
     try:
         file_ids = upload_images(url, key, images)
         res = asyncio.run(run_load_async(url, key, file_ids, clients, duration, policy, max_tokens))
