@@ -195,7 +195,8 @@ class MPICConnector(KVConnectorBase_V1):
                 self._link(job)
             except (ObjectNotFoundError, MPICError) as exc:
                 # The request fails (kv_load_failure_policy="fail"); the engine wrapper then
-                # answers it exactly by plain recomputation (VllmEngine.generate).
+                # answers it exactly by plain recomputation (VllmEngine.generate,
+                # AsyncVllmEngine.stream).
                 logger.warning("MPIC: cannot link %s, failing it: %s", job.req_id, exc)
                 self._failed_blocks.update(job.block_ids)
                 continue

@@ -1,5 +1,6 @@
-"""Requests for `mpic.engine.vllm_engine.VllmEngine`: exact prompts and linked (MPIC) prompts in
-the form vLLM's input processor expects (process that submits requests: CLI, benchmark, Serve).
+"""Requests for the vLLM engines (`VllmEngine`, `AsyncVllmEngine`): exact prompts and linked
+(MPIC) prompts in the form vLLM's input processor expects (process that submits requests: CLI,
+benchmark, Serve).
 
 vLLM's processor expands every image placeholder into the image's T tokens, even a run that is
 already expanded, so exact prompts and Qwen2-VL linked prompts carry ONE placeholder per image.
