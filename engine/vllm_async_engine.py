@@ -108,7 +108,7 @@ class AsyncVllmEngine(VllmFrontEnd):
         async for out in self.llm.generate(prompt, sampling, request_id=uuid.uuid4().hex):
             completion = out.outputs[0]
             if self.link_failed(req, completion.finish_reason):
-                (exact,) = self._fallbacks([req])
+                (exact,) = await asyncio.to_thread(self._fallbacks, [req])  # may read media
                 async for res in self._generate(exact, max_tokens):
                     res.fell_back = True
                     yield res
