@@ -97,14 +97,19 @@ def bench_size(n: int, dim: int, *, queries: int, k: int, seed: int) -> list[dic
             _, found = index.search(qs, k)
             truth = found if kind == "flat" else truth
             assert truth is not None  # flat runs first
-            rows.append({
-                "vectors": n, "dim": dim, "kind": kind, "search": _label(search),
-                "build_s": round(build_s, 3),
-                "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
-                "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
-                f"recall@{k}": round(recall_at_k(found, truth), 4),
-                "params": cfg.model_dump(exclude={"use_gpu"}),
-            })
+            rows.append(
+                {
+                    "vectors": n,
+                    "dim": dim,
+                    "kind": kind,
+                    "search": _label(search),
+                    "build_s": round(build_s, 3),
+                    "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+                    "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+                    f"recall@{k}": round(recall_at_k(found, truth), 4),
+                    "params": cfg.model_dump(exclude={"use_gpu"}),
+                }
+            )
             logger.info("%s", rows[-1])
     return rows
 

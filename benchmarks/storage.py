@@ -43,22 +43,30 @@ def _entry_of_mib(mib: float, seed: int):  # noqa: ANN202 - CacheEntry, torch im
     t = max(1, round(mib * MIB / per_token))
     g = torch.Generator().manual_seed(seed)
     media = f"bench-{mib}-{seed}".encode()
-    return CacheEntry(entry_id=entry_key("bench", "ctx", media), model_fingerprint="bench",
-                      keys=torch.randn(8, t, 8, 64, generator=g),
-                      values=torch.randn(8, t, 8, 64, generator=g),
-                      positions=torch.arange(t), input_embeds=torch.randn(t, 512, generator=g))
+    return CacheEntry(
+        entry_id=entry_key("bench", "ctx", media),
+        model_fingerprint="bench",
+        keys=torch.randn(8, t, 8, 64, generator=g),
+        values=torch.randn(8, t, 8, 64, generator=g),
+        positions=torch.arange(t),
+        input_embeds=torch.randn(t, 512, generator=g),
+    )
 
 
-def _paired(entry_fn: Callable[[], object], raw_fn: Callable[[], object], repeat: int,
-            before: Callable[[], None] | None = None,
-            min_seconds: float = 2.0) -> tuple[list[float], list[float]]:
+def _paired(
+    entry_fn: Callable[[], object],
+    raw_fn: Callable[[], object],
+    repeat: int,
+    before: Callable[[], None] | None = None,
+    min_seconds: float = 2.0,
+) -> tuple[list[float], list[float]]:
     """Seconds of each run of (entry_fn, raw_fn), interleaved in alternating order so load from
     other processes hits both sides alike; at least `repeat` pairs and, for small entries, as
     many more as fit in `min_seconds`. `before` runs before every single timed call."""
     times: tuple[list[float], list[float]] = ([], [])
     start, rep = time.perf_counter(), 0
     while rep < repeat or (time.perf_counter() - start < min_seconds and rep < 50 * repeat):
-        for side in ((0, 1) if rep % 2 == 0 else (1, 0)):
+        for side in (0, 1) if rep % 2 == 0 else (1, 0):
             if before:
                 before()
             t0 = time.perf_counter()
@@ -76,6 +84,7 @@ def _drop_cache(path: Path) -> Callable[[], None]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
     return drop
 
 
@@ -88,16 +97,25 @@ def _raw_file_read(path: Path, size: int) -> Callable[[], bytearray]:
             while got < size:
                 got += f.readinto(view[got:])
         return buf
+
     return read
 
 
-def _row(size_mib: float, tier: str, nbytes: int, t_entry: list[float],
-         t_raw: list[float]) -> dict:
+def _row(size_mib: float, tier: str, nbytes: int, t_entry: list[float], t_raw: list[float]) -> dict:
     med_e, med_r = statistics.median(t_entry), statistics.median(t_raw)
-    return {"size_mib": size_mib, "tier": tier, "bytes": nbytes, "runs": len(t_entry),
-            "entry_MiB_s": nbytes / MIB / med_e, "raw_MiB_s": nbytes / MIB / med_r,
-            "ratio": med_r / med_e, "best_entry_MiB_s": nbytes / MIB / min(t_entry),
-            "best_raw_MiB_s": nbytes / MIB / min(t_raw), "entry_s": t_entry, "raw_s": t_raw}
+    return {
+        "size_mib": size_mib,
+        "tier": tier,
+        "bytes": nbytes,
+        "runs": len(t_entry),
+        "entry_MiB_s": nbytes / MIB / med_e,
+        "raw_MiB_s": nbytes / MIB / med_r,
+        "ratio": med_r / med_e,
+        "best_entry_MiB_s": nbytes / MIB / min(t_entry),
+        "best_raw_MiB_s": nbytes / MIB / min(t_raw),
+        "entry_s": t_entry,
+        "raw_s": t_raw,
+    }
 
 
 def _measure_size(mib: float, seed: int, repeat: int, workdir: Path, s3) -> list[dict]:  # noqa: ANN001
@@ -110,23 +128,34 @@ def _measure_size(mib: float, seed: int, repeat: int, workdir: Path, s3) -> list
     entry = _entry_of_mib(mib, seed)
     key, blob = entry.entry_id, encode(entry)
     n = len(blob)
-    store = EntryStore(FileSystemObjectStore(workdir / "objects", fsync=False),
-                       memory_bytes=4 * n, disk=DiskTier(workdir / "disk", 4 * n))
+    store = EntryStore(
+        FileSystemObjectStore(workdir / "objects", fsync=False),
+        memory_bytes=4 * n,
+        disk=DiskTier(workdir / "disk", 4 * n),
+    )
     store.put(entry)
-    rows = [_row(mib, "memory", n, *_paired(lambda: store.get(key), lambda: bytearray(blob),
-                                            repeat))]
+    rows = [
+        _row(mib, "memory", n, *_paired(lambda: store.get(key), lambda: bytearray(blob), repeat))
+    ]
     path = store.disk.store.path(key)
     raw = _raw_file_read(path, n)
     for mode, before in (("cold", _drop_cache(path)), ("warm", None)):
         raw()
-        rows.append(_row(mib, f"disk-{mode}", n,
-                         *_paired(lambda: store.disk.get(key), raw, repeat, before)))
+        rows.append(
+            _row(mib, f"disk-{mode}", n, *_paired(lambda: store.disk.get(key), raw, repeat, before))
+        )
     store.delete(key)
     if s3 is not None:
         remote = EntryStore(s3, memory_bytes=0)
         remote.put(entry)
-        rows.append(_row(mib, "s3", n, *_paired(lambda: remote.get(key),
-                                                lambda: s3.get(entry_object_key(key)), repeat)))
+        rows.append(
+            _row(
+                mib,
+                "s3",
+                n,
+                *_paired(lambda: remote.get(key), lambda: s3.get(entry_object_key(key)), repeat),
+            )
+        )
         s3.delete(entry_object_key(key))
     return rows
 
@@ -149,13 +178,26 @@ def _print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="Entry load vs raw read of the same bytes (MiB/s, medians)")
-    for col in ("size MiB", "tier", "entry load", "raw read", "entry/raw", "best entry",
-                "best raw"):
+    for col in (
+        "size MiB",
+        "tier",
+        "entry load",
+        "raw read",
+        "entry/raw",
+        "best entry",
+        "best raw",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['size_mib']:g}", r["tier"], f"{r['entry_MiB_s']:,.0f}",
-                      f"{r['raw_MiB_s']:,.0f}", f"{r['ratio']:.2f}",
-                      f"{r['best_entry_MiB_s']:,.0f}", f"{r['best_raw_MiB_s']:,.0f}")
+        table.add_row(
+            f"{r['size_mib']:g}",
+            r["tier"],
+            f"{r['entry_MiB_s']:,.0f}",
+            f"{r['raw_MiB_s']:,.0f}",
+            f"{r['ratio']:.2f}",
+            f"{r['best_entry_MiB_s']:,.0f}",
+            f"{r['best_raw_MiB_s']:,.0f}",
+        )
     Console().print(table)
 
 
@@ -173,8 +215,13 @@ def _plot(rows: list[dict], png: Path) -> None:
         ax.bar([i - 0.2 for i in x], [r["entry_MiB_s"] for r in sel], 0.4, label="entry load")
         ax.bar([i + 0.2 for i in x], [r["raw_MiB_s"] for r in sel], 0.4, label="raw read")
         for i, r in zip(x, sel, strict=True):
-            ax.annotate(f"{r['ratio']:.2f}x", (i, max(r["entry_MiB_s"], r["raw_MiB_s"])),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{r['ratio']:.2f}x",
+                (i, max(r["entry_MiB_s"], r["raw_MiB_s"])),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(list(x), [f"{r['size_mib']:g} MiB" for r in sel])
         ax.set_title(tier)
         ax.set_ylabel("MiB/s")
@@ -190,11 +237,18 @@ def command(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write rows here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG chart here.")] = None,
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Least runs per cell.")] = 7,
-    workdir: Annotated[Path | None, typer.Option(
-        "--workdir", help="Folder on the disk to measure (default: the current one).")] = None,
-    s3_url: Annotated[str | None, typer.Option(
-        "--s3-url", help="s3://bucket/prefix?endpoint=... adds an S3 tier; 'moto' starts a "
-        "loopback moto server.")] = None,
+    workdir: Annotated[
+        Path | None,
+        typer.Option("--workdir", help="Folder on the disk to measure (default: the current one)."),
+    ] = None,
+    s3_url: Annotated[
+        str | None,
+        typer.Option(
+            "--s3-url",
+            help="s3://bucket/prefix?endpoint=... adds an S3 tier; 'moto' starts a "
+            "loopback moto server.",
+        ),
+    ] = None,
 ) -> None:
     """Entry load throughput per tier vs raw reads of the same bytes (table, JSON, PNG)."""
     try:
@@ -209,8 +263,10 @@ def command(
 
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
         server.start()
-        s3_url = (f"s3://mpic-bench/b?endpoint=127.0.0.1:{server._port}&secure=false"
-                  "&region=us-east-1&access_key=bench&secret_key=bench")
+        s3_url = (
+            f"s3://mpic-bench/b?endpoint=127.0.0.1:{server._port}&secure=false"
+            "&region=us-east-1&access_key=bench&secret_key=bench"
+        )
     try:
         with tempfile.TemporaryDirectory(dir=workdir or Path.cwd(), prefix=".mpic-bench-") as d:
             rows = run(size_list, repeat, Path(d), s3_url)
@@ -221,8 +277,9 @@ def command(
     cold = [r for r in rows if r["tier"] == "disk-cold"]
     ok = all(r["ratio"] >= 0.8 for r in cold)
     ratios = ", ".join(f"{r['ratio']:.2f}" for r in cold)
-    typer.echo(f"cold disk-tier entry load >= 0.8 x raw read: {'PASS' if ok else 'FAIL'} "
-               f"(ratios {ratios})")
+    typer.echo(
+        f"cold disk-tier entry load >= 0.8 x raw read: {'PASS' if ok else 'FAIL'} (ratios {ratios})"
+    )
     result = {"rows": rows, "target": "disk-cold ratio >= 0.8", "pass": ok, "repeat": repeat}
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))

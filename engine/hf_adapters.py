@@ -88,6 +88,7 @@ def make_adapter(model: Any) -> LayerAdapter:
     `Qwen2VLForConditionalGeneration`; ValueError for other models."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ("llava", "qwen2_vl"):
-        raise ValueError(f"no HF layer adapter for model_type {model_type!r}; "
-                         "supported: llava, qwen2_vl")
+        raise ValueError(
+            f"no HF layer adapter for model_type {model_type!r}; supported: llava, qwen2_vl"
+        )
     return HFLayerAdapter(model)

@@ -90,9 +90,7 @@ def _corpus(seed: int, num_words: int) -> Iterator[str]:
     letters = "etaoinshrdlcumwfgypbvkjxqz"
     weights = [26 - i for i in range(26)]
     for _ in range(num_words // 16):
-        words = (
-            "".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(16)
-        )
+        words = ("".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(16))
         yield " ".join(words)
 
 

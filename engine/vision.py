@@ -28,8 +28,13 @@ def load_image(data: bytes) -> Image.Image:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError,
-            Image.DecompressionBombError) as exc:
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+    ) as exc:
         raise UnreadableMediaError(f"the bytes are not a decodable image: {exc}") from exc
 
 

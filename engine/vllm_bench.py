@@ -40,9 +40,7 @@ class VllmBenchEngine:
 
     def __init__(self, model_dir: str, system_prompt: str | None = None) -> None:
         store = StorageConfig(url=f"file://{mkdtemp(prefix='mpic-vllm-bench-')}", fsync=False)
-        self.engine = VllmEngine(
-            VllmEngineConfig(model=model_dir, max_logprobs=-1, storage=store)
-        )
+        self.engine = VllmEngine(VllmEngineConfig(model=model_dir, max_logprobs=-1, storage=store))
         self.spec = self.engine.spec
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}
@@ -55,9 +53,7 @@ class VllmBenchEngine:
         self.media[entry.entry_id] = media
         return entry.entry_id
 
-    def _request(
-        self, parts: Sequence[PromptPart], policy: str
-    ) -> tuple[EngineRequest, int, int]:
+    def _request(self, parts: Sequence[PromptPart], policy: str) -> tuple[EngineRequest, int, int]:
         """The request for `parts` under `policy`, its prompt and recomputed token counts."""
         ids = render_prompt_ids(self.engine.processor, parts, self.system_prompt)
         refs = image_refs(parts)
@@ -89,8 +85,13 @@ class VllmBenchEngine:
             recomputed -= result.num_cached_tokens
         request, prompt_tokens, _ = self._request(parts, policy)
         (scored,) = self.engine.generate([request], max_tokens=1, logprobs=True)
-        return FirstToken(ttft_s=ttft, logits=scored.logprobs, prompt_tokens=prompt_tokens,
-                          recomputed_tokens=recomputed, cpu_s=cpu)
+        return FirstToken(
+            ttft_s=ttft,
+            logits=scored.logprobs,
+            prompt_tokens=prompt_tokens,
+            recomputed_tokens=recomputed,
+            cpu_s=cpu,
+        )
 
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Exactly `max_new_tokens` greedy tokens under `policy`."""
@@ -105,4 +106,3 @@ def _recomputed(plan: LinkPlan, two_step: bool) -> int:
     if two_step:
         ran |= plan.is_text
     return int(ran.sum())
-

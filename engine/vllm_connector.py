@@ -202,7 +202,9 @@ class MPICConnector(KVConnectorBase_V1):
                 continue
             logger.debug(
                 "MPIC: linked %s (%d tokens) in %.1f ms",
-                job.req_id, len(job.token_ids), 1e3 * (time.perf_counter() - began),
+                job.req_id,
+                len(job.token_ids),
+                1e3 * (time.perf_counter() - began),
             )
 
     def _link(self, job: LinkJob) -> None:
@@ -245,4 +247,3 @@ class MPICConnector(KVConnectorBase_V1):
         """After the forward: finish uploads whose prompt has fully run (entry -> store)."""
         if self._capture is not None:
             self._capture.end_step(self._entry_store().put)
-

@@ -67,8 +67,12 @@ class VllmEngine(VllmFrontEnd):
         return out
 
     def _recompute(
-        self, requests: list[EngineRequest], results: list[EngineResult], retry: list[int],
-        max_tokens: int, logprobs: bool,
+        self,
+        requests: list[EngineRequest],
+        results: list[EngineResult],
+        retry: list[int],
+        max_tokens: int,
+        logprobs: bool,
     ) -> None:
         exact = self._fallbacks([requests[i] for i in retry])
         again = self.generate(exact, max_tokens, logprobs)
@@ -81,13 +85,18 @@ class VllmEngine(VllmFrontEnd):
         return self.compute_entry(*self._upload_form(media, system_prompt))
 
     def compute_entry(
-        self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any], span: tuple[int, int],
-        entry_id: str, extra: dict[str, Any] | None = None,
+        self,
+        prompt_token_ids: list[int],
+        multi_modal_data: dict[str, Any],
+        span: tuple[int, int],
+        entry_id: str,
+        extra: dict[str, Any] | None = None,
     ) -> CacheEntry:
         """Run a prompt (one placeholder per image) with its images through vLLM and store the
         KV of the expanded prompt's tokens [span) as `entry_id` (`mpic.engine.vllm_upload`)."""
-        prompt, sampling = self._entry_form(prompt_token_ids, multi_modal_data, span, entry_id,
-                                            extra)
+        prompt, sampling = self._entry_form(
+            prompt_token_ids, multi_modal_data, span, entry_id, extra
+        )
         self.llm.generate([prompt], [sampling], use_tqdm=False)
         return self.store.get(entry_id)
 

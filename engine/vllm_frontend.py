@@ -100,14 +100,23 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
             kv_load_failure_policy="fail",
             kv_connector_extra_config={"storage": cfg.storage.model_dump(mode="json")},
         )
-    optional = {"num_gpu_blocks_override": cfg.num_blocks,
-                "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    optional = {
+        "num_gpu_blocks_override": cfg.num_blocks,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+    }
     return dict(
-        model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-        enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
-        seed=cfg.seed, kv_transfer_config=kv_transfer, limit_mm_per_prompt={"image": 16},
-        disable_log_stats=not cfg.log_stats, max_logprobs=cfg.max_logprobs,
+        model=cfg.model,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        kv_transfer_config=kv_transfer,
+        limit_mm_per_prompt={"image": 16},
+        disable_log_stats=not cfg.log_stats,
+        max_logprobs=cfg.max_logprobs,
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -127,9 +136,7 @@ class VllmFrontEnd:
         self.fallbacks = 0
         """Linked requests answered by exact recomputation because an entry could not load."""
 
-    def _submit_form(
-        self, req: EngineRequest, max_tokens: int, logprobs: bool
-    ) -> tuple[dict, Any]:
+    def _submit_form(self, req: EngineRequest, max_tokens: int, logprobs: bool) -> tuple[dict, Any]:
         from vllm import SamplingParams
 
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
@@ -143,7 +150,10 @@ class VllmFrontEnd:
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
         sampling = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=extra,
             logprobs=-1 if logprobs else None,
         )
         return prompt, sampling
@@ -159,11 +169,14 @@ class VllmFrontEnd:
         CorruptEntryError when one carries no fallback."""
         missing = [i for i, r in enumerate(failed) if r.fallback is None]
         if missing:
-            raise CorruptEntryError(f"linked requests {missing} could not load their entries "
-                                    "and carry no exact fallback")
+            raise CorruptEntryError(
+                f"linked requests {missing} could not load their entries "
+                "and carry no exact fallback"
+            )
         self.fallbacks += len(failed)
-        logger.warning("MPIC: %d linked request(s) could not link; recomputing exactly",
-                       len(failed))
+        logger.warning(
+            "MPIC: %d linked request(s) could not link; recomputing exactly", len(failed)
+        )
         return [resolve_fallback(r) for r in failed]
 
     @property
@@ -194,8 +207,12 @@ class VllmFrontEnd:
         return ids, {"image": image}, span, entry_id, extra
 
     def _entry_form(
-        self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any], span: tuple[int, int],
-        entry_id: str, extra: dict[str, Any] | None = None,
+        self,
+        prompt_token_ids: list[int],
+        multi_modal_data: dict[str, Any],
+        span: tuple[int, int],
+        entry_id: str,
+        extra: dict[str, Any] | None = None,
     ) -> tuple[dict, Any]:
         """The vLLM request that stores the KV of its expanded prompt's tokens [span) as
         `entry_id` (`mpic.engine.vllm_upload`; a unique salt: the prefix cache never skips it)."""

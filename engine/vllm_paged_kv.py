@@ -110,10 +110,18 @@ class PagedLinkedKV:
         block_table = self._block_table.expand(len(runs), -1).contiguous()
         num_heads, head_dim = q.shape[1], q.shape[2]
         metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(runs), num_heads=num_heads, num_kv_heads=impl.num_kv_heads,
-            head_dim=head_dim, seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts,
-            causal=True, sliding_window_size=-1, isa=attn.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=impl.kv_cache_dtype,
+            num_reqs=len(runs),
+            num_heads=num_heads,
+            num_kv_heads=impl.num_kv_heads,
+            head_dim=head_dim,
+            seq_lens=seq_lens,
+            dtype=q.dtype,
+            query_start_loc=starts,
+            causal=True,
+            sliding_window_size=-1,
+            isa=attn.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=impl.kv_cache_dtype,
         )
         key_cache, value_cache = self._split(layer)
         out = torch.empty_like(q)

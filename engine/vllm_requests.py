@@ -59,8 +59,11 @@ def resolve_fallback(req: EngineRequest) -> EngineRequest:
 
 def collapse_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:
     """Each run of image tokens -> one placeholder."""
-    return [t for i, t in enumerate(token_ids)
-            if t != image_token_id or i == 0 or token_ids[i - 1] != image_token_id]
+    return [
+        t
+        for i, t in enumerate(token_ids)
+        if t != image_token_id or i == 0 or token_ids[i - 1] != image_token_id
+    ]
 
 
 def exact_request(plan: LinkPlan, image_token_id: int, images: list[Any]) -> EngineRequest:

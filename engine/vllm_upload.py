@@ -33,12 +33,22 @@ KEY = "mpic_upload"
 
 
 def upload_params(
-    entry_id: str, fingerprint: str, start: int, end: int, media_type: str = "image",
+    entry_id: str,
+    fingerprint: str,
+    start: int,
+    end: int,
+    media_type: str = "image",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`kv_transfer_params` of an upload: capture prompt tokens [start, end) as entry `entry_id`."""
-    body = {"entry_id": entry_id, "fingerprint": fingerprint, "start": start, "end": end,
-            "media_type": media_type, "extra": extra or {}}
+    body = {
+        "entry_id": entry_id,
+        "fingerprint": fingerprint,
+        "start": start,
+        "end": end,
+        "media_type": media_type,
+        "extra": extra or {},
+    }
     return {KEY: body}
 
 

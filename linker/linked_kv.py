@@ -21,7 +21,7 @@ class LinkedKV(Protocol):
         ...
 
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
-        """The keys currently linked at `index` of `layer`: [S, H_kv, D] (CacheBlend's deviation)."""
+        """Keys currently linked at `index` of `layer`: [S, H_kv, D] (CacheBlend reads them)."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

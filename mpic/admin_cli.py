@@ -29,13 +29,22 @@ app = typer.Typer(no_args_is_help=True, help="MPIC administration: dynamic libra
 library_app = typer.Typer(no_args_is_help=True, help="Dynamic-library collections (MRAG).")
 app.add_typer(library_app, name="library")
 
-StoreOpt = Annotated[str | None, typer.Option(
-    "--store", envvar="MPIC_STORE_URL",
-    help="file:///abs/path or s3://bucket/prefix?endpoint=host:port (default: .mpic/store).")]
-ServerOpt = Annotated[str | None, typer.Option(
-    "--server", envvar="MPIC_SERVER_URL", help="Serving app base URL (admin routes).")]
-KeyOpt = Annotated[str | None, typer.Option(
-    "--api-key", envvar="MPIC_ADMIN_KEY", help="Admin API key for --server.")]
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        envvar="MPIC_STORE_URL",
+        help="file:///abs/path or s3://bucket/prefix?endpoint=host:port (default: .mpic/store).",
+    ),
+]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", envvar="MPIC_SERVER_URL", help="Serving app base URL (admin routes)."),
+]
+KeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="MPIC_ADMIN_KEY", help="Admin API key for --server."),
+]
 CollectionOpt = Annotated[str, typer.Option("--collection", "-c", help="Collection name.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
@@ -66,8 +75,9 @@ def _client(server: str, api_key: str | None):
     return AdminClient(server, api_key)
 
 
-def _engine(model_dir: Path | None, system_prompt: str | None
-            ) -> tuple[Callable[[bytes], object], str]:
+def _engine(
+    model_dir: Path | None, system_prompt: str | None
+) -> tuple[Callable[[bytes], object], str]:
     """(compute_entry, fingerprint of model + canonical context) of the HF model folder
     (reference runner, CPU f32); entries are cached after `system_prompt` (None: the template's).
 
@@ -90,10 +100,15 @@ def _engine(model_dir: Path | None, system_prompt: str | None
         raise _fail(f"model folder not found: {model_dir}")
     model, processor, spec = load_hf_model(model_dir)
     adapter = make_adapter(model)
-    fingerprint = spec.fingerprint if system_prompt is None else (
-        f"{spec.fingerprint}:{hashlib.sha256(system_prompt.encode()).hexdigest()[:16]}")
-    return (lambda media: cache_image(model, processor, adapter, spec, media, system_prompt),
-            fingerprint)
+    fingerprint = (
+        spec.fingerprint
+        if system_prompt is None
+        else (f"{spec.fingerprint}:{hashlib.sha256(system_prompt.encode()).hexdigest()[:16]}")
+    )
+    return (
+        lambda media: cache_image(model, processor, adapter, spec, media, system_prompt),
+        fingerprint,
+    )
 
 
 @library_app.command("refresh")
@@ -102,8 +117,11 @@ def refresh(
     collection: CollectionOpt,
     captions: Annotated[Path | None, typer.Option(help="JSONL of {file, caption}.")] = None,
     model: Annotated[Path | None, typer.Option(help="HF model folder computing the KV.")] = None,
-    system_prompt: Annotated[str | None, typer.Option(
-        help="System prompt of the canonical context (as the server's engine.system_prompt).")
+    system_prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="System prompt of the canonical context (as the server's engine.system_prompt)."
+        ),
     ] = None,
     index: Annotated[str, typer.Option(help="flat | ivf | hnsw")] = "flat",
     clip_model: Annotated[str, typer.Option(help="open_clip model name.")] = "mpic-tiny-clip",
@@ -119,31 +137,46 @@ def refresh(
     from mpic.retriever.sources import open_source, read_captions
 
     if server:
-        report = _run(lambda: _client(server, api_key).refresh(
-            collection, source, captions and str(captions)))
+        report = _run(
+            lambda: _client(server, api_key).refresh(collection, source, captions and str(captions))
+        )
         typer.echo(json.dumps(report, indent=1))
         return
 
     def go():
         src = open_source(source)
         caps = read_captions(captions)
-        cfgs = {"embedder_cfg": EmbedderConfig(model=clip_model, weights=clip_weights and
-                                               str(clip_weights)),
-                "index_cfg": IndexConfig(kind=index)}
+        cfgs = {
+            "embedder_cfg": EmbedderConfig(
+                model=clip_model, weights=clip_weights and str(clip_weights)
+            ),
+            "index_cfg": IndexConfig(kind=index),
+        }
         retriever = _retriever(store, **cfgs)
         retriever.library(collection)  # validate the name before loading a model
         compute_entry, fingerprint = _engine(model, system_prompt)
-        return retriever.refresh(collection, src, compute_entry, model_fingerprint=fingerprint,
-                                 captions=caps, progress=progress)
+        return retriever.refresh(
+            collection,
+            src,
+            compute_entry,
+            model_fingerprint=fingerprint,
+            captions=caps,
+            progress=progress,
+        )
 
     report = _run(go)
     typer.echo(json.dumps(dataclasses.asdict(report), indent=1))
 
 
 @library_app.command("list")
-def list_collections(store: StoreOpt = None, server: ServerOpt = None, api_key: KeyOpt = None,
-                     as_json: JsonOpt = False) -> None:
+def list_collections(
+    store: StoreOpt = None,
+    server: ServerOpt = None,
+    api_key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Collections with their current version and item count (no count with --server)."""
+
     def go():
         if server:
             return _client(server, api_key).collections()
@@ -172,15 +205,22 @@ def show(
     as_json: JsonOpt = False,
 ) -> None:
     """Versions of COLLECTION and the items of one version (versions only with --server)."""
+
     def go():
         if server:
             return {**_client(server, api_key).versions(collection), "items": []}
         retriever = _retriever(store)
         versions, current = retriever.versions(collection)
         man = retriever.library(collection).manifest(version or current)
-        return {"collection": collection, "current": current, "versions": versions,
-                "version": man.version, "parent": man.parent, "extra": man.extra,
-                "items": [it.model_dump() for it in man.items]}
+        return {
+            "collection": collection,
+            "current": current,
+            "versions": versions,
+            "version": man.version,
+            "parent": man.parent,
+            "extra": man.extra,
+            "items": [it.model_dump() for it in man.items],
+        }
 
     info = _run(go)
     if as_json:

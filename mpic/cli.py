@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import typer
 
+from mpic import demo, serve_command
 from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import storage as bench_storage
 from mpic.engine import tiny_models
 from mpic.linker import vlcache_calibration_cli
-from mpic import demo, serve_command
 
-app = typer.Typer(no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching.")
+app = typer.Typer(
+    no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching."
+)
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (each writes JSON and a PNG plot).")
 app.add_typer(model_app, name="model")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class MPICError(Exception):
-    """Base class: `status` is the HTTP status, `type` the OpenAI error type, `code` a short slug."""
+    """Base class: `status` is the HTTP status, `type` the OpenAI error type, `code` a slug."""
 
     status: int = 500
     type: str = "server_error"

@@ -18,8 +18,7 @@ class AdminClient:
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 600.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
-                                  timeout=timeout_s)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
 
     def _call(self, method: str, path: str, body: dict | None = None) -> Any:
         try:
@@ -47,10 +46,14 @@ class AdminClient:
 
     def refresh(self, collection: str, source: str, captions: str | None) -> dict[str, Any]:
         """New version from a folder or S3 prefix the SERVER can read; returns its report."""
-        return self._call("POST", f"/v1/admin/collections/{collection}/refresh",
-                          {"source": source, "captions": captions})
+        return self._call(
+            "POST",
+            f"/v1/admin/collections/{collection}/refresh",
+            {"source": source, "captions": captions},
+        )
 
     def rollback(self, collection: str, version: str) -> dict[str, Any]:
         """{"collection", "current"} after making `version` current again."""
-        return self._call("POST", f"/v1/admin/collections/{collection}/rollback",
-                          {"version": version})
+        return self._call(
+            "POST", f"/v1/admin/collections/{collection}/rollback", {"version": version}
+        )

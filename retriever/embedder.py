@@ -98,8 +98,8 @@ class ClipEmbedder:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(cfg.seed)
                     model, _, preprocess = open_clip.create_model_and_transforms(
-                        cfg.model, pretrained=str(weights) if weights else None,
-                        device=self.device)
+                        cfg.model, pretrained=str(weights) if weights else None, device=self.device
+                    )
             finally:
                 logging.getLogger().removeFilter(quiet)
         self.fingerprint = hashlib.sha256(f"{cfg.model}|{source}".encode()).hexdigest()[:16]
@@ -137,15 +137,18 @@ class ClipEmbedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         return torch.cat(out).numpy()
 
-    def embed_images(self, images: Sequence[bytes], names: Sequence[str] | None = None
-                     ) -> np.ndarray:
+    def embed_images(
+        self, images: Sequence[bytes], names: Sequence[str] | None = None
+    ) -> np.ndarray:
         """Encoded image files (PNG, JPEG...) -> float32 [n, d], unit rows.
 
         Raises UnreadableMediaError naming (by `names`, else index) the first that does not decode.
         """
         names = names or [str(i) for i in range(len(images))]
-        pixels = [self.preprocess(decode_image(data, name)) for data, name in zip(images, names,
-                                                                                   strict=True)]
+        pixels = [
+            self.preprocess(decode_image(data, name))
+            for data, name in zip(images, names, strict=True)
+        ]
         return self._encode(pixels, torch.stack, self.model.encode_image)
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:

@@ -51,7 +51,10 @@ class Retrieved(BaseModel):
 
 
 def retrieve(
-    retriever: Retriever, spec: RetrievalSpec, *, text: str | None = None,
+    retriever: Retriever,
+    spec: RetrievalSpec,
+    *,
+    text: str | None = None,
     image: bytes | None = None,
 ) -> Retrieved:
     """Search `spec.collection` with the query's text (or one image) and apply the mode.
@@ -61,9 +64,14 @@ def retrieve(
     if image is None and not (text and text.strip()):
         raise InvalidRequestError("retrieval needs query text or an image", param="retrieval")
     query_text = None if image is not None else text
-    result = retriever.search(spec.collection, text=query_text, image=image, top_k=spec.top_k,
-                              min_score=spec.min_score)
+    result = retriever.search(
+        spec.collection, text=query_text, image=image, top_k=spec.top_k, min_score=spec.min_score
+    )
     best = max((h.score for h in result.hits), default=None)
     triggered = spec.mode == "explicit" or (best is not None and best >= spec.threshold)
-    return Retrieved(collection=result.collection, version=result.version, triggered=triggered,
-                     hits=result.hits if triggered else [])
+    return Retrieved(
+        collection=result.collection,
+        version=result.version,
+        triggered=triggered,
+        hits=result.hits if triggered else [],
+    )

@@ -68,8 +68,9 @@ def _read(source: ImageSource, im: _Image) -> bytes:
     """The image's bytes, checked against the hash taken by `_scan`."""
     data = source.read(im.name)
     if hashlib.sha256(data).hexdigest() != im.content_hash:
-        raise InvalidRequestError(f"{im.name} changed during the refresh; run it again",
-                                  param="source")
+        raise InvalidRequestError(
+            f"{im.name} changed during the refresh; run it again", param="source"
+        )
     return data
 
 
@@ -87,8 +88,9 @@ def _scan(source: ImageSource, progress: bool) -> tuple[list[_Image], list[tuple
     return list(by_hash.values()), duplicates
 
 
-def _previous(lib: DynamicLibrary, prev: Manifest | None, embedder: ClipEmbedder,
-              model_fingerprint: str) -> tuple[dict[str, ManifestItem], VectorIndex | None]:
+def _previous(
+    lib: DynamicLibrary, prev: Manifest | None, embedder: ClipEmbedder, model_fingerprint: str
+) -> tuple[dict[str, ManifestItem], VectorIndex | None]:
     """Items of the current version whose entries can be reused (by content hash), and its index
     if its vectors can (same embedder)."""
     if prev is None:
@@ -98,27 +100,34 @@ def _previous(lib: DynamicLibrary, prev: Manifest | None, embedder: ClipEmbedder
         items = {it.content_hash: it for it in prev.items if it.content_hash and it.entry_key}
     index = None
     if prev.extra.get("embedder_fingerprint") == embedder.fingerprint and INDEX_BLOB in prev.blobs:
-        index = VectorIndex.from_bytes(lib.get_blob(prev, INDEX_BLOB),
-                                       IndexConfig(**prev.extra["index"]))
+        index = VectorIndex.from_bytes(
+            lib.get_blob(prev, INDEX_BLOB), IndexConfig(**prev.extra["index"])
+        )
     return items, index
 
 
-def _embed(images: list[_Image], source: ImageSource, embedder: ClipEmbedder,
-           old_index: VectorIndex | None, old_hashes: set[str], progress: bool
-           ) -> dict[str, np.ndarray]:
+def _embed(
+    images: list[_Image],
+    source: ImageSource,
+    embedder: ClipEmbedder,
+    old_index: VectorIndex | None,
+    old_hashes: set[str],
+    progress: bool,
+) -> dict[str, np.ndarray]:
     """content hash -> unit vector float32 [d]: reconstructed from `old_index` for images it
     holds, embedded in batches otherwise (UnreadableMediaError if one does not decode)."""
     vectors = {}
     if old_index is not None:
-        vectors = {im.content_hash: old_index.reconstruct(vector_id(im.content_hash))
-                   for im in images if im.content_hash in old_hashes}
+        vectors = {
+            im.content_hash: old_index.reconstruct(vector_id(im.content_hash))
+            for im in images
+            if im.content_hash in old_hashes
+        }
     todo = [im for im in images if im.content_hash not in vectors]
     batch = embedder.cfg.batch_size
-    for start in tqdm(range(0, len(todo), batch), desc="embed", unit="batch",
-                      disable=not progress):
+    for start in tqdm(range(0, len(todo), batch), desc="embed", unit="batch", disable=not progress):
         chunk = todo[start : start + batch]
-        embs = embedder.embed_images([_read(source, im) for im in chunk],
-                                     [im.name for im in chunk])
+        embs = embedder.embed_images([_read(source, im) for im in chunk], [im.name for im in chunk])
         vectors.update((im.content_hash, e) for im, e in zip(chunk, embs, strict=True))
     return vectors
 
@@ -148,8 +157,14 @@ def refresh_collection(
     fresh = [im for im in images if im.content_hash not in old_items]
 
     def meta(im: _Image) -> dict:
-        return {"caption": captions.get(im.name, ""), "extra": {
-            "name": im.name, "aliases": im.aliases, "vector_id": vector_id(im.content_hash)}}
+        return {
+            "caption": captions.get(im.name, ""),
+            "extra": {
+                "name": im.name,
+                "aliases": im.aliases,
+                "vector_id": vector_id(im.content_hash),
+            },
+        }
 
     with lib.begin_version(base=None) as builder:
         builder.parent = prev.version if prev else None
@@ -159,24 +174,35 @@ def refresh_collection(
                 builder.items[old.item_id] = old.model_copy(update=meta(im))
             else:
                 data = _read(source, im)
-                builder.put_item(im.content_hash[:16], media=data, entry=compute_entry(data),
-                                 **meta(im))
+                builder.put_item(
+                    im.content_hash[:16], media=data, entry=compute_entry(data), **meta(im)
+                )
         ids = np.array([vector_id(im.content_hash) for im in images], dtype=np.int64)
         if len(set(ids.tolist())) != len(ids):
             raise RuntimeError("60-bit content-hash prefix collision; refusing to index")
         matrix = np.stack([vectors[im.content_hash] for im in images])
         builder.put_blob(INDEX_BLOB, VectorIndex.build(matrix, ids, index_cfg).to_bytes())
-        builder.extra.update({
-            "model_fingerprint": model_fingerprint,
-            "embedder_fingerprint": embedder.fingerprint,
-            "embedder": embedder.cfg.model_dump(),
-            "index": index_cfg.model_dump(),
-            "source": source.location,
-        })
+        builder.extra.update(
+            {
+                "model_fingerprint": model_fingerprint,
+                "embedder_fingerprint": embedder.fingerprint,
+                "embedder": embedder.cfg.model_dump(),
+                "index": index_cfg.model_dump(),
+                "source": source.location,
+            }
+        )
         manifest = builder.commit(make_current=True)
     reused = len(images) - len(fresh)
     removed = len(old_hashes - {im.content_hash for im in images})
-    report = RefreshReport(lib.collection, manifest.version, manifest.parent, len(images),
-                           len(fresh), reused, removed, duplicates)
+    report = RefreshReport(
+        lib.collection,
+        manifest.version,
+        manifest.parent,
+        len(images),
+        len(fresh),
+        reused,
+        removed,
+        duplicates,
+    )
     logger.info("refreshed %s", report)
     return report

@@ -63,8 +63,13 @@ class LoadedVersion:
 class Retriever:
     """Collections of one object store; `entries` holds the KV entries a refresh writes."""
 
-    def __init__(self, objects: ObjectStore, entries: EntryStore | None = None,
-                 embedder_cfg: EmbedderConfig | None = None, index_cfg: IndexConfig | None = None):
+    def __init__(
+        self,
+        objects: ObjectStore,
+        entries: EntryStore | None = None,
+        embedder_cfg: EmbedderConfig | None = None,
+        index_cfg: IndexConfig | None = None,
+    ):
         self.objects = objects
         self.entries = entries or EntryStore(objects)
         self.embedder_cfg = embedder_cfg or EmbedderConfig()
@@ -82,8 +87,11 @@ class Retriever:
 
     def collections(self) -> list[str]:
         """Names of the collections that have a current version."""
-        return sorted(k.split("/")[1] for k in self.objects.list("dynamic/")
-                      if k.count("/") == 2 and k.endswith("/CURRENT"))
+        return sorted(
+            k.split("/")[1]
+            for k in self.objects.list("dynamic/")
+            if k.count("/") == 2 and k.endswith("/CURRENT")
+        )
 
     def embedder(self, cfg: EmbedderConfig | None = None) -> ClipEmbedder:
         """The embedder built from `cfg` (default: this retriever's), cached per config."""
@@ -105,16 +113,24 @@ class Retriever:
         if cached is not None and cached.manifest.version == version:
             return cached
         manifest = lib.manifest(version)
-        index = VectorIndex.from_bytes(lib.get_blob(manifest, INDEX_BLOB),
-                                       IndexConfig(**manifest.extra["index"]))
+        index = VectorIndex.from_bytes(
+            lib.get_blob(manifest, INDEX_BLOB), IndexConfig(**manifest.extra["index"])
+        )
         by_id = {int(it.extra["vector_id"]): it for it in manifest.items}
         loaded = LoadedVersion(manifest, index, by_id)
         with self._lock:
             self._loaded[collection] = loaded
         return loaded
 
-    def search(self, collection: str, *, text: str | None = None, image: bytes | None = None,
-               top_k: int = 5, min_score: float | None = None) -> SearchResult:
+    def search(
+        self,
+        collection: str,
+        *,
+        text: str | None = None,
+        image: bytes | None = None,
+        top_k: int = 5,
+        min_score: float | None = None,
+    ) -> SearchResult:
         """The `top_k` items of the current version closest to a text or an image query."""
         if (text is None) == (image is None):
             raise InvalidRequestError("give exactly one of a text or an image query")
@@ -123,8 +139,9 @@ class Retriever:
         query = embedder.embed_texts([text]) if text is not None else embedder.embed_images([image])
         return self.search_vector(loaded, query[0], top_k, min_score)
 
-    def search_vector(self, loaded: LoadedVersion, query: np.ndarray, top_k: int,
-                      min_score: float | None = None) -> SearchResult:
+    def search_vector(
+        self, loaded: LoadedVersion, query: np.ndarray, top_k: int, min_score: float | None = None
+    ) -> SearchResult:
         """Search one version with a unit query vector float32 [d]."""
         scores, ids = loaded.index.search(query[None], top_k)
         hits = []
@@ -132,20 +149,41 @@ class Retriever:
             if vid < 0 or (min_score is not None and score < min_score):
                 continue
             it = loaded.by_vector_id[int(vid)]
-            hits.append(Hit(item_id=it.item_id, score=float(score), entry_key=it.entry_key,
-                            content_hash=it.content_hash, media_key=it.media_key,
-                            name=it.extra.get("name", ""), caption=it.caption))
+            hits.append(
+                Hit(
+                    item_id=it.item_id,
+                    score=float(score),
+                    entry_key=it.entry_key,
+                    content_hash=it.content_hash,
+                    media_key=it.media_key,
+                    name=it.extra.get("name", ""),
+                    caption=it.caption,
+                )
+            )
         m = loaded.manifest
         return SearchResult(collection=m.collection, version=m.version, hits=hits)
 
-    def refresh(self, collection: str, source: ImageSource, compute_entry: ComputeEntry, *,
-                model_fingerprint: str, captions: dict[str, str] | None = None,
-                progress: bool = False) -> RefreshReport:
+    def refresh(
+        self,
+        collection: str,
+        source: ImageSource,
+        compute_entry: ComputeEntry,
+        *,
+        model_fingerprint: str,
+        captions: dict[str, str] | None = None,
+        progress: bool = False,
+    ) -> RefreshReport:
         """New current version of `collection` from `source` (see `mpic.retriever.refresh`)."""
         return refresh_collection(
-            self.library(collection), source, compute_entry, model_fingerprint=model_fingerprint,
-            embedder=self.embedder(), index_cfg=self.index_cfg, captions=captions,
-            progress=progress)
+            self.library(collection),
+            source,
+            compute_entry,
+            model_fingerprint=model_fingerprint,
+            embedder=self.embedder(),
+            index_cfg=self.index_cfg,
+            captions=captions,
+            progress=progress,
+        )
 
     def versions(self, collection: str) -> tuple[list[str], str | None]:
         """(committed versions oldest first, current version); NotFoundError if none."""

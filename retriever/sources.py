@@ -51,7 +51,8 @@ def open_source(location: str) -> ImageSource:
         if not root.is_dir():
             raise InvalidRequestError(f"source folder not found: {root}", param="source")
         names = sorted(
-            p.relative_to(root).as_posix() for p in root.rglob("*")
+            p.relative_to(root).as_posix()
+            for p in root.rglob("*")
             if p.is_file() and _is_image(p.relative_to(root).as_posix())
         )
         source = ImageSource(str(root), names, lambda name: (root / name).read_bytes())
@@ -81,7 +82,7 @@ def read_captions(path: str | Path | None) -> dict[str, str]:
             captions[str(record["file"])] = str(record["caption"])
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(
-                f"{path}:{lineno}: expected {{\"file\": ..., \"caption\": ...}} ({exc})",
+                f'{path}:{lineno}: expected {{"file": ..., "caption": ...}} ({exc})',
                 param="captions",
             ) from exc
     return captions

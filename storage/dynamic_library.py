@@ -88,12 +88,20 @@ class VersionBuilder:
     def _ref(self, blob_key: str) -> None:
         refs.add_ref(self.lib.objects, blob_key, self._holder)
 
-    def put_item(self, item_id: str, *, media: bytes | None = None, media_type: str = "image",
-                 entry: CacheEntry | None = None, caption: str = "",
-                 extra: dict[str, Any] | None = None) -> ManifestItem:
+    def put_item(
+        self,
+        item_id: str,
+        *,
+        media: bytes | None = None,
+        media_type: str = "image",
+        entry: CacheEntry | None = None,
+        caption: str = "",
+        extra: dict[str, Any] | None = None,
+    ) -> ManifestItem:
         """Add or replace an item; stores its media and KV entry (if given) right away."""
-        item = ManifestItem(item_id=item_id, media_type=media_type, caption=caption,
-                            extra=extra or {})
+        item = ManifestItem(
+            item_id=item_id, media_type=media_type, caption=caption, extra=extra or {}
+        )
         if media is not None:
             item.content_hash = hashlib.sha256(media).hexdigest()
             item.media_key = media_key(item.content_hash)
@@ -125,9 +133,15 @@ class VersionBuilder:
             for blob in (item.media_key, item.entry_key and entry_object_key(item.entry_key)):
                 if blob:
                     self._ref(blob)
-        man = Manifest(collection=self.lib.collection, version=self.version, parent=self.parent,
-                       created_at=time.time(), items=list(self.items.values()),
-                       blobs=self.blobs, extra=self.extra)
+        man = Manifest(
+            collection=self.lib.collection,
+            version=self.version,
+            parent=self.parent,
+            created_at=time.time(),
+            items=list(self.items.values()),
+            blobs=self.blobs,
+            extra=self.extra,
+        )
         self.lib.objects.put_json(self.lib.manifest_key(self.version), man.model_dump())
         self._done = True
         if make_current:
@@ -150,8 +164,9 @@ class VersionBuilder:
 class DynamicLibrary:
     """Versioned collection `collection`: begin/commit versions, CURRENT, list, rollback."""
 
-    def __init__(self, objects: ObjectStore, collection: str,
-                 entries: EntryStore | None = None) -> None:
+    def __init__(
+        self, objects: ObjectStore, collection: str, entries: EntryStore | None = None
+    ) -> None:
         if not _NAME.match(collection):
             raise ValueError(f"collection name {collection!r}: use 1-64 of [A-Za-z0-9_-]")
         self.objects, self.collection, self.entries = objects, collection, entries
@@ -219,4 +234,4 @@ class DynamicLibrary:
             self.objects.delete(key)
         for key in list(self.objects.list(refs.REFS)):
             if key.endswith("/" + holder):
-                refs.drop_ref(self.objects, key[len(refs.REFS):-len(holder) - 1], holder)
+                refs.drop_ref(self.objects, key[len(refs.REFS) : -len(holder) - 1], holder)

@@ -42,9 +42,16 @@ _CHUNK = 512 << 10
 Check = Literal["blake3", "xxh3_128"]
 _MAX_HEADER = 16 << 20
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -65,8 +72,9 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def _canonical(header: dict, meta: dict) -> bytes:
     """The metadata the checksums cover (tensor layout + entry metadata), in one fixed form."""
-    return json.dumps({"meta": meta, "tensors": header}, sort_keys=True,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"meta": meta, "tensors": header}, sort_keys=True, separators=(",", ":")
+    ).encode()
 
 
 def _hasher(check: Check, header: dict, meta: dict):  # noqa: ANN202 - blake3 or xxh3 object
@@ -78,8 +86,12 @@ def _hasher(check: Check, header: dict, meta: dict):  # noqa: ANN202 - blake3 or
 def encode(entry: CacheEntry) -> bytes:
     """Serialize `entry` (tensors moved to CPU) into one safetensors blob with checksums over
     its metadata and every tensor byte."""
-    tensors = {"input_embeds": entry.input_embeds, "keys": entry.keys,
-               "positions": entry.positions.to(torch.int64), "values": entry.values}
+    tensors = {
+        "input_embeds": entry.input_embeds,
+        "keys": entry.keys,
+        "positions": entry.positions.to(torch.int64),
+        "values": entry.values,
+    }
     header: dict[str, dict] = {}
     raws, offset = [], 0
     for name in _TENSORS:
@@ -87,14 +99,22 @@ def encode(entry: CacheEntry) -> bytes:
         if t.dtype not in _NAMES:
             raise ValueError(f"{name}: unsupported dtype {t.dtype}")
         raw = _raw(t)
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + raw.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + raw.nbytes],
+        }
         offset += raw.nbytes
         raws.append(raw)
-    meta = {"format": FORMAT, "entry_id": entry.entry_id,
-            "model_fingerprint": entry.model_fingerprint, "media_type": entry.media_type,
-            "extra": entry.extra, "dtype": str(entry.keys.dtype).removeprefix("torch."),
-            "num_tokens": entry.num_tokens}
+    meta = {
+        "format": FORMAT,
+        "entry_id": entry.entry_id,
+        "model_fingerprint": entry.model_fingerprint,
+        "media_type": entry.media_type,
+        "extra": entry.extra,
+        "dtype": str(entry.keys.dtype).removeprefix("torch."),
+        "num_tokens": entry.num_tokens,
+    }
     sums = {}
     for check in ("blake3", "xxh3_128"):
         h = _hasher(check, header, meta)
@@ -127,8 +147,9 @@ def _data_size(header: dict) -> int:
         raise CorruptEntryError(f"entry header malformed: {e}") from e
 
 
-def _build(header: dict, meta: dict, expected: object, buf: bytearray | memoryview, base: int,
-           digest: str) -> CacheEntry:
+def _build(
+    header: dict, meta: dict, expected: object, buf: bytearray | memoryview, base: int, digest: str
+) -> CacheEntry:
     if digest != expected:
         raise CorruptEntryError(f"entry {meta.get('entry_id')}: checksum mismatch")
     out: dict[str, torch.Tensor] = {}
@@ -137,13 +158,22 @@ def _build(header: dict, meta: dict, expected: object, buf: bytearray | memoryvi
             b, e = (int(x) for x in h["data_offsets"])
             dtype = _DTYPES[h["dtype"]]
             count = (e - b) // dtype.itemsize
-            t = (torch.frombuffer(buf, dtype=dtype, count=count, offset=base + b) if count
-                 else torch.empty(0, dtype=dtype))
+            t = (
+                torch.frombuffer(buf, dtype=dtype, count=count, offset=base + b)
+                if count
+                else torch.empty(0, dtype=dtype)
+            )
             out[name] = t.view(*h["shape"])
-        entry = CacheEntry(entry_id=meta["entry_id"], model_fingerprint=meta["model_fingerprint"],
-                           keys=out["keys"], values=out["values"], positions=out["positions"],
-                           input_embeds=out["input_embeds"], media_type=meta["media_type"],
-                           extra=meta["extra"])
+        entry = CacheEntry(
+            entry_id=meta["entry_id"],
+            model_fingerprint=meta["model_fingerprint"],
+            keys=out["keys"],
+            values=out["values"],
+            positions=out["positions"],
+            input_embeds=out["input_embeds"],
+            media_type=meta["media_type"],
+            extra=meta["extra"],
+        )
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CorruptEntryError(f"entry tensors malformed: {e}") from e
     if entry.keys.dim() != 4 or entry.keys.shape != entry.values.shape:
@@ -151,8 +181,7 @@ def _build(header: dict, meta: dict, expected: object, buf: bytearray | memoryvi
     return entry
 
 
-def decode(blob: bytes | bytearray | memoryview | mmap.mmap,
-           check: Check = "blake3") -> CacheEntry:
+def decode(blob: bytes | bytearray | memoryview | mmap.mmap, check: Check = "blake3") -> CacheEntry:
     """Bytes -> CacheEntry verified with the `check` checksum (tensors view `blob`);
     CorruptEntryError if anything is off."""
     view = memoryview(blob).cast("B")
@@ -163,11 +192,13 @@ def decode(blob: bytes | bytearray | memoryview | mmap.mmap,
     (n,) = struct.unpack("<Q", view[:8])
     if n > min(_MAX_HEADER, len(view) - 8):
         raise CorruptEntryError("entry truncated or header length garbage")
-    header, meta, sums = _parse_header(view[8:8 + n])
-    data = view[8 + n:]
+    header, meta, sums = _parse_header(view[8 : 8 + n])
+    data = view[8 + n :]
     if len(data) != _data_size(header):
-        raise CorruptEntryError(f"entry data is {len(data)} bytes, header says "
-                                f"{_data_size(header)} (truncated or garbage)")
+        raise CorruptEntryError(
+            f"entry data is {len(data)} bytes, header says "
+            f"{_data_size(header)} (truncated or garbage)"
+        )
     h = _hasher(check, header, meta)
     h.update(data)
     return _build(header, meta, sums.get(check), view, 8 + n, h.hexdigest())
@@ -197,20 +228,21 @@ def read_entry(stream: ReadStream) -> tuple[CacheEntry, bytearray]:
     if n > min(_MAX_HEADER, size - 8):
         raise CorruptEntryError("entry truncated or header length garbage")
     if 8 + n > have:
-        _read_exact(stream, view[have:8 + n])
+        _read_exact(stream, view[have : 8 + n])
         have = 8 + n
-    header, meta, sums = _parse_header(view[8:8 + n])
+    header, meta, sums = _parse_header(view[8 : 8 + n])
     if size != 8 + n + _data_size(header):
-        raise CorruptEntryError(f"entry object is {size} bytes, expected "
-                                f"{8 + n + _data_size(header)}")
+        raise CorruptEntryError(
+            f"entry object is {size} bytes, expected {8 + n + _data_size(header)}"
+        )
     digest, chunks = _hasher("blake3", header, meta), SimpleQueue[memoryview | None]()
     hasher = threading.Thread(target=_hash_chunks, args=(digest, chunks), daemon=True)
     hasher.start()
     try:
-        chunks.put(view[8 + n:have])
+        chunks.put(view[8 + n : have])
         for start in range(have, size, _CHUNK):
-            _read_exact(stream, view[start:start + _CHUNK])
-            chunks.put(view[start:start + _CHUNK])
+            _read_exact(stream, view[start : start + _CHUNK])
+            chunks.put(view[start : start + _CHUNK])
     finally:
         chunks.put(None)
         hasher.join()

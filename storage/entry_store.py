@@ -42,21 +42,36 @@ def entry_object_key(key: str) -> str:
 class EntryStore:
     """get / put / pin / locate / delete cache entries across memory, disk and object tiers."""
 
-    def __init__(self, objects: ObjectStore, *, memory_bytes: int = 2 << 30,
-                 disk: DiskTier | None = None, metrics: StoreMetrics | None = None) -> None:
+    def __init__(
+        self,
+        objects: ObjectStore,
+        *,
+        memory_bytes: int = 2 << 30,
+        disk: DiskTier | None = None,
+        metrics: StoreMetrics | None = None,
+    ) -> None:
         self.objects = objects
         self.memory = MemoryTier(memory_bytes)
         self.disk = disk
         self.metrics = metrics or StoreMetrics()
 
     @classmethod
-    def from_config(cls, cfg: StorageConfig, registry: CollectorRegistry | None = None,
-                    objects: ObjectStore | None = None) -> EntryStore:
+    def from_config(
+        cls,
+        cfg: StorageConfig,
+        registry: CollectorRegistry | None = None,
+        objects: ObjectStore | None = None,
+    ) -> EntryStore:
         """Build the tiers `cfg` describes (the object store from its URL unless given)."""
-        disk = (DiskTier(cfg.disk_cache_dir, cfg.disk_bytes)
-                if cfg.disk_cache_dir is not None else None)
-        return cls(objects or make_object_store(cfg), memory_bytes=cfg.memory_bytes, disk=disk,
-                   metrics=StoreMetrics(registry))
+        disk = (
+            DiskTier(cfg.disk_cache_dir, cfg.disk_bytes) if cfg.disk_cache_dir is not None else None
+        )
+        return cls(
+            objects or make_object_store(cfg),
+            memory_bytes=cfg.memory_bytes,
+            disk=disk,
+            metrics=StoreMetrics(registry),
+        )
 
     def put(self, entry: CacheEntry, *, pin: bool = False) -> str:
         """Write `entry` through every tier (object store first); returns its key (entry_id)."""

@@ -26,13 +26,18 @@ def s3_config_from_url(url: str) -> S3Config:
         raise ValueError(f"S3 URL {url!r} needs ?endpoint=host:port")
     unknown = set(q) - {"endpoint", "secure", "region", "access_key", "secret_key"}
     if unknown:
-        raise ValueError(f"unknown S3 URL fields {sorted(unknown)}; valid: endpoint, secure, "
-                         "region, access_key, secret_key")
+        raise ValueError(
+            f"unknown S3 URL fields {sorted(unknown)}; valid: endpoint, secure, "
+            "region, access_key, secret_key"
+        )
     return S3Config(
-        endpoint=q["endpoint"], bucket=u.netloc, prefix=unquote(u.path).strip("/"),
+        endpoint=q["endpoint"],
+        bucket=u.netloc,
+        prefix=unquote(u.path).strip("/"),
         access_key=q.get("access_key", os.environ.get("MPIC_S3_ACCESS_KEY", "")),
         secret_key=SecretStr(q.get("secret_key", os.environ.get("MPIC_S3_SECRET_KEY", ""))),
-        secure=q.get("secure", "true").lower() in _TRUE, region=q.get("region"),
+        secure=q.get("secure", "true").lower() in _TRUE,
+        region=q.get("region"),
     )
 
 

@@ -80,8 +80,11 @@ class MemoryTier:
                 self.used -= slot.nbytes
                 self.evicted += 1
         if self.used > self.capacity:
-            log.warning("memory tier over capacity (%d > %d bytes): all entries pinned",
-                        self.used, self.capacity)
+            log.warning(
+                "memory tier over capacity (%d > %d bytes): all entries pinned",
+                self.used,
+                self.capacity,
+            )
 
     def unpin(self, key: str) -> None:
         """Release one pin; frees a discarded entry when its last pin goes."""

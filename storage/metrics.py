@@ -15,23 +15,37 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.hits = Counter("mpic_store_hits", "Entry lookups served by a tier.", ["tier"],
-                            registry=r)
-        self.misses = Counter("mpic_store_misses", "Entry lookups a tier could not serve.",
-                              ["tier"], registry=r)
-        self.bytes_read = Counter("mpic_store_read_bytes", "Entry bytes loaded from a tier.",
-                                  ["tier"], registry=r)
-        self.bytes_written = Counter("mpic_store_written_bytes", "Entry bytes written to a tier.",
-                                     ["tier"], registry=r)
-        self.resident = Gauge("mpic_store_resident_bytes", "Bytes held by a local tier.",
-                              ["tier"], registry=r)
-        self.latency = Histogram("mpic_store_load_seconds", "Entry load latency per tier.",
-                                 ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.fallbacks = Counter("mpic_store_fallbacks",
-                                 "Entries recomputed instead of loaded, by reason.", ["reason"],
-                                 registry=r)
-        self.evictions = Counter("mpic_store_evictions", "Entries evicted from a local tier.",
-                                 ["tier"], registry=r)
+        self.hits = Counter(
+            "mpic_store_hits", "Entry lookups served by a tier.", ["tier"], registry=r
+        )
+        self.misses = Counter(
+            "mpic_store_misses", "Entry lookups a tier could not serve.", ["tier"], registry=r
+        )
+        self.bytes_read = Counter(
+            "mpic_store_read_bytes", "Entry bytes loaded from a tier.", ["tier"], registry=r
+        )
+        self.bytes_written = Counter(
+            "mpic_store_written_bytes", "Entry bytes written to a tier.", ["tier"], registry=r
+        )
+        self.resident = Gauge(
+            "mpic_store_resident_bytes", "Bytes held by a local tier.", ["tier"], registry=r
+        )
+        self.latency = Histogram(
+            "mpic_store_load_seconds",
+            "Entry load latency per tier.",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "mpic_store_fallbacks",
+            "Entries recomputed instead of loaded, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "mpic_store_evictions", "Entries evicted from a local tier.", ["tier"], registry=r
+        )
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (tests, benchmarks); 0.0 if never set."""

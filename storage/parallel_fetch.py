@@ -70,10 +70,17 @@ class FetchResult:
         self.release()
 
 
-def fetch_entries(store: EntryStore, keys: Sequence[str], compute: Callable[[str], CacheEntry],
-                  *, max_workers: int = 4, compute_workers: int = 1,
-                  load_timeout_s: float = 30.0, store_computed: bool = True,
-                  pin: bool = False) -> FetchResult:
+def fetch_entries(
+    store: EntryStore,
+    keys: Sequence[str],
+    compute: Callable[[str], CacheEntry],
+    *,
+    max_workers: int = 4,
+    compute_workers: int = 1,
+    load_timeout_s: float = 30.0,
+    store_computed: bool = True,
+    pin: bool = False,
+) -> FetchResult:
     """Load or recompute every key of `keys` (duplicates allowed) concurrently. `compute(key)`
     must return the entry for `key`; recomputed entries are written back when `store_computed`.
     With `pin`, every returned entry resident in memory stays pinned until `release()`."""
@@ -90,7 +97,9 @@ def fetch_entries(store: EntryStore, keys: Sequence[str], compute: Callable[[str
         store.metrics.fallbacks.labels(reason).inc()
         log.info("entry %s: %s, recomputing", key, reason)
         pending[computes.submit(_compute, store, key, compute, store_computed, pin)] = (
-            key, "compute")
+            key,
+            "compute",
+        )
 
     try:
         for key in unique:
@@ -144,8 +153,13 @@ def _load(store: EntryStore, key: str, pin: bool) -> tuple[CacheEntry, str, bool
     return entry, where, pin
 
 
-def _compute(store: EntryStore, key: str, compute: Callable[[str], CacheEntry],
-             store_computed: bool, pin: bool) -> tuple[CacheEntry, str, bool]:
+def _compute(
+    store: EntryStore,
+    key: str,
+    compute: Callable[[str], CacheEntry],
+    store_computed: bool,
+    pin: bool,
+) -> tuple[CacheEntry, str, bool]:
     entry = compute(key)
     if entry.entry_id != key:
         raise FetchError(f"compute callback returned entry {entry.entry_id} for {key}")
@@ -166,4 +180,3 @@ def _unpin_late(store: EntryStore, key: str, pin: bool) -> Callable[[Future], No
             store.unpin(key)
 
     return done
-

@@ -35,7 +35,7 @@ def drop_ref(store: ObjectStore, blob_key: str, holder: str) -> None:
 def holders(store: ObjectStore, blob_key: str) -> list[str]:
     """Holders that reference `blob_key`."""
     prefix = f"{REFS}{blob_key}/"
-    return [k[len(prefix):] for k in store.list(prefix)]
+    return [k[len(prefix) :] for k in store.list(prefix)]
 
 
 def collect(store: ObjectStore, grace_s: float, delete_blob: Callable[[str], None]) -> list[str]:
@@ -44,7 +44,7 @@ def collect(store: ObjectStore, grace_s: float, delete_blob: Callable[[str], Non
     now = time.time()
     deleted = []
     for cand in list(store.list(GC)):
-        blob_key = cand[len(GC):]
+        blob_key = cand[len(GC) :]
         if holders(store, blob_key):
             store.delete(cand)
             continue

@@ -54,13 +54,24 @@ class S3ObjectStore(ObjectStore):
         timeout = urllib3.Timeout(connect=cfg.timeout_s, read=cfg.timeout_s)
         # retry server errors (S3 "slow down", transient 500s); a refused connection fails at
         # once so callers fall back to recomputation quickly
-        retry = urllib3.Retry(total=cfg.retries, connect=0, read=0, status=cfg.retries,
-                              backoff_factor=0.05, status_forcelist=[500, 502, 503, 504],
-                              raise_on_status=False)
+        retry = urllib3.Retry(
+            total=cfg.retries,
+            connect=0,
+            read=0,
+            status=cfg.retries,
+            backoff_factor=0.05,
+            status_forcelist=[500, 502, 503, 504],
+            raise_on_status=False,
+        )
         http = urllib3.PoolManager(timeout=timeout, retries=retry, maxsize=16)
-        self.client = Minio(cfg.endpoint, access_key=cfg.access_key,
-                            secret_key=cfg.secret_key.get_secret_value(), secure=cfg.secure,
-                            region=cfg.region, http_client=http)
+        self.client = Minio(
+            cfg.endpoint,
+            access_key=cfg.access_key,
+            secret_key=cfg.secret_key.get_secret_value(),
+            secure=cfg.secure,
+            region=cfg.region,
+            http_client=http,
+        )
         self._prefix = cfg.prefix.strip("/") + "/" if cfg.prefix.strip("/") else ""
         if cfg.create_bucket:
             self._call(self._ensure_bucket, "")
@@ -88,9 +99,12 @@ class S3ObjectStore(ObjectStore):
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        self._call(lambda: self.client.put_object(
-            self.cfg.bucket, self._name(key), io.BytesIO(view), len(view),
-            part_size=64 << 20), key)
+        self._call(
+            lambda: self.client.put_object(
+                self.cfg.bucket, self._name(key), io.BytesIO(view), len(view), part_size=64 << 20
+            ),
+            key,
+        )
 
     def _read(self, key: str, offset: int = 0, length: int = 0) -> bytes:
         def go() -> bytes:
@@ -100,6 +114,7 @@ class S3ObjectStore(ObjectStore):
             finally:
                 resp.close()
                 resp.release_conn()
+
         return self._call(go, key)
 
     def get(self, key: str) -> bytes:
@@ -122,9 +137,15 @@ class S3ObjectStore(ObjectStore):
         self._call(lambda: self.client.remove_object(self.cfg.bucket, self._name(key)), key)
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        objs = self._call(lambda: list(self.client.list_objects(
-            self.cfg.bucket, prefix=self._prefix + prefix, recursive=True)), prefix)
-        return iter(sorted(o.object_name[len(self._prefix):] for o in objs))
+        objs = self._call(
+            lambda: list(
+                self.client.list_objects(
+                    self.cfg.bucket, prefix=self._prefix + prefix, recursive=True
+                )
+            ),
+            prefix,
+        )
+        return iter(sorted(o.object_name[len(self._prefix) :] for o in objs))
 
     def close(self) -> None:
         self.client._http.clear()

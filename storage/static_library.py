@@ -78,10 +78,17 @@ def media_key(content_hash: str) -> str:
 class StaticLibrary:
     """Per-user uploaded files: add, get, resolve (link), list, media, delete, sweep."""
 
-    def __init__(self, objects: ObjectStore, entries: EntryStore, *, default_ttl_s: float = 86400,
-                 max_ttl_s: float = 30 * 86400, grace_s: float = 600,
-                 tombstone_ttl_s: float = 7 * 86400,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        objects: ObjectStore,
+        entries: EntryStore,
+        *,
+        default_ttl_s: float = 86400,
+        max_ttl_s: float = 30 * 86400,
+        grace_s: float = 600,
+        tombstone_ttl_s: float = 7 * 86400,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.objects, self.entries = objects, entries
         self.default_ttl_s, self.max_ttl_s = default_ttl_s, max_ttl_s
         self.grace_s, self.tombstone_ttl_s = grace_s, tombstone_ttl_s
@@ -97,19 +104,34 @@ class StaticLibrary:
     def _holder(self, user: str, file_id: str) -> str:
         return f"static.{self._user_dir(user).split('/')[2]}.{file_id}"
 
-    def add_file(self, user: str, *, name: str, media_type: str, media: bytes,
-                 entry: CacheEntry, ttl_s: float | None = None,
-                 purpose: Literal["vision", "user_data"] = "vision") -> FileRecord:
+    def add_file(
+        self,
+        user: str,
+        *,
+        name: str,
+        media_type: str,
+        media: bytes,
+        entry: CacheEntry,
+        ttl_s: float | None = None,
+        purpose: Literal["vision", "user_data"] = "vision",
+    ) -> FileRecord:
         """Store media, entry and catalog record for `user` (record last); returns the record."""
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         if not 0 < ttl <= self.max_ttl_s:
             raise InvalidRequestError(f"ttl must be in (0, {self.max_ttl_s}] s", param="ttl")
         now = self.clock()
-        rec = FileRecord(file_id="file-" + secrets.token_urlsafe(18), name=name,
-                         media_type=media_type, purpose=purpose, bytes=len(media),
-                         token_count=entry.num_tokens,
-                         content_hash=hashlib.sha256(media).hexdigest(),
-                         entry_key=entry.entry_id, created_at=now, expires_at=now + ttl)
+        rec = FileRecord(
+            file_id="file-" + secrets.token_urlsafe(18),
+            name=name,
+            media_type=media_type,
+            purpose=purpose,
+            bytes=len(media),
+            token_count=entry.num_tokens,
+            content_hash=hashlib.sha256(media).hexdigest(),
+            entry_key=entry.entry_id,
+            created_at=now,
+            expires_at=now + ttl,
+        )
         self.objects.put(rec.media_key, media)
         self.entries.put(entry)
         holder = self._holder(user, rec.file_id)
@@ -194,7 +216,7 @@ class StaticLibrary:
         ages compare object mtimes with the wall clock, as `refs.collect` does)."""
         now = time.time()
         for key in list(self.objects.list(refs.REFS)):
-            blob_key, _, holder = key[len(refs.REFS):].rpartition("/")
+            blob_key, _, holder = key[len(refs.REFS) :].rpartition("/")
             kind, _, rest = holder.partition(".")
             user_hash, _, file_id = rest.partition(".")
             if kind != "static" or self.objects.exists(f"static/u/{user_hash}/{file_id}.json"):
@@ -207,6 +229,6 @@ class StaticLibrary:
 
     def _delete_blob(self, blob_key: str) -> None:
         if blob_key.startswith(ENTRY_PREFIX):
-            self.entries.delete(blob_key[len(ENTRY_PREFIX):])
+            self.entries.delete(blob_key[len(ENTRY_PREFIX) :])
         else:
             self.objects.delete(blob_key)

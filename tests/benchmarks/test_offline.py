@@ -79,8 +79,16 @@ def test_bad_options_exit_2(tiny_llava_dir, bad):
 def test_demo_on_a_given_model(tiny_llava_dir):
     result = CliRunner().invoke(
         app,
-        ["demo", "--offline", "--model", str(tiny_llava_dir), "--policies", "full,mpic-4",
-         "--repeats", "1"],
+        [
+            "demo",
+            "--offline",
+            "--model",
+            str(tiny_llava_dir),
+            "--policies",
+            "full,mpic-4",
+            "--repeats",
+            "1",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "mpic-4" in result.output and "answers" in result.output

@@ -11,16 +11,35 @@ from mpic.cli import app
 
 def test_bench_retriever_small(tmp_path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = CliRunner().invoke(app, [
-        "bench", "retriever", "--vectors", "800,2000", "--dim", "32", "--queries", "30",
-        "--json", str(out), "--plot", str(png)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "retriever",
+            "--vectors",
+            "800,2000",
+            "--dim",
+            "32",
+            "--queries",
+            "30",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "FAISS retriever benchmark" in result.stdout
     rows = json.loads(out.read_text())["rows"]
     kinds = ["flat", "ivf", "ivf", "hnsw", "hnsw"]
     assert [(r["vectors"], r["kind"]) for r in rows] == [(n, k) for n in (800, 2000) for k in kinds]
     assert [r["search"] for r in rows[:5]] == [
-        "-", "nprobe=16", "nprobe=64", "ef_search=64", "ef_search=256"]
+        "-",
+        "nprobe=16",
+        "nprobe=64",
+        "ef_search=64",
+        "ef_search=256",
+    ]
     for r in rows:
         assert r["build_s"] >= 0 and 0 < r["p50_ms"] <= r["p99_ms"]
         assert (r["recall@10"] == 1.0) if r["kind"] == "flat" else (0.5 <= r["recall@10"] <= 1.0)

@@ -82,8 +82,12 @@ def _content(texts: list[str], file_ids: list[str]) -> list[dict]:
 
 
 def _chat(url: str, content: list, policy: str, max_tokens: int = 6) -> dict:
-    body = {"model": "m", "max_tokens": max_tokens, "mpic": {"policy": policy},
-            "messages": [{"role": "user", "content": content}]}
+    body = {
+        "model": "m",
+        "max_tokens": max_tokens,
+        "mpic": {"policy": policy},
+        "messages": [{"role": "user", "content": content}],
+    }
     resp = httpx.post(f"{url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -101,8 +105,13 @@ def files(vllm_url: str) -> tuple[list[bytes], list[str]]:
     media = [png(61), png(62)]
     ids = []
     for data in media:
-        resp = httpx.post(f"{vllm_url}/v1/files", headers=ALICE, timeout=300,
-                          files={"file": ("v.png", data, "image/png")}, data={"purpose": "vision"})
+        resp = httpx.post(
+            f"{vllm_url}/v1/files",
+            headers=ALICE,
+            timeout=300,
+            files={"file": ("v.png", data, "image/png")},
+            data={"purpose": "vision"},
+        )
         assert resp.status_code == 200, resp.text
         ids.append(resp.json()["id"])
     return media, ids
@@ -121,11 +130,17 @@ def test_vllm_worker_answers_like_the_reference_runner(vllm_url, files, runner) 
 
 async def _stream(client: httpx.AsyncClient, url: str, content: list, policy: str, n: int):
     """(text, arrival times of content chunks, end time) of one SSE chat stream."""
-    body = {"model": "m", "max_tokens": n, "stream": True, "mpic": {"policy": policy},
-            "messages": [{"role": "user", "content": content}]}
+    body = {
+        "model": "m",
+        "max_tokens": n,
+        "stream": True,
+        "mpic": {"policy": policy},
+        "messages": [{"role": "user", "content": content}],
+    }
     pieces, times = [], []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=ALICE,
-                             timeout=300) as resp:
+    async with client.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=ALICE, timeout=300
+    ) as resp:
         assert resp.status_code == 200
         async for line in resp.aiter_lines():
             if not line.startswith("data: {"):
@@ -151,9 +166,9 @@ def test_concurrent_streams_are_batched_exact_and_incremental(vllm_url, files, r
 
     async def run_all():
         async with httpx.AsyncClient() as client:
-            return await asyncio.gather(*[
-                _stream(client, vllm_url, _content(t, ids[:k]), p, n) for t, k, p in cases
-            ])
+            return await asyncio.gather(
+                *[_stream(client, vllm_url, _content(t, ids[:k]), p, n) for t, k, p in cases]
+            )
 
     before = _stats()["peak_running"]
     outs = asyncio.run(run_all())
@@ -189,8 +204,11 @@ def test_lost_entries_still_get_the_exact_answer(vllm_url, serve_app, runner) ->
     )
     # Loaded by the worker only (a request refused after the load: too long), then deleted:
     # vLLM's worker cannot link it, the request is answered exactly (like `full`).
-    body = {"model": "m", "max_tokens": 4096, "messages": [
-        {"role": "user", "content": _content(texts, ids[1:])}]}
+    body = {
+        "model": "m",
+        "max_tokens": 4096,
+        "messages": [{"role": "user", "content": _content(texts, ids[1:])}],
+    }
     refused = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
     assert refused.status_code == 400, refused.text
     _blob(serve_app, entry[1]).unlink()
@@ -199,6 +217,4 @@ def test_lost_entries_still_get_the_exact_answer(vllm_url, serve_app, runner) ->
     assert _stats()["fallbacks"] == before + 1
     assert got["mpic"]["fallbacks"] == 1 and got["mpic"]["tier_hits"] == {"memory": 1}
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert got["choices"][0]["message"]["content"] == _expected(
-        runner, media[1:], texts, "full", 6
-    )
+    assert got["choices"][0]["message"]["content"] == _expected(runner, media[1:], texts, "full", 6)

@@ -21,8 +21,10 @@ def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
-    assert config.architectures[0] in ("LlavaForConditionalGeneration",
-                                       "Qwen2VLForConditionalGeneration")
+    assert config.architectures[0] in (
+        "LlavaForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+    )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(tokenizer) == config.text_config.vocab_size
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
@@ -75,8 +77,9 @@ def test_spec_matches_what_the_processor_does(tiny_hf, sample_images):
         add_generation_prompt=True,
     )
     for image in sample_images:
-        inputs = processor(text=text, images=[fit_image(image, spec.image_size)],
-                           return_tensors="pt")
+        inputs = processor(
+            text=text, images=[fit_image(image, spec.image_size)], return_tensors="pt"
+        )
         ids = inputs["input_ids"][0]
         assert int((ids == spec.image_token_id).sum()) == spec.tokens_per_image
         if spec.family == "qwen2-vl":
@@ -169,4 +172,3 @@ def test_make_tiny_rejects_unknown_names(tmp_path: Path):
     with pytest.raises(ValueError, match="size one of"):
         make_tiny("llava", "huge", tmp_path / "m")
     assert not (tmp_path / "m").exists()
-

@@ -40,28 +40,41 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_vllm_generates_what_transformers_generates(tiny_hf, tiny_model_dir, sample_images,
-                                                    tmp_path):
+def test_vllm_generates_what_transformers_generates(
+    tiny_hf, tiny_model_dir, sample_images, tmp_path
+):
     pytest.importorskip("vllm")
     model, processor, spec = tiny_hf
     image = fit_image(sample_images[1], spec.image_size)
     image.save(tmp_path / "image.png")
-    content = [{"type": "text", "text": "Look:"}, {"type": "image"},
-               {"type": "text", "text": "What is it?"}]
+    content = [
+        {"type": "text", "text": "Look:"},
+        {"type": "image"},
+        {"type": "text", "text": "What is it?"},
+    ]
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
     )
     inputs = processor(text=prompt, images=[image], return_tensors="pt")
     with torch.no_grad():
         expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    expected_tokens = expected[0, inputs["input_ids"].shape[1]:].tolist()
+    expected_tokens = expected[0, inputs["input_ids"].shape[1] :].tolist()
 
     (tmp_path / "run.py").write_text(_SCRIPT)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "run.py"), str(tiny_model_dir), prompt,
-         str(tmp_path / "image.png"), str(tmp_path / "out.json")],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(tmp_path / "run.py"),
+            str(tiny_model_dir),
+            prompt,
+            str(tmp_path / "image.png"),
+            str(tmp_path / "out.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())

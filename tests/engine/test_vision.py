@@ -53,8 +53,13 @@ def test_encode_images_equal_hf_inputs_embeds(tiny_hf, sample_images):
     """Capture the inputs_embeds the HF forward hands to its language model and compare the
     rows at the image placeholders with encode_images (three images of different sizes)."""
     model, processor, spec = tiny_hf
-    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
-               {"type": "image"}, {"type": "text", "text": "?"}]
+    content = [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+        {"type": "image"},
+        {"type": "text", "text": "?"},
+    ]
     text = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
     )

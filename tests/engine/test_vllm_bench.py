@@ -19,10 +19,29 @@ def test_bench_offline_with_vllm_writes_table_json_and_plot(
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     cli = Path(sys.executable).parent / "mpic"
     proc = subprocess.run(
-        [str(cli), "bench", "offline", "--model", str(tiny_llava_dir), "--engine", "vllm",
-         "--images", "2", "--policies", "full,prefix,mpic-4", "--repeats", "1",
-         "--json", str(out_json), "--plot", str(out_png)],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            str(cli),
+            "bench",
+            "offline",
+            "--model",
+            str(tiny_llava_dir),
+            "--engine",
+            "vllm",
+            "--images",
+            "2",
+            "--policies",
+            "full,prefix,mpic-4",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MPIC offline benchmark" in proc.stdout

@@ -67,7 +67,10 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     model_dir = request.getfixturevalue(fixture)
     store_dir = tmp_path_factory.mktemp(f"vllm-store-{request.param}")
     cfg = VllmEngineConfig(
-        model=str(model_dir), max_model_len=448, num_blocks=16, log_stats=True,
+        model=str(model_dir),
+        max_model_len=448,
+        num_blocks=16,
+        log_stats=True,
         storage=StorageConfig(url=f"file://{store_dir}", fsync=False),
     )
     engine = VllmEngine(cfg)
@@ -148,8 +151,9 @@ def test_unloadable_entry_is_recomputed_exactly(setup: Setup, damage: str) -> No
     plan = setup.plan(parts, items, "mpic-4")
     exact = setup.exact(plan, [setup.media[1], setup.media[4]])
     fallbacks = setup.engine.fallbacks
-    healthy = linked_request(setup.plan(*_parts(setup, [3], "ok"), "mpic-4"), "mpic-4",
-                             setup.engine.spec)
+    healthy = linked_request(
+        setup.plan(*_parts(setup, [3], "ok"), "mpic-4"), "mpic-4", setup.engine.spec
+    )
     got, ok = setup.engine.generate(
         [linked_request(plan, "mpic-4", setup.engine.spec, fallback=exact), healthy], 8
     )

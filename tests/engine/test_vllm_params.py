@@ -27,8 +27,12 @@ def _plan(mrope: bool) -> LinkPlan:
     depth = torch.where(src < 0, 4, 0)
     depth[5:9] = 4
     return LinkPlan(
-        token_ids=torch.randint(0, 100, (n,)), positions=pos, source_entry=src,
-        source_offset=off, entry_ids=["a" * 64, "b" * 64], recompute_depth=depth,
+        token_ids=torch.randint(0, 100, (n,)),
+        positions=pos,
+        source_entry=src,
+        source_offset=off,
+        entry_ids=["a" * 64, "b" * 64],
+        recompute_depth=depth,
     )
 
 

@@ -26,8 +26,16 @@ def cli(tmp_path, tiny_llava_dir):
 def test_refresh_list_show_search_rollback(tmp_path, cli) -> None:
     images = write_images(tmp_path / "src", [0, 1, 2])
     (tmp_path / "caps.jsonl").write_text(json.dumps({"file": "img-001.png", "caption": "one"}))
-    r1 = cli("library", "refresh", str(tmp_path / "src"), "--collection", "refs",
-             "--captions", str(tmp_path / "caps.jsonl"), "--no-progress")
+    r1 = cli(
+        "library",
+        "refresh",
+        str(tmp_path / "src"),
+        "--collection",
+        "refs",
+        "--captions",
+        str(tmp_path / "caps.jsonl"),
+        "--no-progress",
+    )
     assert r1.exit_code == 0, r1.output
     v1 = json.loads(r1.stdout)["version"]
     write_images(tmp_path / "src", [3])
@@ -37,18 +45,29 @@ def test_refresh_list_show_search_rollback(tmp_path, cli) -> None:
 
     listed = json.loads(cli("library", "list", "--json").stdout)
     assert listed == [{"collection": "refs", "current": report["version"], "items": 4}]
-    shown = json.loads(cli("library", "show", "--collection", "refs", "--version", v1,
-                           "--json").stdout)
+    shown = json.loads(
+        cli("library", "show", "--collection", "refs", "--version", v1, "--json").stdout
+    )
     assert shown["versions"] == [v1, report["version"]] and len(shown["items"]) == 3
     assert {i["extra"]["name"]: i["caption"] for i in shown["items"]}["img-001.png"] == "one"
 
     for name in images:
-        out = cli("library", "search", "--collection", "refs", "--image",
-                  str(tmp_path / "src" / name), "--top-k", "2", "--json")
+        out = cli(
+            "library",
+            "search",
+            "--collection",
+            "refs",
+            "--image",
+            str(tmp_path / "src" / name),
+            "--top-k",
+            "2",
+            "--json",
+        )
         assert out.exit_code == 0, out.output
         assert json.loads(out.stdout)["hits"][0]["name"] == name
-    out = cli("library", "search", "--collection", "refs", "--text", "a cat", "--top-k", "10",
-              "--json")
+    out = cli(
+        "library", "search", "--collection", "refs", "--text", "a cat", "--top-k", "10", "--json"
+    )
     assert len(json.loads(out.stdout)["hits"]) == 4
 
     assert cli("library", "rollback", v1, "--collection", "refs").exit_code == 0
@@ -59,8 +78,16 @@ def test_refresh_list_show_search_rollback(tmp_path, cli) -> None:
     assert pruned.exit_code == 0 and f"released 1 version(s) {v1}" in pruned.stdout
     gone = cli("library", "rollback", v1, "--collection", "refs")
     assert gone.exit_code == 2 and f"No version {v1!r}" in gone.stderr
-    other = cli("library", "refresh", str(tmp_path / "src"), "--collection", "refs",
-                "--system-prompt", "Be brief.", "--no-progress")
+    other = cli(
+        "library",
+        "refresh",
+        str(tmp_path / "src"),
+        "--collection",
+        "refs",
+        "--system-prompt",
+        "Be brief.",
+        "--no-progress",
+    )
     assert json.loads(other.stdout)["computed"] == 4  # another canonical context: new entries
 
 
@@ -69,8 +96,7 @@ def test_bad_input_exits_non_zero_with_a_message(tmp_path, cli) -> None:
     assert missing.exit_code == 2 and "source folder not found" in missing.stderr
     write_images(tmp_path / "src", [0])
     (tmp_path / "src" / "bad.jpg").write_bytes(b"definitely not a jpeg")
-    bad = cli("library", "refresh", str(tmp_path / "src"), "--collection", "refs",
-              "--no-progress")
+    bad = cli("library", "refresh", str(tmp_path / "src"), "--collection", "refs", "--no-progress")
     assert bad.exit_code == 2 and "bad.jpg" in bad.stderr and "not a decodable image" in bad.stderr
     assert json.loads(cli("library", "list", "--json").stdout) == []  # nothing was written
     unknown = cli("library", "search", "--collection", "ghost", "--text", "x")

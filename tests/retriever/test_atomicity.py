@@ -23,8 +23,9 @@ def test_searches_during_refresh_each_see_one_version(tmp_path, engine):
     admin = Retriever(make_object_store(url))
     write_images(tmp_path / "a", [0, 1, 2])
     write_images(tmp_path / "b", [1, 2, 3, 4, 5])
-    v1 = admin.refresh("refs", open_source(str(tmp_path / "a")), engine,
-                       model_fingerprint=engine.fingerprint).version
+    v1 = admin.refresh(
+        "refs", open_source(str(tmp_path / "a")), engine, model_fingerprint=engine.fingerprint
+    ).version
     reader = Retriever(make_object_store(url))  # another process's view (a Serve replica)
     items = {v1: {"img-000.png", "img-001.png", "img-002.png"}}
     seen: list[tuple[str, set[str]]] = []
@@ -47,8 +48,9 @@ def test_searches_during_refresh_each_see_one_version(tmp_path, engine):
         t.start()
     while len(seen) < 3 and not errors:  # every reader is running before the refresh starts
         time.sleep(0.01)
-    v2 = admin.refresh("refs", open_source(str(tmp_path / "b")), engine,
-                       model_fingerprint=engine.fingerprint).version
+    v2 = admin.refresh(
+        "refs", open_source(str(tmp_path / "b")), engine, model_fingerprint=engine.fingerprint
+    ).version
     done.set()
     for t in threads:
         t.join(timeout=60)
@@ -89,14 +91,17 @@ def test_killed_refresh_leaves_old_version(tmp_path, engine, tiny_llava_dir):
     url = f"file://{tmp_path / 'store'}"
     retriever = Retriever(make_object_store(url))
     write_images(tmp_path / "a", [0, 1])
-    v1 = retriever.refresh("refs", open_source(str(tmp_path / "a")), engine,
-                           model_fingerprint=engine.fingerprint).version
+    v1 = retriever.refresh(
+        "refs", open_source(str(tmp_path / "a")), engine, model_fingerprint=engine.fingerprint
+    ).version
     listed = sorted(retriever.objects.list("dynamic/"))
     entries_before = set(retriever.objects.list("entries/"))
     write_images(tmp_path / "b", [3, 4, 5, 6])
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_REFRESH, str(tiny_llava_dir), url, str(tmp_path / "b")],
-        capture_output=True, timeout=300)
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert len(set(retriever.objects.list("entries/")) - entries_before) == 2  # orphans only
     assert sorted(retriever.objects.list("dynamic/")) == listed  # no manifest, no CURRENT change

@@ -33,8 +33,7 @@ def test_image_and_text_vectors_are_unit_rows(embedder: ClipEmbedder) -> None:
 def test_same_config_same_vectors_and_batching_does_not_matter(embedder: ClipEmbedder) -> None:
     other = ClipEmbedder(EmbedderConfig(batch_size=32))
     assert other.fingerprint == embedder.fingerprint
-    np.testing.assert_allclose(other.embed_images(IMAGES), embedder.embed_images(IMAGES),
-                               atol=1e-5)
+    np.testing.assert_allclose(other.embed_images(IMAGES), embedder.embed_images(IMAGES), atol=1e-5)
     assert ClipEmbedder(EmbedderConfig(seed=1)).fingerprint != embedder.fingerprint
 
 

@@ -14,8 +14,9 @@ from tests.retriever.conftest import png_bytes, write_images
 def retriever(tmp_path, engine, make_retriever):
     r = make_retriever()
     write_images(tmp_path / "src", [0, 1, 2, 3])
-    r.refresh("refs", open_source(str(tmp_path / "src")), engine,
-              model_fingerprint=engine.fingerprint)
+    r.refresh(
+        "refs", open_source(str(tmp_path / "src")), engine, model_fingerprint=engine.fingerprint
+    )
     return r
 
 
@@ -24,8 +25,9 @@ def test_explicit_and_auto_modes(retriever) -> None:
     explicit = retrieve(retriever, RetrievalSpec(collection="refs", top_k=2), image=query)
     assert explicit.triggered and [h.name for h in explicit.hits][0] == "img-002.png"
     assert explicit.entry_keys == [h.entry_key for h in explicit.hits] and len(explicit.hits) == 2
-    exact_only = retrieve(retriever, RetrievalSpec(collection="refs", top_k=4, min_score=0.9999),
-                          image=query)
+    exact_only = retrieve(
+        retriever, RetrievalSpec(collection="refs", top_k=4, min_score=0.9999), image=query
+    )
     assert [h.name for h in exact_only.hits] == ["img-002.png"]
 
     auto = RetrievalSpec(collection="refs", top_k=2, mode="auto", threshold=0.9999)

@@ -15,8 +15,9 @@ from tests.retriever.conftest import CountingEngine, png_bytes, write_images
 
 
 def _refresh(retriever, folder, engine: CountingEngine, **kw):
-    return retriever.refresh("refs", open_source(str(folder)), engine,
-                             model_fingerprint=engine.fingerprint, **kw)
+    return retriever.refresh(
+        "refs", open_source(str(folder)), engine, model_fingerprint=engine.fingerprint, **kw
+    )
 
 
 def test_every_image_is_its_own_top1_and_entries_are_exact(tmp_path, engine, make_retriever):
@@ -46,7 +47,8 @@ def test_every_image_is_its_own_top1_and_entries_are_exact(tmp_path, engine, mak
         assert retriever.objects.get(top.media_key) == data
     text_hits = retriever.search("refs", text="a picture", top_k=10).hits
     assert len(text_hits) == 6 and [h.score for h in text_hits] == sorted(
-        (h.score for h in text_hits), reverse=True)
+        (h.score for h in text_hits), reverse=True
+    )
 
 
 def test_incremental_refresh_recomputes_only_changed_images(tmp_path, engine, make_retriever):
@@ -55,15 +57,21 @@ def test_incremental_refresh_recomputes_only_changed_images(tmp_path, engine, ma
     retriever = make_retriever()
     first = _refresh(retriever, src, engine)
     old = {h.name: h for h in retriever.search("refs", text="x", top_k=10).hits}
-    (src / "img-003.png").unlink()                       # removed
-    (src / "img-001.png").write_bytes(png_bytes(99))     # changed content, same name
-    write_images(src, [4])                               # added
+    (src / "img-003.png").unlink()  # removed
+    (src / "img-001.png").write_bytes(png_bytes(99))  # changed content, same name
+    write_images(src, [4])  # added
     engine.calls.clear()
     second = _refresh(retriever, src, engine)
-    assert len(engine.calls) == 2 and set(engine.calls) == {png_bytes(99), (src / "img-004.png")
-                                                            .read_bytes()}
+    assert len(engine.calls) == 2 and set(engine.calls) == {
+        png_bytes(99),
+        (src / "img-004.png").read_bytes(),
+    }
     assert (second.computed, second.reused, second.removed, second.parent) == (
-        2, 2, 2, first.version)
+        2,
+        2,
+        2,
+        first.version,
+    )
     new = {h.name: h for h in retriever.search("refs", text="x", top_k=10).hits}
     assert set(new) == {"img-000.png", "img-001.png", "img-002.png", "img-004.png"}
     for name in ("img-000.png", "img-002.png"):
@@ -73,11 +81,11 @@ def test_incremental_refresh_recomputes_only_changed_images(tmp_path, engine, ma
     assert retriever.search("refs", image=png_bytes(99), top_k=1).hits[0].name == "img-001.png"
 
     engine.calls.clear()
-    third = _refresh(retriever, src, engine)             # nothing changed: no engine call
+    third = _refresh(retriever, src, engine)  # nothing changed: no engine call
     assert engine.calls == [] and (third.computed, third.reused) == (0, 4)
     engine.calls.clear()
     retriever.refresh("refs", open_source(str(src)), engine, model_fingerprint="other-model")
-    assert len(engine.calls) == 4                         # another model: all recomputed
+    assert len(engine.calls) == 4  # another model: all recomputed
 
 
 def test_rollback_to_any_kept_version(tmp_path, engine, make_retriever):
@@ -104,7 +112,9 @@ def test_rollback_to_any_kept_version(tmp_path, engine, make_retriever):
     with pytest.raises(NotFoundError):
         retriever.rollback("refs", v2)
     assert {h.name for h in retriever.search("refs", text="x", top_k=10).hits} == {
-        "img-000.png", "img-001.png"}
+        "img-000.png",
+        "img-001.png",
+    }
 
 
 def test_failed_refresh_leaves_old_version_and_nothing_visible(tmp_path, engine, make_retriever):
@@ -113,7 +123,7 @@ def test_failed_refresh_leaves_old_version_and_nothing_visible(tmp_path, engine,
     v1 = _refresh(retriever, tmp_path / "a", engine).version
     before = sorted(retriever.objects.list("dynamic/"))
     write_images(tmp_path / "b", [5, 6, 7, 8])
-    engine.fail_at = 3                                   # two entries stored, then the engine dies
+    engine.fail_at = 3  # two entries stored, then the engine dies
     with pytest.raises(RuntimeError, match="injected"):
         _refresh(retriever, tmp_path / "b", engine)
     assert retriever.versions("refs") == ([v1], v1)
@@ -137,8 +147,10 @@ def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
     for name, data in images.items():
         src.put(f"batch/{name}", data)
     src.put("batch/readme.txt", b"ignored")
-    url = (f"s3://{src_cfg.bucket}/refs/2026?endpoint={s3_server.endpoint}&secure=false"
-           "&access_key=testing&secret_key=testing&region=us-east-1")
+    url = (
+        f"s3://{src_cfg.bucket}/refs/2026?endpoint={s3_server.endpoint}&secure=false"
+        "&access_key=testing&secret_key=testing&region=us-east-1"
+    )
     source = open_source(url)
     assert source.names == [f"batch/{n}" for n in sorted(images)]
     # moto serves from a thread of this process: allow for a busy machine
@@ -165,6 +177,10 @@ def test_image_changing_during_refresh_fails_before_writing(tmp_path, engine, ma
 
     retriever = make_retriever()
     with pytest.raises(InvalidRequestError, match="changed during the refresh"):
-        retriever.refresh("refs", ImageSource(real.location, real.names, read), engine,
-                          model_fingerprint=engine.fingerprint)
+        retriever.refresh(
+            "refs",
+            ImageSource(real.location, real.names, read),
+            engine,
+            model_fingerprint=engine.fingerprint,
+        )
     assert engine.calls == [] and retriever.collections() == []

@@ -73,8 +73,9 @@ def test_same_content_two_users_concurrently(objects) -> None:  # noqa: ANN001
 
     def upload(user: str) -> None:
         try:
-            recs[user] = lib.add_file(user, name="x.png", media_type="image/png",
-                                      media=b"same", entry=entry)
+            recs[user] = lib.add_file(
+                user, name="x.png", media_type="image/png", media=b"same", entry=entry
+            )
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -97,8 +98,13 @@ def _writer(cfg_json: str, started: mp.Event) -> None:
     started.set()
     for i in range(10_000):
         media = f"media-{i}".encode()
-        lib.add_file("writer", name=f"{i}.png", media_type="image/png", media=media,
-                     entry=make_entry(i, media=media, **BIG))
+        lib.add_file(
+            "writer",
+            name=f"{i}.png",
+            media_type="image/png",
+            media=media,
+            entry=make_entry(i, media=media, **BIG),
+        )
 
 
 @pytest.mark.parametrize("kill_after", [0.15, 0.6])

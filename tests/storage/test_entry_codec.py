@@ -39,8 +39,9 @@ def test_round_trip_exact(dtype: torch.dtype, mrope: bool) -> None:
 def test_blob_is_plain_safetensors() -> None:
     e = make_entry(2)
     loaded = safetensors.torch.load(encode(e))
-    assert torch.equal(loaded["keys"], e.keys) and torch.equal(loaded["input_embeds"],
-                                                               e.input_embeds)
+    assert torch.equal(loaded["keys"], e.keys) and torch.equal(
+        loaded["input_embeds"], e.input_embeds
+    )
 
 
 def test_empty_extra_tokens_zero() -> None:
@@ -89,8 +90,18 @@ def test_entry_key_is_content_address() -> None:
     k = entry_key("fp", "ctx", b"img")
     assert len(k) == 64 and int(k, 16) >= 0
     assert k == entry_key("fp", "ctx", b"img")
-    assert len({k, entry_key("fp2", "ctx", b"img"), entry_key("fp", "ctx2", b"img"),
-                entry_key("fp", "ctx", b"img2"), entry_key("fpc", "tx", b"img")}) == 5
+    assert (
+        len(
+            {
+                k,
+                entry_key("fp2", "ctx", b"img"),
+                entry_key("fp", "ctx2", b"img"),
+                entry_key("fp", "ctx", b"img2"),
+                entry_key("fpc", "tx", b"img"),
+            }
+        )
+        == 5
+    )
 
 
 @pytest.mark.parametrize("check", ["blake3", "xxh3_128"])
@@ -98,8 +109,11 @@ def test_metadata_tampering_detected(check: str) -> None:
     """Valid JSON with other metadata (id, extra, layout) never decodes as a different entry."""
     e = make_entry(6, mrope=True)
     blob = encode(e)
-    for old, new in ((e.entry_id[:12].encode(), b"0" * 12), (b'[1, 4, 4]', b'[1, 4, 5]'),
-                     (b'"shape":[2,16,2,8]', b'"shape":[2,16,8,2]')):
+    for old, new in (
+        (e.entry_id[:12].encode(), b"0" * 12),
+        (b"[1, 4, 4]", b"[1, 4, 5]"),
+        (b'"shape":[2,16,2,8]', b'"shape":[2,16,8,2]'),
+    ):
         assert blob.count(old) >= 1, old
         with pytest.raises(CorruptEntryError):
             decode(blob.replace(old, new, 1), check=check)

@@ -22,8 +22,12 @@ BLOB = len(encode(E[0]))
 
 def _store(objects, tmp_path, mem_entries: float = 2.5, disk_entries: float = 2.5):  # noqa: ANN001, ANN202
     disk = DiskTier(tmp_path / "disk", int(BLOB * disk_entries))
-    return EntryStore(objects, memory_bytes=int(SIZE * mem_entries), disk=disk,
-                      metrics=StoreMetrics(CollectorRegistry()))
+    return EntryStore(
+        objects,
+        memory_bytes=int(SIZE * mem_entries),
+        disk=disk,
+        metrics=StoreMetrics(CollectorRegistry()),
+    )
 
 
 def test_write_through_and_promotion(objects, tmp_path) -> None:  # noqa: ANN001
@@ -42,8 +46,11 @@ def test_write_through_and_promotion(objects, tmp_path) -> None:  # noqa: ANN001
     assert other.load(E[0].entry_id)[1] == "disk"
     assert other.load(E[0].entry_id)[1] == "memory"
     m = other.metrics
-    assert [m.value("mpic_store_hits_total", tier=t) for t in ("memory", "disk", "object")] == \
-        [1, 1, 1]
+    assert [m.value("mpic_store_hits_total", tier=t) for t in ("memory", "disk", "object")] == [
+        1,
+        1,
+        1,
+    ]
     assert m.value("mpic_store_misses_total", tier="memory") == 2
     assert m.value("mpic_store_read_bytes_total", tier="object") == BLOB
     assert m.value("mpic_store_load_seconds_count", tier="disk") == 1
@@ -108,8 +115,9 @@ def test_corrupt_or_truncated_object_raises(objects, tmp_path) -> None:  # noqa:
 
 
 def test_from_config(tmp_path) -> None:  # noqa: ANN001
-    cfg = StorageConfig(url=f"file://{tmp_path}/o", disk_cache_dir=tmp_path / "d",
-                        memory_bytes=123, fsync=False)
+    cfg = StorageConfig(
+        url=f"file://{tmp_path}/o", disk_cache_dir=tmp_path / "d", memory_bytes=123, fsync=False
+    )
     store = EntryStore.from_config(cfg, CollectorRegistry())
     assert store.memory.capacity == 123 and store.disk is not None
     key = store.put(E[0])

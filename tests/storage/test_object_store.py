@@ -65,8 +65,10 @@ def test_fs_list_hides_temp_files(tmp_path) -> None:  # noqa: ANN001
 def test_factory_urls(tmp_path, s3_server) -> None:  # noqa: ANN001
     fs = make_object_store(f"file://{tmp_path}/st")
     assert isinstance(fs, FileSystemObjectStore) and fs.root == tmp_path / "st"
-    url = f"s3://bucket1/pre/fix?endpoint={s3_server.endpoint}&secure=false&region=us-east-1" \
-          "&access_key=testing&secret_key=testing"
+    url = (
+        f"s3://bucket1/pre/fix?endpoint={s3_server.endpoint}&secure=false&region=us-east-1"
+        "&access_key=testing&secret_key=testing"
+    )
     cfg = s3_config_from_url(url)
     assert (cfg.bucket, cfg.prefix, cfg.secure) == ("bucket1", "pre/fix", False)
     s3 = make_object_store(StorageConfig(url=url))

@@ -40,8 +40,12 @@ class Recompute:
 
 
 def _store(objects, tmp_path) -> EntryStore:  # noqa: ANN001
-    return EntryStore(objects, memory_bytes=1 << 24, disk=DiskTier(tmp_path / "d", 1 << 24),
-                      metrics=StoreMetrics(CollectorRegistry()))
+    return EntryStore(
+        objects,
+        memory_bytes=1 << 24,
+        disk=DiskTier(tmp_path / "d", 1 << 24),
+        metrics=StoreMetrics(CollectorRegistry()),
+    )
 
 
 def _check(result, keys) -> None:  # noqa: ANN001
@@ -88,8 +92,9 @@ def test_corrupt_and_truncated_objects_recomputed_and_healed(objects, tmp_path) 
 
 
 def test_server_down_falls_back(s3_server, tmp_path) -> None:  # noqa: ANN001
-    store = EntryStore(S3ObjectStore(s3_server.config()), memory_bytes=0,
-                       metrics=StoreMetrics(CollectorRegistry()))
+    store = EntryStore(
+        S3ObjectStore(s3_server.config()), memory_bytes=0, metrics=StoreMetrics(CollectorRegistry())
+    )
     for k in K[:4]:
         store.put(E[k])
     with s3_server.down():
@@ -106,8 +111,9 @@ def test_server_cut_mid_read_falls_back(s3_server) -> None:  # noqa: ANN001
         EntryStore(direct, memory_bytes=0).put(E[k])
     proxy = CuttingProxy(s3_server.port, limit=len(encode(E[K[0]])) // 2)
     try:
-        cut = S3ObjectStore(cfg.model_copy(update={"endpoint": proxy.endpoint,
-                                                   "create_bucket": False}))
+        cut = S3ObjectStore(
+            cfg.model_copy(update={"endpoint": proxy.endpoint, "create_bucket": False})
+        )
         store = EntryStore(cut, memory_bytes=0, metrics=StoreMetrics(CollectorRegistry()))
         result = fetch_entries(store, K[:3], Recompute(), store_computed=False)
     finally:
@@ -122,20 +128,25 @@ def test_hung_load_times_out_while_misses_compute(s3_server) -> None:  # noqa: A
     EntryStore(direct, memory_bytes=0).put(E[K[0]])
     proxy = CuttingProxy(s3_server.port, limit=1000, stall=True)
     try:
-        cfg = direct.cfg.model_copy(update={"endpoint": proxy.endpoint, "create_bucket": False,
-                                            "timeout_s": 5.0})
-        store = EntryStore(S3ObjectStore(cfg), memory_bytes=0,
-                           metrics=StoreMetrics(CollectorRegistry()))
+        cfg = direct.cfg.model_copy(
+            update={"endpoint": proxy.endpoint, "create_bucket": False, "timeout_s": 5.0}
+        )
+        store = EntryStore(
+            S3ObjectStore(cfg), memory_bytes=0, metrics=StoreMetrics(CollectorRegistry())
+        )
         compute = Recompute(delay=0.2)
         t0 = time.monotonic()
-        result = fetch_entries(store, [K[0], K[1]], compute, load_timeout_s=0.6,
-                               store_computed=False)
+        result = fetch_entries(
+            store, [K[0], K[1]], compute, load_timeout_s=0.6, store_computed=False
+        )
         elapsed = time.monotonic() - t0
     finally:
         proxy.close()
     _check(result, [K[0], K[1]])
-    assert result.fallbacks == {K[0]: "timeout", K[1]: "missing"} or \
-        result.fallbacks == {K[0]: "timeout", K[1]: "unavailable"}
+    assert result.fallbacks == {K[0]: "timeout", K[1]: "missing"} or result.fallbacks == {
+        K[0]: "timeout",
+        K[1]: "unavailable",
+    }
     assert compute.started[K[1]] < 0.5  # the miss computed while the load was still hanging
     assert compute.started[K[0]] >= 0.6 and elapsed < 2.0
 
@@ -172,8 +183,9 @@ def test_lost_entry_recomputed_from_kept_media(objects, tmp_path) -> None:  # no
     store = _store(objects, tmp_path)
     lib = StaticLibrary(objects, store)
     media = b"png-bytes-of-file-7"
-    rec = lib.add_file("alice", name="a.png", media_type="image/png", media=media,
-                       entry=make_entry(7, media=media))
+    rec = lib.add_file(
+        "alice", name="a.png", media_type="image/png", media=media, entry=make_entry(7, media=media)
+    )
     store.delete(rec.entry_key)  # evicted / lost while the file is still live
 
     def recompute(key: str):  # noqa: ANN202 - the engine would encode lib.media(...) here

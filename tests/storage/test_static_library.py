@@ -25,15 +25,23 @@ class Clock:
 @pytest.fixture
 def lib(objects):  # noqa: ANN001, ANN201
     entries = EntryStore(objects, memory_bytes=1 << 20, metrics=StoreMetrics(CollectorRegistry()))
-    return StaticLibrary(objects, entries, default_ttl_s=100, max_ttl_s=1000, grace_s=0,
-                         tombstone_ttl_s=50, clock=Clock())
+    return StaticLibrary(
+        objects,
+        entries,
+        default_ttl_s=100,
+        max_ttl_s=1000,
+        grace_s=0,
+        tombstone_ttl_s=50,
+        clock=Clock(),
+    )
 
 
 def _upload(lib: StaticLibrary, user: str, seed: int, media: bytes | None = None, **kw):  # noqa: ANN003, ANN202
     media = media if media is not None else f"png-{seed}".encode()
     entry = make_entry(seed, media=media)
-    return lib.add_file(user, name=f"f{seed}.png", media_type="image/png", media=media,
-                        entry=entry, **kw), entry
+    return lib.add_file(
+        user, name=f"f{seed}.png", media_type="image/png", media=media, entry=entry, **kw
+    ), entry
 
 
 def _probe(lib: StaticLibrary, user: str, file_id: str) -> list[str]:
@@ -56,13 +64,15 @@ def test_isolation_same_answer_as_never_existed(lib) -> None:  # noqa: ANN001
     bob_on_alice = _probe(lib, "bob", rec.file_id)
     bob_on_never = _probe(lib, "bob", never)
     assert all(a.startswith("NotFoundError:404") for a in bob_on_alice)
-    assert [a.replace(rec.file_id, "ID") for a in bob_on_alice] == \
-        [a.replace(never, "ID") for a in bob_on_never]
+    assert [a.replace(rec.file_id, "ID") for a in bob_on_alice] == [
+        a.replace(never, "ID") for a in bob_on_never
+    ]
     assert lib.list_files("bob") == []
     assert [r.file_id for r in lib.list_files("alice")] == [rec.file_id]
     assert lib.get("alice", rec.file_id) == rec  # bob's delete attempt did nothing
-    assert _probe(lib, "bob", "garbage/../x") == \
-        [a.replace(never, "garbage/../x") for a in bob_on_never]
+    assert _probe(lib, "bob", "garbage/../x") == [
+        a.replace(never, "garbage/../x") for a in bob_on_never
+    ]
 
 
 def test_dedup_shares_blobs_without_revealing(lib, objects) -> None:  # noqa: ANN001
@@ -83,8 +93,9 @@ def test_dedup_shares_blobs_without_revealing(lib, objects) -> None:  # noqa: AN
     assert_same(lib.entries.get(b.entry_key), entry)
     lib.delete_file("bob", b.file_id)
     report = lib.sweep()
-    assert sorted(report.blobs_deleted) == sorted([media_key(a.content_hash),
-                                                   entry_object_key(a.entry_key)])
+    assert sorted(report.blobs_deleted) == sorted(
+        [media_key(a.content_hash), entry_object_key(a.entry_key)]
+    )
     assert list(objects.list("media/")) == [] and list(objects.list("entries/")) == []
     assert list(objects.list("refs/")) == []
 
