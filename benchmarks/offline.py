@@ -212,11 +212,11 @@ def command(
     import torch
 
     from mpic.benchmarks.engines import get_engine
-    from mpic.linker.policies import get_policy
+    from mpic.linker.policies import policy_names
 
     try:
         counts = [int(x) for x in images.split(",") if x.strip()]
-        names = [get_policy(p).name for p in policies.split(",") if p.strip()]
+        names = policy_names(policies)
         if not counts or min(counts) < 1:
             raise ValueError("--images needs positive counts")
         if not Path(model, "config.json").is_file():

@@ -61,10 +61,10 @@ def command(
 
     from mpic.benchmarks.engines import ReferenceEngine
     from mpic.benchmarks.offline import interleaved_prompt, print_table, run_offline, synthetic_png
-    from mpic.linker.policies import get_policy
+    from mpic.linker.policies import policy_names
 
     try:
-        names = [get_policy(p).name for p in policies.split(",") if p.strip()]
+        names = policy_names(policies)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc

@@ -43,3 +43,9 @@ def get_policy(name: str) -> Policy:
     except ValueError as exc:
         raise ValueError(f"bad policy {name!r}: {exc}; valid: {', '.join(POLICY_NAMES)}") from exc
     raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
+
+
+def policy_names(csv: str) -> list[str]:
+    """Canonical names of a comma-separated list of policies (CLI `--policies`); ValueError as
+    `get_policy` for a bad one."""
+    return [get_policy(p).name for p in csv.split(",") if p.strip()]

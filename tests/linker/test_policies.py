@@ -7,7 +7,7 @@ import torch
 
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
-from mpic.linker.policies import get_policy
+from mpic.linker.policies import get_policy, policy_names
 from mpic.linker.policies.cacheblend import CacheBlendPolicy
 from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
@@ -111,3 +111,10 @@ class _FakePlan:
 def test_registry_rejects_bad_names_listing_valid_ones(bad):
     with pytest.raises(ValueError, match="valid: full, prefix"):
         get_policy(bad)
+
+
+def test_policy_names_parses_a_cli_list():
+    names = policy_names(" full, mpic-32,,vlcache-0.3:0.1 ")
+    assert names == ["full", "mpic-32", "vlcache-0.3:0.1"]
+    with pytest.raises(ValueError, match="valid: full, prefix"):
+        policy_names("full,nope")
