@@ -53,7 +53,7 @@ class ReferenceEngine:
     name = "reference"
 
     def __init__(self, model_dir: str, device: str = "cpu") -> None:
-        from mpic.engine.reference_runner import ReferenceRunner
+        from mpic.engine.hf.reference_runner import ReferenceRunner
 
         self.runner = ReferenceRunner(model_dir, device=device, dtype=torch.float32)
 
@@ -76,7 +76,7 @@ class ReferenceEngine:
 
 def _vllm_engine(model_dir: str) -> BenchEngine:
     """vLLM + the MPIC connector (imported only when asked for: vLLM starts processes)."""
-    from mpic.engine.vllm_bench import VllmBenchEngine
+    from mpic.benchmarks.vllm_engine import VllmBenchEngine
 
     return VllmBenchEngine(model_dir)
 

@@ -12,7 +12,7 @@ from ray.serve import Application
 
 from mpic.deployments.config import ServeAppConfig, deployment_options
 from mpic.deployments.ingress import Ingress
-from mpic.deployments.linker import Linker
+from mpic.deployments.resolver import Linker
 from mpic.deployments.retriever import Retriever
 from mpic.deployments.workers import Encoder, LLMWorker
 

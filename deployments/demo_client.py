@@ -33,7 +33,7 @@ class DemoRow:
 def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -> DemoRow:
     """The offline demo's interleaved question (`interleaved_prompt`) with the images as cached
     files, streamed; TTFT = the first content chunk."""
-    from mpic.benchmarks.offline import interleaved_prompt
+    from mpic.samples import interleaved_prompt
 
     content = [
         {"type": "text", "text": p}
@@ -67,7 +67,7 @@ def ask(http: httpx.Client, file_ids: list[str], policy: str, max_tokens: int) -
 
 def run_demo(url: str, key: str, policies: list[str], max_tokens: int) -> list[DemoRow]:
     """Upload the three images and ask with every policy (one warm-up request first)."""
-    from mpic.benchmarks.offline import synthetic_png
+    from mpic.samples import synthetic_png
 
     with httpx.Client(
         base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300

@@ -36,7 +36,7 @@ def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfi
     """A copy of `cfg` with absolute model and store paths; writes the small default model."""
     model = Path(cfg.engine.model).expanduser().resolve()
     if make_model and not (model / "config.json").is_file():
-        from mpic.engine.tiny_models import make_tiny
+        from mpic.engine.tiny.models import make_tiny
 
         logger.warning("writing the small random %s model to %s", cfg.engine.family, model)
         make_tiny(cfg.engine.family, "small", model)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from mpic.deployments.engine import EncodedImage, LinkedPrompt, TokenEvent
-from mpic.engine.vision import load_image
+from mpic.engine.hf.vision import load_image
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import ImageRef, PromptPart
 from mpic.types import LinkPlan

@@ -1,5 +1,5 @@
 """`ServeEngine` on the HF reference runner (Encoder and LLM-worker replicas, `engine.kind:
-reference`): the same linking path as `mpic.engine.reference_runner` offline, so an HTTP answer
+reference`): the same linking path as `mpic.engine.hf.reference_runner` offline, so an HTTP answer
 equals the offline engine's for the same prompt and policy.
 
 Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`, on a decode thread that
@@ -35,9 +35,9 @@ from mpic.deployments.prompting import (
     stored_linked_tokens,
     token_events,
 )
-from mpic.engine.entries import canonical_context_key, compute_entry
-from mpic.engine.reference_runner import Prefilled, ReferenceRunner
-from mpic.engine.vision import encode_images, load_image
+from mpic.engine.hf.entries import canonical_context_key, compute_entry
+from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
+from mpic.engine.hf.vision import encode_images, load_image
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key

@@ -1,9 +1,9 @@
 """`ServeEngine` on vLLM + the MPIC KV connector (Encoder and LLM-worker replicas,
-`engine.kind: vllm`), wrapping `mpic.engine.vllm_async_engine.AsyncVllmEngine` (vLLM V1's
+`engine.kind: vllm`), wrapping `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM V1's
 `AsyncLLM`).
 
 vLLM runs its own vision tower inside the request that computes an entry (the upload path of
-`mpic.engine.vllm_upload`), so the Encoder replica here only validates and identifies the image
+`mpic.engine.vllm.upload`), so the Encoder replica here only validates and identifies the image
 (no vLLM is started for role "encoder") and the worker computes the entry from the bytes. A query
 is linked as in the reference runner (render -> plan -> policy depths) and submitted as a linked
 request whose KV the connector assembles from the shared entry store inside vLLM's worker.
@@ -35,14 +35,14 @@ from mpic.deployments.prompting import (
     prompt_parts,
     stored_linked_tokens,
 )
-from mpic.engine.entries import canonical_context_key
-from mpic.engine.model_spec import ModelSpec
-from mpic.engine.vision import fit_image, load_image
-from mpic.engine.vllm_requests import EngineRequest, exact_request, linked_request
+from mpic.engine.hf.entries import canonical_context_key
+from mpic.engine.hf.vision import fit_image, load_image
+from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.errors import InvalidRequestError
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.prompt import canonical_context_ids, image_refs, render_prompt_ids
+from mpic.model_spec import ModelSpec
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
 from mpic.storage.object_store import ObjectNotFoundError
@@ -63,8 +63,8 @@ class VLLMServeEngine(ServeEngine):
         self._context_key = canonical_context_key(context)
         self.vllm = None
         if role == "worker":
-            from mpic.engine.vllm_async_engine import AsyncVllmEngine
-            from mpic.engine.vllm_engine import VllmEngineConfig
+            from mpic.engine.vllm.async_engine import AsyncVllmEngine
+            from mpic.engine.vllm.engine import VllmEngineConfig
 
             self.vllm = AsyncVllmEngine(
                 VllmEngineConfig(model=cfg.model, dtype=cfg.dtype, storage=store)

@@ -1,3 +1,2 @@
-"""Model-side code: tiny model writer, per-family layer adapters, the reference runner (HF
-weights), and the vLLM engine wrapper, MPIC KV connector and plugin. `vllm` is imported only by
-the `vllm_*` modules of this package."""
+"""Engines that run models: `hf` (the reference runner on transformers' modules), `vllm` (vLLM
+with the MPIC KV connector) and `tiny` (the random-weight model writer)."""

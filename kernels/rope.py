@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mpic.engine.adapter import RopeSpec
+from mpic.model_spec import RopeSpec
 
 
 def inverse_frequencies(rope: RopeSpec, device: torch.device | None = None) -> torch.Tensor:

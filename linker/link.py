@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter, RopeSpec
 from mpic.kernels.rope import rotate_keys
+from mpic.linker.contracts import LayerAdapter
 from mpic.linker.linked_kv import LinkedKV
+from mpic.model_spec import RopeSpec
 from mpic.types import CacheEntry, LinkPlan
 
 

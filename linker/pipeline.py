@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter
+from mpic.linker.contracts import LayerAdapter
 from mpic.linker.link import gather_input_embeds, link_entries
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.policies.base import Policy

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from mpic.engine.model_spec import ModelSpec
 from mpic.errors import InvalidRequestError, NotFoundError, PromptTooLongError
 from mpic.linker.positions import item_extent, item_positions, text_positions
+from mpic.model_spec import ModelSpec
 from mpic.types import CacheEntry, LinkPlan
 
 

@@ -14,20 +14,10 @@ prompt and a user turn that starts with the image: its token ids before the plac
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mpic.errors import InvalidRequestError
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """A reference to a cached image: its entry id (content address)."""
-
-    entry_id: str
-
-
-PromptPart = str | ImageRef
+from mpic.prompt_parts import ImageRef, PromptPart
 
 
 class ChatTokenizer(Protocol):

@@ -17,7 +17,7 @@ Usage (any engine)::
     result = selective_prefill(adapter, plan, kv, embeds, hook=policy.layer_hook(plan))
     first_token = result.logits.argmax()
 
-No transformers or vLLM import here: `adapter` is a `mpic.engine.adapter.LayerAdapter`, `kv` a
+No transformers or vLLM import here: `adapter` is a `mpic.linker.contracts.LayerAdapter`, `kv` a
 `mpic.linker.linked_kv.LinkedKV`.
 """
 
@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter
+from mpic.linker.contracts import LayerAdapter
 from mpic.linker.linked_kv import LinkedKV
 from mpic.types import LinkPlan
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter
+from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.selective_prefill import run_layers

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter
+from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.pipeline import link_and_prefill

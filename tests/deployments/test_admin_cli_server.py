@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_admin_cli_over_http(serve_app: ServeApp, tmp_path: Path) -> None:
-    from mpic.admin_cli import app
+    from mpic.cli.admin import app
 
     folder = tmp_path / "imgs"
     folder.mkdir()

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_http_demo_answers_like_the_offline_engine(serve_app: ServeApp, tiny_llava_dir: Path):
-    from mpic.benchmarks.offline import interleaved_prompt, synthetic_png
     from mpic.deployments.demo_client import run_demo
-    from mpic.engine.reference_runner import ReferenceRunner
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.samples import interleaved_prompt, synthetic_png
 
     rows = run_demo(serve_app.url, "alice-key", ["full", "mpic-4"], max_tokens=6)
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def offline(tiny_llava_dir: Path):
     """The offline engine on the same model folder (the oracle of every answer)."""
-    from mpic.engine.reference_runner import ReferenceRunner
+    from mpic.engine.hf.reference_runner import ReferenceRunner
 
     return ReferenceRunner(str(tiny_llava_dir))
 

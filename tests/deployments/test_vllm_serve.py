@@ -54,7 +54,7 @@ def vllm_url(serve_app: ServeApp, tiny_llava_dir: Path, tmp_path_factory) -> Ite
 
 @pytest.fixture(scope="module")
 def runner(tiny_llava_dir: Path):
-    from mpic.engine.reference_runner import ReferenceRunner
+    from mpic.engine.hf.reference_runner import ReferenceRunner
 
     return ReferenceRunner(str(tiny_llava_dir))
 

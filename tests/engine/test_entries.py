@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from mpic.engine.reference_runner import ReferenceRunner
+from mpic.engine.hf.reference_runner import ReferenceRunner
 from mpic.errors import CorruptEntryError, UnreadableMediaError
 from mpic.storage.entry_codec import decode, encode
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpic.engine.hf_adapters import make_adapter
-from mpic.engine.vision import encode_images, fit_image
+from mpic.engine.hf.adapters import make_adapter
+from mpic.engine.hf.vision import encode_images, fit_image
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def test_adapter_layers_equal_hf_forward_with_images(tiny_hf, sample_images):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_adapter_oracle_on_cuda(tiny_model_dir, sample_images):
-    from mpic.engine.hf_loader import load_hf_model
+    from mpic.engine.hf.loader import load_hf_model
 
     model, processor, spec = load_hf_model(tiny_model_dir, device="cuda")
     torch.backends.cuda.matmul.allow_tf32 = False

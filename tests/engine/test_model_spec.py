@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpic.engine.model_spec import ModelSpec, qwen2vl_side
+from mpic.model_spec import ModelSpec, qwen2vl_side
 
 # llava-hf/llava-1.5-7b-hf: text_config omits Llama defaults (hidden 4096, 32 layers/heads).
 LLAVA_15_7B = {

@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from mpic.engine.reference_runner import ReferenceRunner
-from mpic.engine.vision import fit_image
+from mpic.engine.hf.reference_runner import ReferenceRunner
+from mpic.engine.hf.vision import fit_image
 from mpic.errors import NotFoundError, PromptTooLongError
 from mpic.linker.prompt import ImageRef
 

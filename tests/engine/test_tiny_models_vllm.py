@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mpic.engine.vision import fit_image
+from mpic.engine.hf.vision import fit_image
 
 _SCRIPT = textwrap.dedent(
     """

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mpic.engine.vision import encode_images, fit_image, fixed_image_size, load_image
+from mpic.engine.hf.vision import encode_images, fit_image, fixed_image_size, load_image
 from mpic.errors import UnreadableMediaError
 
 

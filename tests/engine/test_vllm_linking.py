@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
-from mpic.engine.entries import cache_image
-from mpic.engine.reference_runner import ReferenceRunner
-from mpic.engine.vision import fit_image
-from mpic.engine.vllm_engine import VllmEngine, VllmEngineConfig
-from mpic.engine.vllm_requests import EngineRequest, exact_request, linked_request
+from mpic.engine.hf.entries import cache_image
+from mpic.engine.hf.reference_runner import ReferenceRunner
+from mpic.engine.hf.vision import fit_image
+from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
+from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.linker.plan import build_plan, unique_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.prompt import ImageRef, render_prompt_ids

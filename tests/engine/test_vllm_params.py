@@ -7,10 +7,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from mpic.engine import vllm_params
-from mpic.engine.vllm_engine import VllmEngineConfig
-from mpic.engine.vllm_paged_kv import contiguous_runs
-from mpic.engine.vllm_requests import collapse_placeholders
+from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm.engine import VllmEngineConfig
+from mpic.engine.vllm.paged_kv import contiguous_runs
+from mpic.engine.vllm.requests import collapse_placeholders
 from mpic.errors import InvalidRequestError
 from mpic.types import LinkPlan
 

@@ -7,8 +7,8 @@ from transformers import LlamaConfig, Qwen2VLConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
-from mpic.engine.adapter import RopeSpec
 from mpic.kernels.rope import apply_rotation, rope_angles, rotate_keys
+from mpic.model_spec import RopeSpec
 
 D = 32
 ROPE_1D = RopeSpec(head_dim=D, theta=10000.0)

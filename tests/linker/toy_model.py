@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from mpic.engine.adapter import RopeSpec
 from mpic.kernels.rope import apply_rotation, rope_angles
+from mpic.model_spec import RopeSpec
 from mpic.types import CacheEntry
 
 
@@ -103,7 +103,7 @@ CONTEXT = [1, 2, 3]
 
 def toy_spec(adapter: ToyAdapter, max_model_len: int = 256):
     """A hand-made ModelSpec matching the toy adapter (family from its rope)."""
-    from mpic.engine.model_spec import ModelSpec
+    from mpic.model_spec import ModelSpec
 
     return ModelSpec(
         family="qwen2-vl" if adapter.rope.mrope_section else "llava",

@@ -41,8 +41,8 @@ class CountingEngine:
     """The real tiny-LLaVA `cache_image`, counting calls; `fail_at` raises on that call."""
 
     def __init__(self, hf: tuple[Any, Any, Any]) -> None:
-        from mpic.engine.entries import cache_image
-        from mpic.engine.hf_adapters import make_adapter
+        from mpic.engine.hf.adapters import make_adapter
+        from mpic.engine.hf.entries import cache_image
 
         model, processor, self.spec = hf
         adapter = make_adapter(model)
@@ -65,7 +65,7 @@ class CountingEngine:
 @pytest.fixture(scope="session")
 def llava_hf(tiny_llava_dir: Path) -> tuple[Any, Any, Any]:
     """(model, processor, spec) of the tiny LLaVA, loaded once."""
-    from mpic.engine.hf_loader import load_hf_model
+    from mpic.engine.hf.loader import load_hf_model
 
     return load_hf_model(tiny_llava_dir)
 

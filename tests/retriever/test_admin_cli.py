@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mpic.admin_cli import app
+from mpic.cli.admin import app
 from tests.retriever.conftest import write_images
 
 

@@ -63,9 +63,9 @@ def test_searches_during_refresh_each_see_one_version(tmp_path, engine):
 
 KILLED_REFRESH = textwrap.dedent("""
     import os, signal, sys
-    from mpic.engine.entries import cache_image
-    from mpic.engine.hf_adapters import make_adapter
-    from mpic.engine.hf_loader import load_hf_model
+    from mpic.engine.hf.entries import cache_image
+    from mpic.engine.hf.adapters import make_adapter
+    from mpic.engine.hf.loader import load_hf_model
     from mpic.retriever.service import Retriever
     from mpic.retriever.sources import open_source
     from mpic.storage.factory import make_object_store

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from mpic.engine.model_spec import qwen2vl_side
 from mpic.errors import UnreadableMediaError
+from mpic.model_spec import qwen2vl_side
 
 
 def load_image(data: bytes) -> Image.Image:

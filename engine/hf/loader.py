@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mpic.engine.model_spec import ModelSpec
+from mpic.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 

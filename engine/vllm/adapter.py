@@ -1,7 +1,7 @@
 """LayerAdapter over vLLM's own decoder modules (runs in the vLLM worker process).
 
 The selective prefill (DESIGN.md "Selective prefill") drives a model layer by layer through
-`mpic.engine.adapter.LayerAdapter`. Here the layers are vLLM's: its fused QKV projection, rotary
+`mpic.linker.contracts.LayerAdapter`. Here the layers are vLLM's: its fused QKV projection, rotary
 embedding (1-D RoPE for LLaVA's Llama backbone, M-RoPE for Qwen2-VL's Qwen2 backbone), RMSNorms,
 o_proj and gated MLP, so linked K/V match what vLLM itself computes (ENVIRONMENT.md "Exactness").
 Both families share the Llama/Qwen2 decoder layer layout: `input_layernorm -> self_attn(qkv_proj,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpic.engine.adapter import RopeSpec
+from mpic.model_spec import RopeSpec
 
 
 def language_model(model: nn.Module) -> nn.Module:

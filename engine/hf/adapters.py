@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter, RopeSpec
-from mpic.engine.model_spec import rope_spec
+from mpic.linker.contracts import LayerAdapter
+from mpic.model_spec import RopeSpec, rope_spec
 
 
 class HFLayerAdapter:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpic.engine.model_spec import ModelSpec
+from mpic.model_spec import ModelSpec
 from mpic.types import LinkPlan
 
 

@@ -1,8 +1,8 @@
 """What the offline and the async vLLM engines share (process that owns the engine: CLI,
 benchmark, Serve replica): `VllmEngineConfig`, the CPU set-up, vLLM's engine arguments with the
 MPIC connector, and `VllmFrontEnd` (request forms, upload prompt, failed-link fallback). vLLM
-starts its engine core and worker in child processes, which load `mpic.engine.vllm_connector`
-and the `mpic` general plugin (`mpic.engine.vllm_plugin`) themselves.
+starts its engine core and worker in child processes, which load `mpic.engine.vllm.connector`
+and the `mpic` general plugin (`mpic.engine.vllm.plugin`) themselves.
 
 Every CPU set-up step of ENVIRONMENT.md lives in `prepare_environment` (the ONE place):
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
@@ -23,13 +23,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mpic.engine import vllm_params, vllm_upload
-from mpic.engine.entries import canonical_context_key
-from mpic.engine.model_spec import ModelSpec
-from mpic.engine.vision import fit_image, load_image
-from mpic.engine.vllm_requests import EngineRequest, resolve_fallback
+from mpic.engine.hf.entries import canonical_context_key
+from mpic.engine.hf.vision import fit_image, load_image
+from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm import upload as vllm_upload
+from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
 from mpic.errors import CorruptEntryError
 from mpic.linker.prompt import canonical_context_ids
+from mpic.model_spec import ModelSpec
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
 from mpic.storage.entry_store import EntryStore
@@ -37,7 +38,7 @@ from mpic.storage.entry_store import EntryStore
 logger = logging.getLogger(__name__)
 
 CONNECTOR = "MPICConnector"
-CONNECTOR_MODULE = "mpic.engine.vllm_connector"
+CONNECTOR_MODULE = "mpic.engine.vllm.connector"
 
 
 class VllmEngineConfig(BaseModel):
@@ -124,7 +125,7 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
 class VllmFrontEnd:
     """What both engines share: config, model spec, processor, entry store, request forms,
     the upload prompt and the failed-link fallback (`VllmEngine`: offline `LLM`;
-    `mpic.engine.vllm_async_engine.AsyncVllmEngine`: V1 `AsyncLLM`)."""
+    `mpic.engine.vllm.async_engine.AsyncVllmEngine`: V1 `AsyncLLM`)."""
 
     def __init__(self, cfg: VllmEngineConfig) -> None:
         prepare_environment(cfg)
@@ -193,7 +194,7 @@ class VllmFrontEnd:
     ) -> tuple[list[int], dict[str, Any], tuple[int, int], str, dict[str, Any]]:
         """(ids, multi-modal data, span, entry id, extra) of an image's canonical upload prompt:
         same canonical context, fitted image size and content address as the reference runner
-        (`mpic.engine.entries.cache_image`), so both engines name an image's entry alike."""
+        (`mpic.engine.hf.entries.cache_image`), so both engines name an image's entry alike."""
         image = fit_image(load_image(media), self.spec.image_size)
         context = canonical_context_ids(self.processor, system_prompt, self.spec.image_token_id)
         entry_id = entry_key(self.spec.fingerprint, canonical_context_key(context), media)
@@ -215,7 +216,7 @@ class VllmFrontEnd:
         extra: dict[str, Any] | None = None,
     ) -> tuple[dict, Any]:
         """The vLLM request that stores the KV of its expanded prompt's tokens [span) as
-        `entry_id` (`mpic.engine.vllm_upload`; a unique salt: the prefix cache never skips it)."""
+        `entry_id` (`mpic.engine.vllm.upload`; a unique salt: the prefix cache never skips it)."""
         from vllm import SamplingParams
 
         params = vllm_upload.upload_params(entry_id, self.spec.fingerprint, *span, extra=extra)

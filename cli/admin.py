@@ -85,12 +85,12 @@ def _engine(
     written on first use, so the entries match what the default server links.
     """
     from mpic.deployments.config import EngineConfig
-    from mpic.engine.entries import cache_image
-    from mpic.engine.hf_adapters import make_adapter
-    from mpic.engine.hf_loader import load_hf_model
+    from mpic.engine.hf.adapters import make_adapter
+    from mpic.engine.hf.entries import cache_image
+    from mpic.engine.hf.loader import load_hf_model
 
     if model_dir is None:
-        from mpic.engine.tiny_models import make_tiny
+        from mpic.engine.tiny.models import make_tiny
 
         default = EngineConfig()
         model_dir = Path(default.model)

@@ -1,11 +1,11 @@
 """The MPIC KV connector for vLLM V1 (scheduler side in the engine core, worker side in the worker).
 
 Loaded by vLLM through `KVTransferConfig(kv_connector="MPICConnector",
-kv_connector_module_path="mpic.engine.vllm_connector")` (see `mpic.engine.vllm_engine`).
+kv_connector_module_path="mpic.engine.vllm.connector")` (see `mpic.engine.vllm.engine`).
 vLLM builds one instance per role, in different processes:
 
 - SCHEDULER (engine core): a request whose `kv_transfer_params` carry an MPIC link plan
-  (`mpic.engine.vllm_params`) gets every prompt token but the last claimed as externally computed
+  (`mpic.engine.vllm.params`) gets every prompt token but the last claimed as externally computed
   (`get_num_new_matched_tokens`), so vLLM schedules only the last prompt token. After block
   allocation the request is queued; `build_connector_meta` ships, per step, each queued request's
   block ids and plan to the worker (`MPICConnectorMetadata`). Preempted requests come back through
@@ -18,7 +18,7 @@ vLLM builds one instance per role, in different processes:
   request's paged blocks (`PagedLinkedKV`). vLLM's forward then computes token N-1 over those
   blocks and decodes as usual (continuous batching).
 
-The worker reaches the model through `mpic.engine.vllm_plugin.current_runner()`.
+The worker reaches the model through `mpic.engine.vllm.plugin.current_runner()`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context
 
-from mpic.engine import vllm_params, vllm_upload
-from mpic.engine.vllm_adapter import VllmLayerAdapter
-from mpic.engine.vllm_paged_kv import PagedLinkedKV
-from mpic.engine.vllm_plugin import current_runner
+from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm import upload as vllm_upload
+from mpic.engine.vllm.adapter import VllmLayerAdapter
+from mpic.engine.vllm.paged_kv import PagedLinkedKV
+from mpic.engine.vllm.plugin import current_runner
 from mpic.errors import MPICError
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import get_policy
@@ -77,7 +78,7 @@ class MPICConnectorMetadata(KVConnectorMetadata):
 
     jobs: list[LinkJob] = field(default_factory=list)
     uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """New upload requests: req_id -> their `kv_transfer_params` (`mpic.engine.vllm_upload`)."""
+    """New upload requests: req_id -> their `kv_transfer_params` (`mpic.engine.vllm.upload`)."""
 
 
 class MPICConnector(KVConnectorBase_V1):

@@ -21,7 +21,7 @@ from typing import Any
 
 import typer
 
-from mpic.engine.tiny_configs import (
+from mpic.engine.tiny.configs import (
     FAMILIES,
     SHAPES,
     SIZES,
@@ -88,7 +88,7 @@ def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) ->
     import torch
     from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-    from mpic.engine.tiny_tokenizer import build_tokenizer
+    from mpic.engine.tiny.tokenizer import build_tokenizer
 
     shape = SHAPES[(family, size)]
     out = Path(out)

@@ -1,8 +1,8 @@
 """vLLM V1 offline engine with the MPIC connector (offline scripts, benchmarks, tests): vLLM's
 `LLM` generates a batch of exact and linked requests synchronously (continuous batching inside
 the call). Runs in the process that owns the engine; the CPU set-up and what it shares with the
-async engine (`mpic.engine.vllm_async_engine`, the Serve LLM worker's) are in
-`mpic.engine.vllm_frontend`, whose config names are re-exported here.
+async engine (`mpic.engine.vllm.async_engine`, the Serve LLM worker's) are in
+`mpic.engine.vllm.frontend`, whose config names are re-exported here.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from mpic.engine.vllm_frontend import (
+from mpic.engine.vllm.frontend import (
     VllmEngineConfig,
     VllmFrontEnd,
     engine_kwargs,
     prepare_environment,
 )
-from mpic.engine.vllm_requests import EngineRequest, EngineResult
+from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.types import CacheEntry
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "prepare_environment"]
@@ -93,7 +93,7 @@ class VllmEngine(VllmFrontEnd):
         extra: dict[str, Any] | None = None,
     ) -> CacheEntry:
         """Run a prompt (one placeholder per image) with its images through vLLM and store the
-        KV of the expanded prompt's tokens [span) as `entry_id` (`mpic.engine.vllm_upload`)."""
+        KV of the expanded prompt's tokens [span) as `entry_id` (`mpic.engine.vllm.upload`)."""
         prompt, sampling = self._entry_form(
             prompt_token_ids, multi_modal_data, span, entry_id, extra
         )

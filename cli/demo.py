@@ -24,7 +24,7 @@ DEMO_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1"
 
 def ensure_small_model(home: MPICHome) -> Path:
     """The demo model folder, written by `make_tiny(..., "small")` the first time."""
-    from mpic.engine.tiny_models import make_tiny
+    from mpic.engine.tiny.models import make_tiny
 
     path = home.models_dir / "llava-small"
     if not (path / "config.json").is_file():
@@ -60,8 +60,9 @@ def command(
     from rich.console import Console
 
     from mpic.benchmarks.engines import ReferenceEngine
-    from mpic.benchmarks.offline import interleaved_prompt, print_table, run_offline, synthetic_png
+    from mpic.benchmarks.offline import print_table, run_offline
     from mpic.linker.policies import policy_names
+    from mpic.samples import interleaved_prompt, synthetic_png
 
     try:
         names = policy_names(policies)

@@ -17,12 +17,24 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mpic.engine.adapter import RopeSpec
 from mpic.types import ModelFamily
 
 _MODEL_TYPES: dict[str, ModelFamily] = {"llava": "llava", "qwen2_vl": "qwen2-vl"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What the RoPE delta rotation needs to know about a model's rotary embedding.
+
+    `mrope_section` is None for 1-D RoPE; for M-RoPE it lists how many rotary frequency pairs use
+    the temporal, height and width position (Qwen2-VL: [16, 24, 24] for head size 128).
+    """
+
+    head_dim: int
+    theta: float
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

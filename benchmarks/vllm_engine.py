@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from tempfile import mkdtemp
 
 from mpic.benchmarks.engines import FirstToken
-from mpic.engine.vision import fit_image, load_image
-from mpic.engine.vllm_engine import VllmEngine, VllmEngineConfig
-from mpic.engine.vllm_requests import EngineRequest, exact_request, linked_request
+from mpic.engine.hf.vision import fit_image, load_image
+from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
+from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.prompt import PromptPart, image_refs, render_prompt_ids

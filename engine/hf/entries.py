@@ -3,7 +3,7 @@ entry"; runs where entries are made: the LLM worker on upload, the reference run
 
 Canonical context = the chat template's system prompt and the start of a user turn whose first
 part is the image (`mpic.linker.prompt.canonical_context_ids`). The image's input embeddings come
-from the model's own vision tower (`mpic.engine.vision.encode_images`); the context + image run
+from the model's own vision tower (`mpic.engine.hf.vision.encode_images`); the context + image run
 through the model with the one-pass layer loop (every token computed, so it is a plain prefill),
 and the image tokens' post-RoPE K/V, positions and embeddings make the entry. Its id is the
 content address sha256(model fingerprint, canonical context, media bytes)
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from mpic.engine.adapter import LayerAdapter
-from mpic.engine.model_spec import ModelSpec
-from mpic.engine.vision import encode_images, load_image
+from mpic.engine.hf.vision import encode_images, load_image
+from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.positions import image_positions, text_positions
 from mpic.linker.prompt import ChatTokenizer, canonical_context_ids
 from mpic.linker.selective_prefill import run_layers
+from mpic.model_spec import ModelSpec
 from mpic.storage.entry_codec import entry_key
 from mpic.types import CacheEntry
 

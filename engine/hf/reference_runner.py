@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mpic.engine.entries import cache_image
-from mpic.engine.hf_adapters import make_adapter
-from mpic.engine.hf_loader import load_hf_model
+from mpic.engine.hf.adapters import make_adapter
+from mpic.engine.hf.entries import cache_image
+from mpic.engine.hf.loader import load_hf_model
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from mpic.engine.reference_runner import ReferenceRunner
+    from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.linker.vlcache_calibration import Calibration, ProxyPrompt
 
 _INTROS = (
@@ -39,9 +39,9 @@ _IMAGE_OFFSET = 1000
 
 def build_proxy_set(runner: ReferenceRunner, images: int, prompts: int) -> list[ProxyPrompt]:
     """`prompts` proxy prompts of `images` freshly cached images each."""
-    from mpic.benchmarks.offline import synthetic_png
     from mpic.linker.prompt import ImageRef, PromptPart
     from mpic.linker.vlcache_calibration import ProxyPrompt
+    from mpic.samples import synthetic_png
 
     proxies = []
     for p in range(prompts):
@@ -102,7 +102,7 @@ def command(
     import torch
     from rich.progress import Progress
 
-    from mpic.engine.reference_runner import ReferenceRunner
+    from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.errors import MPICError
     from mpic.linker.vlcache_calibration import calibrate, count_passes, parse_grid
 

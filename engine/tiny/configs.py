@@ -134,7 +134,7 @@ def qwen2vl_config(shape: TinyShape, token_ids: dict[str, int]) -> Any:
 
 def processor(family: str, shape: TinyShape, tokenizer: Any) -> Any:
     """The family's HF processor with an image processor that yields ONE fixed image size."""
-    from mpic.engine.tiny_tokenizer import CHAT_TEMPLATES
+    from mpic.engine.tiny.tokenizer import CHAT_TEMPLATES
 
     template = CHAT_TEMPLATES[family]
     side = shape.image_size

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import typer
 
-from mpic import demo, serve_command
 from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import storage as bench_storage
-from mpic.engine import tiny_models
-from mpic.linker import vlcache_calibration_cli
+from mpic.cli import calibrate_vlcache, demo
+from mpic.cli import serve as serve_command
+from mpic.engine.tiny import models as tiny_models
 
 app = typer.Typer(
     no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching."
@@ -22,7 +22,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 
 model_app.command("make-tiny")(tiny_models.make_tiny_command)
-model_app.command("calibrate-vlcache")(vlcache_calibration_cli.command)
+model_app.command("calibrate-vlcache")(calibrate_vlcache.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("storage")(bench_storage.command)
 bench_app.command("retriever")(bench_retriever.command)

@@ -1,29 +1,19 @@
-"""The thin per-family layer adapter that the selective prefill drives (DESIGN.md).
+"""Contracts the linker drives: the per-family layer adapter (linker, in every process that runs a
+model: the reference runner with HF modules, the vLLM worker with vLLM's modules).
 
-Runs wherever a model runs: the reference runner (HF modules, CPU/CUDA) and the vLLM worker
-(vLLM's modules). The selective prefill in `mpic.linker.selective_prefill` is written against this
-protocol only, so the same code links KV for both engines.
+The selective prefill (`mpic.linker.selective_prefill`) is written against `LayerAdapter` only, so
+the same code links KV for both engines; each engine implements it beside its own model code
+(`mpic.engine.hf.adapters`, `mpic.engine.vllm.adapter`). The linked-KV storage contract is
+`mpic.linker.linked_kv.LinkedKV`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """What the RoPE delta rotation needs to know about a model's rotary embedding.
-
-    `mrope_section` is None for 1-D RoPE; for M-RoPE it lists how many rotary frequency pairs use
-    the temporal, height and width position (Qwen2-VL: [16, 24, 24] for head size 128).
-    """
-
-    head_dim: int
-    theta: float
-    mrope_section: tuple[int, ...] | None = None
+from mpic.model_spec import RopeSpec
 
 
 class LayerAdapter(Protocol):

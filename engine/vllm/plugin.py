@@ -4,7 +4,7 @@ vLLM calls `register()` (entry point `vllm.general_plugins: mpic`, pyproject.tom
 process before the worker is built (`v1/worker/worker_base.py`). We wrap the model runner's
 `load_model` (`CPUModelRunner` on CPU, `GPUModelRunner` on GPU) so that, once the model is loaded
 in the worker process, the runner is recorded here; the connector's worker side
-(`mpic.engine.vllm_connector`) picks it up with `current_runner()` to run the selective prefill
+(`mpic.engine.vllm.connector`) picks it up with `current_runner()` to run the selective prefill
 with vLLM's own modules. Nothing in vLLM is edited; outside a worker `current_runner()` is None.
 """
 

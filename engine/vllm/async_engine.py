@@ -2,9 +2,9 @@
 batching of concurrent requests (the Ray Serve LLM worker's engine, `engine.kind: vllm`).
 
 Runs in the process that owns the engine (a Serve replica); vLLM's engine core and worker are
-child processes, exactly as for the offline `mpic.engine.vllm_engine.VllmEngine`, with which it
+child processes, exactly as for the offline `mpic.engine.vllm.engine.VllmEngine`, with which it
 shares config, CPU set-up, engine arguments, request forms, upload prompt and fallback
-(`mpic.engine.vllm_frontend.VllmFrontEnd`).
+(`mpic.engine.vllm.frontend.VllmFrontEnd`).
 
 `AsyncLLM` lives on its own event loop in a daemon thread, so any caller can use it: `stream`
 is an async generator usable from any other loop (a Serve replica's), every request a vLLM
@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Coroutine
 from functools import partial
 from typing import Any
 
-from mpic.engine.vllm_frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
-from mpic.engine.vllm_requests import EngineRequest, EngineResult
+from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
+from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.types import CacheEntry
 
 _END = object()
