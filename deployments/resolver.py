@@ -5,7 +5,7 @@ Resolution happens in the CALLER's namespace only: a file id of another user is 
 encoded for this request only (not cached) and travel to the worker as ObjectRefs; MRAG
 retrieval asks the Retriever deployment and links its hits before the last user turn's text.
 The link plan itself (token ids, positions, policy selection) is built in the LLM worker, next
-to the KV it indexes (DESIGN.md "Link plan").
+to the KV it indexes (docs/design.md "Link plan").
 """
 
 from __future__ import annotations

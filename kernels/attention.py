@@ -37,7 +37,7 @@ def selected_attention(
     scale: softmax scale, default D ** -0.5. Returns [S, H, D] in q's dtype.
 
     The recomputed tokens form a few contiguous runs (text, the first k tokens of an item;
-    DESIGN.md "Exact masks"): a run at indices [a, b) sees keys [0, a) fully and itself
+    docs/design.md "Exact masks"): a run at indices [a, b) sees keys [0, a) fully and itself
     causally, so each run is one SDPA call over keys [0, b) with a mask of its own size only.
     """
     gqa = q.shape[1] != keys.shape[1]

@@ -4,7 +4,7 @@ reference runner, vLLM worker, entry computation).
 Cached keys are stored AFTER RoPE at their canonical positions (mpic/types.py). RoPE rotates each
 frequency pair j of a head by the angle p * inv_freq[j], and rotations compose, so a key cached at
 p_old is moved to p_new by rotating it once more by (p_new - p_old) * inv_freq[j] (LMCache's
-scheme, DESIGN.md "Cache entry"). For M-RoPE (Qwen2-VL) the pairs are split into sections
+scheme, docs/design.md "Cache entry"). For M-RoPE (Qwen2-VL) the pairs are split into sections
 (`mrope_section`, e.g. [16, 24, 24]) that use the temporal, height and width position
 respectively (transformers' `Qwen2VLRotaryEmbedding.recomposition_frequencies`).
 

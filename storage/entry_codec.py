@@ -14,7 +14,7 @@ bit rot and torn files at close to read speed. Measured on the 2-core dev CPU: S
 0.5-1.1 GB/s, BLAKE3 1.9-2.5 GB/s, XXH3 8-10 GB/s, against cold local reads of 0.7-2 GB/s and
 page-cache reads of 5-20 GB/s: SHA-256 would make every load hash-bound (MPIC section 3.2: loads
 must be cheap enough to run beside recomputation). The content address `entry_key` stays SHA-256
-(DESIGN.md). Decoding is zero-copy: tensors are views into the buffer that was read; the
+(docs/design.md). Decoding is zero-copy: tensors are views into the buffer that was read; the
 streaming reader hashes chunk i in a helper thread while reading chunk i+1.
 """
 
@@ -57,7 +57,7 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def entry_key(model_fingerprint: str, canonical_context: str, media: bytes) -> str:
-    """sha256 hex over (model fingerprint, canonical context, media bytes): DESIGN.md's content
+    """sha256 hex over (model fingerprint, canonical context, media bytes): the design's content
     address of a cache entry. Fields are length-prefixed so no two triples collide."""
     h = hashlib.sha256(b"mpic-entry-key/1")
     for part in (model_fingerprint.encode(), canonical_context.encode(), media):

@@ -1,4 +1,4 @@
-"""Cache entries: the KV of one image computed in the canonical context (DESIGN.md "Cache
+"""Cache entries: the KV of one image computed in the canonical context (docs/design.md "Cache
 entry"; runs where entries are made: the LLM worker on upload, the reference runner, benchmarks).
 
 Canonical context = the chat template's system prompt and the start of a user turn whose first

@@ -1,9 +1,9 @@
 """LayerAdapter over vLLM's own decoder modules (runs in the vLLM worker process).
 
-The selective prefill (DESIGN.md "Selective prefill") drives a model layer by layer through
+The selective prefill (docs/design.md "Selective prefill") drives a model layer by layer through
 `mpic.linker.contracts.LayerAdapter`. Here the layers are vLLM's: its fused QKV projection, rotary
 embedding (1-D RoPE for LLaVA's Llama backbone, M-RoPE for Qwen2-VL's Qwen2 backbone), RMSNorms,
-o_proj and gated MLP, so linked K/V match what vLLM itself computes (ENVIRONMENT.md "Exactness").
+o_proj and gated MLP, so linked K/V match what vLLM itself computes (docs/vllm.md).
 Both families share the Llama/Qwen2 decoder layer layout: `input_layernorm -> self_attn(qkv_proj,
 rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp`.
 

@@ -4,7 +4,7 @@ MPIC connector, and `VllmFrontEnd` (request forms, upload prompt, failed-link fa
 starts its engine core and worker in child processes, which load `mpic.engine.vllm.connector`
 and the `mpic` general plugin (`mpic.engine.vllm.plugin`) themselves.
 
-Every CPU set-up step of ENVIRONMENT.md lives in `prepare_environment` (the ONE place):
+Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_environment` (the ONE place):
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
 - `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
   that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);

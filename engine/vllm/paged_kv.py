@@ -1,9 +1,9 @@
 """A `LinkedKV` over one request's paged KV blocks, using vLLM's CPU attention op (vLLM worker).
 
-DESIGN.md "Exact masks with the engine's own attention op": the reused KV already sits in the
+docs/design.md "Exact masks with the engine's own attention op": the reused KV already sits in the
 request's blocks; the recomputed tokens form a few contiguous runs [a, b). At each layer their
 fresh K/V are written into their slots (`cpu_attn_reshape_and_cache`, the portable write: the
-in-block layout depends on the ISA, ENVIRONMENT.md), then ONE `cpu_attention_with_kv_cache`
+in-block layout depends on the ISA, docs/design.md "Platform notes"), then ONE `cpu_attention_with_kv_cache`
 call attends all runs, each run a "virtual sequence" of query length b - a and sequence length b
 that shares the request's block table. vLLM's causal rule for a chunk (query i of a run at
 position seq_len - qlen + i sees keys 0..that position) is exactly "key index <= query index".

@@ -6,7 +6,7 @@ vLLM's processor expands every image placeholder into the image's T tokens, even
 already expanded, so exact prompts and Qwen2-VL linked prompts carry ONE placeholder per image.
 A LLaVA linked prompt is the plan's expanded token ids with no multimodal data (its 1-D
 positions need none); a Qwen2-VL one carries `image_grid_thw` per image and no pixels, which
-lets vLLM expand the placeholders and give the last token its M-RoPE position (ENVIRONMENT.md).
+lets vLLM expand the placeholders and give the last token its M-RoPE position (docs/design.md "Platform notes").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The token-selection policy interface (linker; runs wherever a plan is built).
 
-One policy per file on this small base (kvpress's layout, STYLE.md). A policy turns a fresh
+One policy per file on this small base (kvpress's layout). A policy turns a fresh
 `LinkPlan` into one with `recompute_depth` set: the number of leading layers each token is
 recomputed at (0 = reused everywhere, L = recomputed everywhere). Two optional extras:
 `two_step` (text KV is computed in a separate first pass, as full reuse and CacheBlend do in

@@ -1,4 +1,4 @@
-"""DESIGN.md oracles on a toy pure-torch decoder (1-D RoPE and M-RoPE): the selective path with
+"""docs/design.md oracles on a toy pure-torch decoder (1-D RoPE and M-RoPE): the selective path with
 every token recomputed equals a plain prefill; an item linked where it was cached, after the same
 context, gives the exact result with no item recompute; VLCache depths keep cached KV below."""
 
