@@ -24,9 +24,8 @@ from mpic.benchmarks.engines import FirstToken
 from mpic.engine.hf.vision import fit_image, load_image
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
-from mpic.linker.plan import build_plan, resolve_entries, unique_entries
-from mpic.linker.policies import get_policy
-from mpic.linker.prompt import PromptPart, image_refs, render_prompt_ids
+from mpic.linker.prompt import PromptPart
+from mpic.linker.recipe import plan_prompt
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry, LinkPlan
 
@@ -55,18 +54,19 @@ class VllmBenchEngine:
 
     def _request(self, parts: Sequence[PromptPart], policy: str) -> tuple[EngineRequest, int, int]:
         """The request for `parts` under `policy`, its prompt and recomputed token counts."""
-        ids = render_prompt_ids(self.engine.processor, parts, self.system_prompt)
-        refs = image_refs(parts)
-        items = resolve_entries(refs, self.entries)
-        plan = build_plan(self.spec, ids, items)
+        rule = "full" if policy in EXACT_POLICIES else policy
+        planned = plan_prompt(
+            self.spec, self.engine.processor, parts, self.entries, rule, self.system_prompt
+        )
+        plan = planned.plan
         if policy in EXACT_POLICIES:
-            images = [fit_image(load_image(self.media[r]), self.spec.image_size) for r in refs]
+            images = [
+                fit_image(load_image(self.media[r]), self.spec.image_size) for r in planned.refs
+            ]
             request = exact_request(plan, self.spec.image_token_id, images)
             return request, plan.num_tokens, plan.num_tokens
-        rule = get_policy(policy)
-        plan = rule.apply(plan, unique_entries(plan, items), self.spec.num_layers)
         request = linked_request(plan, policy, self.spec)
-        return request, plan.num_tokens, _recomputed(plan, rule.two_step)
+        return request, plan.num_tokens, _recomputed(plan, planned.policy.two_step)
 
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
         """Time one first token; see the module docstring for how each policy is run."""

@@ -53,8 +53,8 @@ def build_proxy_set(runner: ReferenceRunner, images: int, prompts: int) -> list[
                 parts.append(f"Picture number {k + 1}:")
             parts.append(ImageRef(entry_id))
         parts.append(_QUESTIONS[p % len(_QUESTIONS)])
-        plan, entries = runner.plan(parts)
-        proxies.append(ProxyPrompt(plan, entries))
+        planned = runner.plan(parts)
+        proxies.append(ProxyPrompt(planned.plan, planned.entries))
     return proxies
 
 

@@ -39,9 +39,8 @@ from mpic.engine.hf.entries import canonical_context_key
 from mpic.engine.hf.vision import fit_image, load_image
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.errors import InvalidRequestError
-from mpic.linker.plan import build_plan, resolve_entries, unique_entries
-from mpic.linker.policies import get_policy
-from mpic.linker.prompt import canonical_context_ids, image_refs, render_prompt_ids
+from mpic.linker.prompt import canonical_context_ids
+from mpic.linker.recipe import plan_prompt
 from mpic.model_spec import ModelSpec
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_codec import entry_key
@@ -118,13 +117,10 @@ class VLLMServeEngine(ServeEngine):
             return entry.entry_id
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
-        ids = render_prompt_ids(self.processor, parts, system)
-        refs = image_refs(parts)
-        items = resolve_entries(refs, table)
-        plan = build_plan(self.spec, ids, items, prompt.max_tokens)
-        plan = get_policy(prompt.policy).apply(
-            plan, unique_entries(plan, items), self.spec.num_layers
+        planned = plan_prompt(
+            self.spec, self.processor, parts, table, prompt.policy, system, prompt.max_tokens
         )
+        plan, refs = planned.plan, planned.refs
 
         def exact() -> EngineRequest:  # the prompt with its images (pixels read only now)
             try:

@@ -1,14 +1,13 @@
 """Link and prefill one prompt under a policy (linker; reference runner, and any engine that
 brings its own LayerAdapter and LinkedKV).
 
-Order: apply the policy to the plan, run the text-first pass of two-step policies, link the
-entries' rotated KV, gather the recomputed tokens' input embeddings, run the one-pass selective
-prefill (with the policy's in-pass hook, if any).
+The plan's depths come set from `mpic.linker.recipe`. Order: run the text-first pass of two-step
+policies, link the entries' rotated KV, gather the recomputed tokens' input embeddings, run the
+one-pass selective prefill (with the policy's in-pass hook, if any).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,10 +15,10 @@ import torch
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.link import gather_input_embeds, link_entries
 from mpic.linker.linked_kv import LinkedKV
-from mpic.linker.policies.base import Policy
+from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.selective_prefill import PrefillResult, selective_prefill
 from mpic.linker.two_step import prefill_text_first
-from mpic.types import CacheEntry, LinkPlan
+from mpic.types import LinkPlan
 
 
 @dataclass
@@ -34,18 +33,14 @@ class LinkedPrefill:
 
 
 def link_and_prefill(
-    adapter: LayerAdapter,
-    plan: LinkPlan,
-    entries: Sequence[CacheEntry],
-    policy: Policy,
-    linked_kv: LinkedKV,
+    adapter: LayerAdapter, planned: PlannedPrompt, linked_kv: LinkedKV
 ) -> LinkedPrefill:
     """Fill `linked_kv` for the prompt and return the last token's logits.
 
-    plan: from `build_plan` (depths are set here); entries: aligned with `plan.entry_ids`;
+    planned: from `mpic.linker.recipe` (the policy's depths are already set; not re-applied);
     linked_kv: zeroed, at least N slots.
     """
-    plan = policy.apply(plan, entries, adapter.num_layers)
+    plan, entries, policy = planned.plan, planned.entries, planned.policy
     ran = torch.zeros(plan.num_tokens, dtype=torch.bool)
     if policy.two_step:
         prefill_text_first(adapter, plan, linked_kv)

@@ -43,6 +43,7 @@ from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies.base import Policy
 from mpic.linker.policies.full import FullPolicy
 from mpic.linker.policies.vlcache import VLCachePolicy
+from mpic.linker.recipe import with_policy
 from mpic.types import CacheEntry, LinkPlan
 
 _EPS = 1e-9
@@ -127,7 +128,8 @@ def prefix_policy(ratio: float, depth: int, num_layers: int) -> VLCachePolicy:
 
 
 def _logits(adapter: LayerAdapter, proxy: ProxyPrompt, policy: Policy, make_kv: KVFactory):
-    out = link_and_prefill(adapter, proxy.plan, proxy.entries, policy, make_kv(proxy.plan))
+    planned = with_policy(proxy.plan, proxy.entries, policy, adapter.num_layers)
+    out = link_and_prefill(adapter, planned, make_kv(proxy.plan))
     return out.result.logits.double().cpu()
 
 

@@ -22,10 +22,10 @@ from mpic.engine.hf.entries import cache_image
 from mpic.engine.hf.loader import load_hf_model
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
-from mpic.linker.plan import build_plan, resolve_entries, unique_entries
-from mpic.linker.policies import Policy, get_policy
+from mpic.linker.policies import Policy
 from mpic.linker.positions import next_position
-from mpic.linker.prompt import PromptPart, image_refs, render_prompt_ids
+from mpic.linker.prompt import PromptPart
+from mpic.linker.recipe import PlannedPrompt, plan_prompt
 from mpic.linker.selective_prefill import run_layers
 from mpic.types import CacheEntry, LinkPlan
 
@@ -82,16 +82,18 @@ class ReferenceRunner:
         self.entries[entry.entry_id] = entry
 
     def plan(
-        self, parts: Sequence[PromptPart], max_new_tokens: int = 0, system_prompt: str | None = None
-    ) -> tuple[LinkPlan, list[CacheEntry]]:
-        """(plan, entries aligned with plan.entry_ids) of a prompt; raises on bad input.
-
-        system_prompt: this request's, or None for the runner's own."""
+        self,
+        parts: Sequence[PromptPart],
+        policy: str | Policy = "full",
+        max_new_tokens: int = 0,
+        system_prompt: str | None = None,
+    ) -> PlannedPrompt:
+        """The finished link plan of a prompt under `policy` (`mpic.linker.recipe`); raises on
+        bad input. system_prompt: this request's, or None for the runner's own."""
         system = self.system_prompt if system_prompt is None else system_prompt
-        token_ids = render_prompt_ids(self.processor, parts, system)
-        items = resolve_entries(image_refs(parts), self.entries)
-        plan = build_plan(self.spec, token_ids, items, max_new_tokens)
-        return plan, unique_entries(plan, items)
+        return plan_prompt(
+            self.spec, self.processor, parts, self.entries, policy, system, max_new_tokens
+        )
 
     @torch.inference_mode()
     def prefill(
@@ -103,8 +105,8 @@ class ReferenceRunner:
     ) -> Prefilled:
         """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved."""
         start, cpu_start = time.perf_counter(), time.process_time()
-        policy = get_policy(policy) if isinstance(policy, str) else policy
-        plan, entries = self.plan(parts, max_new_tokens, system_prompt)
+        planned = self.plan(parts, policy, max_new_tokens, system_prompt)
+        plan = planned.plan
         a = self.adapter
         kv = DenseLinkedKV(
             a.num_layers,
@@ -114,7 +116,7 @@ class ReferenceRunner:
             a.dtype,
             a.device,
         )
-        out = link_and_prefill(a, plan, entries, policy, kv)
+        out = link_and_prefill(a, planned, kv)
         logits = out.result.logits
         int(logits.argmax())  # the first token exists once it is picked
         ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start

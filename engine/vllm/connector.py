@@ -44,6 +44,7 @@ from mpic.engine.vllm.plugin import current_runner
 from mpic.errors import MPICError
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import get_policy
+from mpic.linker.recipe import PlannedPrompt
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
@@ -213,13 +214,15 @@ class MPICConnector(KVConnectorBase_V1):
 
         Token N-1 runs too (its block exists already), so in-pass selections see the same
         tokens as in the reference runner; vLLM's forward then recomputes it identically. The
-        policy re-derives the plan's depths (deterministic: the front end's choice).
+        plan's depths are the front end's (`mpic.linker.recipe` applied the policy once); the
+        policy object only drives two-step passes and in-pass hooks here.
         """
         adapter = self._model_adapter()
         plan, name = vllm_params.plan_from_params(job.params, job.token_ids)
         store = self._entry_store()
         entries = [store.get(entry_id) for entry_id in plan.entry_ids]
         policy = get_policy(name)
+        planned = PlannedPrompt(plan, entries, policy, refs=[])
         num_layers = adapter.num_layers
         layers = [adapter.attention_layer(i) for i in range(num_layers)]
         mirror = None
@@ -229,7 +232,7 @@ class MPICConnector(KVConnectorBase_V1):
         caches = [self._kv_caches[layer.layer_name] for layer in layers]
         kv = PagedLinkedKV(layers, caches, job.block_ids, self._block_size, keys=mirror)
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
-        link_and_prefill(adapter, plan, entries, policy, kv)
+        link_and_prefill(adapter, planned, kv)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of requests whose entries could not be loaded this step (then cleared)."""

@@ -97,6 +97,6 @@ def test_stream_yields_generate_tokens_and_honours_system_prompt(runner):
     parts = [ImageRef(runner.test_ids[0]), "Describe."]
     streamed = [t for t, _ in runner.stream(parts, "mpic-4", 5, stop_at_eos=False)]
     assert streamed == runner.generate(parts, "mpic-4", 5, stop_at_eos=False).tokens
-    plan, _ = runner.plan(parts)
-    other, _ = runner.plan(parts, system_prompt="You answer in one word.")
+    plan = runner.plan(parts).plan
+    other = runner.plan(parts, system_prompt="You answer in one word.").plan
     assert other.num_tokens != plan.num_tokens or not torch.equal(other.token_ids, plan.token_ids)

@@ -8,7 +8,7 @@ import torch
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
-from mpic.linker.policies import get_policy
+from mpic.linker.recipe import with_policy
 from tests.linker.toy_model import (
     CONTEXT,
     IMAGE_ID,
@@ -44,7 +44,8 @@ def _plain_embeds(adapter, plan, entries):
 
 def _run(adapter, plan, entries, name):
     kv = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8)
-    return link_and_prefill(adapter, plan, entries, get_policy(name), kv), kv
+    planned = with_policy(plan, entries, name, adapter.num_layers)
+    return link_and_prefill(adapter, planned, kv), kv
 
 
 @pytest.mark.parametrize("mrope", [False, True])

@@ -1,0 +1,64 @@
+"""The one recipe from a request to a finished link plan (linker; every engine and benchmark).
+
+render (chat template) -> resolve (entry ids -> entries) -> build_plan (positions, sources) ->
+policy (recompute depths). The policy is applied here and only here: `link_and_prefill` and the
+vLLM worker take the depths as they come (the worker rebuilds the plan from the request's
+`kv_transfer_params`, depths included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies import Policy, get_policy
+from mpic.linker.prompt import ChatTokenizer, image_refs, render_prompt_ids
+from mpic.model_spec import ModelSpec
+from mpic.prompt_parts import PromptPart
+from mpic.types import CacheEntry, LinkPlan
+
+
+@dataclass(frozen=True)
+class PlannedPrompt:
+    """A link plan with its policy's recompute depths, ready to link and prefill."""
+
+    plan: LinkPlan
+    """Depths set by `policy` (N = plan.num_tokens)."""
+    entries: list[CacheEntry]
+    """Aligned with `plan.entry_ids` (each entry once)."""
+    policy: Policy
+    """Two-step policies and in-pass hooks (CacheBlend) still act during the prefill."""
+    refs: list[str]
+    """The entry ids the prompt references, in prompt order with repeats (exact fallbacks)."""
+
+
+def with_policy(
+    plan: LinkPlan,
+    entries: Sequence[CacheEntry],
+    policy: str | Policy,
+    num_layers: int,
+    refs: Sequence[str] = (),
+) -> PlannedPrompt:
+    """Apply `policy` to a fresh plan from `build_plan` (the only place a policy sets depths)."""
+    rule = get_policy(policy) if isinstance(policy, str) else policy
+    return PlannedPrompt(rule.apply(plan, entries, num_layers), list(entries), rule, list(refs))
+
+
+def plan_prompt(
+    spec: ModelSpec,
+    tokenizer: ChatTokenizer,
+    parts: Sequence[PromptPart],
+    entries: Mapping[str, CacheEntry],
+    policy: str | Policy,
+    system_prompt: str | None,
+    max_new_tokens: int = 0,
+) -> PlannedPrompt:
+    """The finished plan of `parts` under `policy`; raises `InvalidRequestError` (bad parts,
+    too long), `NotFoundError` (an entry id not in `entries`) or `ValueError` (bad policy)."""
+    rule = get_policy(policy) if isinstance(policy, str) else policy
+    token_ids = render_prompt_ids(tokenizer, parts, system_prompt)
+    refs = image_refs(parts)
+    items = resolve_entries(refs, entries)
+    plan = build_plan(spec, token_ids, items, max_new_tokens)
+    return with_policy(plan, unique_entries(plan, items), rule, spec.num_layers, refs)
