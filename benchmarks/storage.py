@@ -36,7 +36,7 @@ def _entry_of_mib(mib: float, seed: int):  # noqa: ANN202 - CacheEntry, torch im
     """A synthetic f32 entry of about `mib` MiB (8 layers, 8 KV heads x 64, hidden 512)."""
     import torch
 
-    from mpic.storage.entry_codec import entry_key
+    from mpic.addressing import entry_key
     from mpic.types import CacheEntry
 
     per_token = 2 * 8 * 8 * 64 * 4 + 512 * 4

@@ -13,7 +13,6 @@ Bad input (missing folder, unreadable image, unknown collection or version) prin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -63,10 +62,10 @@ def _run(fn: Callable[[], T]) -> T:
 
 
 def _retriever(store: str | None, **cfgs):
-    from mpic.retriever.service import Retriever
+    from mpic.retriever.service import RetrievalService
     from mpic.storage.factory import make_object_store
 
-    return Retriever(make_object_store(store), **cfgs)
+    return RetrievalService(make_object_store(store), **cfgs)
 
 
 def _client(server: str, api_key: str | None):
@@ -84,6 +83,7 @@ def _engine(
     Default: the serving app's default model (`EngineConfig().model`, the embedded tiny LLaVA),
     written on first use, so the entries match what the default server links.
     """
+    from mpic.addressing import library_fingerprint
     from mpic.deployments.config import EngineConfig
     from mpic.engine.hf.adapters import make_adapter
     from mpic.engine.hf.entries import cache_image
@@ -100,11 +100,7 @@ def _engine(
         raise _fail(f"model folder not found: {model_dir}")
     model, processor, spec = load_hf_model(model_dir)
     adapter = make_adapter(model)
-    fingerprint = (
-        spec.fingerprint
-        if system_prompt is None
-        else (f"{spec.fingerprint}:{hashlib.sha256(system_prompt.encode()).hexdigest()[:16]}")
-    )
+    fingerprint = library_fingerprint(spec.fingerprint, system_prompt)
     return (
         lambda media: cache_image(model, processor, adapter, spec, media, system_prompt),
         fingerprint,

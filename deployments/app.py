@@ -12,21 +12,21 @@ from ray.serve import Application
 
 from mpic.deployments.config import ServeAppConfig, deployment_options
 from mpic.deployments.ingress import Ingress
-from mpic.deployments.resolver import Linker
+from mpic.deployments.resolver import Resolver
 from mpic.deployments.retriever import Retriever
 from mpic.deployments.workers import Encoder, LLMWorker
 
 
 def build_app(config: ServeAppConfig) -> Application:
-    """Bind Encoder, LLMWorker, Retriever, Linker and the Ingress that routes to them."""
+    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them."""
     encoder = serve.deployment(Encoder, **deployment_options("Encoder", config.encoder))
     worker = serve.deployment(LLMWorker, **deployment_options("LLMWorker", config.llm_worker))
     retriever = serve.deployment(Retriever, **deployment_options("Retriever", config.retriever))
-    linker = serve.deployment(Linker, **deployment_options("Linker", config.linker))
+    resolver = serve.deployment(Resolver, **deployment_options("Resolver", config.resolver))
     ingress = serve.deployment(Ingress, **deployment_options("Ingress", config.ingress))
     enc, wrk = encoder.bind(config), worker.bind(config)
     ret = retriever.bind(config, wrk)
-    return ingress.bind(config, enc, linker.bind(config, enc, ret, wrk), wrk, ret)
+    return ingress.bind(config, enc, resolver.bind(config, enc, ret, wrk), wrk, ret)
 
 
 def app_builder(args: ServeAppConfig) -> Application:

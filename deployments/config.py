@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mpic.errors import InvalidRequestError
 from mpic.storage.config import StorageConfig
 
-DEPLOYMENT_NAMES = ("Ingress", "Encoder", "Retriever", "Linker", "LLMWorker")
+DEPLOYMENT_NAMES = ("Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker")
 """The Serve deployment names; the k8s test checks serveConfigV2 against this tuple."""
 
 
@@ -117,7 +117,10 @@ class ServeAppConfig(BaseModel):
     retriever: DeploymentConfig = Field(
         default_factory=DeploymentConfig, description="Retriever (CLIP + FAISS)."
     )
-    linker: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Linker.")
+    resolver: DeploymentConfig = Field(
+        default_factory=DeploymentConfig,
+        description="Resolver (file references, inline images, retrieval).",
+    )
     llm_worker: DeploymentConfig = Field(
         default_factory=DeploymentConfig, description="LLM worker (engine + MPIC linking)."
     )

@@ -123,7 +123,7 @@ class ServeEngine(ABC):
     @abstractmethod
     def entry_id(self, media: bytes) -> str:
         """The content-addressed entry id of an image in this model's canonical context
-        (`mpic.storage.entry_codec.entry_key` over fingerprint, context, media bytes)."""
+        (`mpic.addressing.entry_address` over fingerprint, context, media bytes)."""
 
     @abstractmethod
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:

@@ -1,4 +1,4 @@
-"""The uploaded-file catalog as the HTTP layer sees it (Ingress, Linker and LLM-worker replicas).
+"""The uploaded-file catalog as the HTTP layer sees it (Ingress, Resolver and LLM-worker replicas).
 
 A thin view over `mpic.storage.static_library.StaticLibrary` (per-user namespaces, TTL,
 NotFoundError for unknown or foreign ids, ExpiredError after the TTL) that speaks OpenAI file

@@ -2,7 +2,7 @@
 
 Only small things cross HTTP: image bytes on upload, text and ids on queries. The ingress hands
 image bytes to the Encoder, chains the Encoder's result (an ObjectRef, never materialised here)
-into the LLM worker, asks the Linker to resolve a chat request, and streams the worker's tokens.
+into the LLM worker, asks the Resolver to resolve a chat request, and streams the worker's tokens.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Ingress:
         self,
         config: ServeAppConfig,
         encoder: DeploymentHandle,
-        linker: DeploymentHandle,
+        resolver: DeploymentHandle,
         worker: DeploymentHandle,
         retriever: DeploymentHandle,
     ) -> None:
@@ -93,7 +93,8 @@ class Ingress:
         if not len(self.keys):
             logger.warning("no API keys configured: every request will get 401")
         self.files = FileCatalog(config.store)
-        self.encoder, self.linker, self.worker, self.retriever = encoder, linker, worker, retriever
+        self.encoder, self.resolver = encoder, resolver
+        self.worker, self.retriever = worker, retriever
         self.metrics = ServeMetrics()
 
     def _auth(self, authorization: str | None) -> Principal:
@@ -163,7 +164,7 @@ class Ingress:
         """OpenAI chat completion with cached-file links; SSE when `stream` is true."""
         who = self._auth(authorization)
         t0 = time.perf_counter()
-        prompt = await self.linker.link.remote(who.user, body)
+        prompt = await self.resolver.resolve.remote(who.user, body)
         events = self.worker.options(stream=True).generate.remote(prompt)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 import torch
 from starlette.concurrency import iterate_in_threadpool
 
+from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import (
     DoneEvent,
@@ -35,12 +36,11 @@ from mpic.deployments.prompting import (
     stored_linked_tokens,
     token_events,
 )
-from mpic.engine.hf.entries import canonical_context_key, compute_entry
+from mpic.engine.hf.entries import compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
 from mpic.engine.hf.vision import encode_images, load_image
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
-from mpic.storage.entry_codec import entry_key
 from mpic.types import CacheEntry
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,7 +75,7 @@ class ReferenceServeEngine(ServeEngine):
 
     def entry_id(self, media: bytes) -> str:
         """Content address over (fingerprint, canonical context, media bytes)."""
-        return entry_key(self.fingerprint, canonical_context_key(self._context_ids), media)
+        return entry_address(self.fingerprint, self._context_ids, media)
 
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
         """KV of [canonical context + image] (a plain prefill of those tokens)."""

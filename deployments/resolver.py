@@ -1,4 +1,4 @@
-"""The Linker deployment (Serve replica): resolves a chat request into a `LinkedPrompt`.
+"""The Resolver deployment (Serve replica): resolves a chat request into a `LinkedPrompt`.
 
 Resolution happens in the CALLER's namespace only: a file id of another user is "not found"
 (404, the same answer as an unknown id), an expired one 410. Inline `image_url` parts are
@@ -32,7 +32,7 @@ from mpic.retriever.query import RetrievalSpec
 _DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(?P<b64>.*)$", re.DOTALL)
 
 
-class Linker:
+class Resolver:
     """Turns an OpenAI chat body into resolved turns for the worker."""
 
     def __init__(
@@ -46,7 +46,7 @@ class Linker:
         self.files = FileCatalog(config.store)
         self.encoder, self.retriever, self.worker = encoder, retriever, worker
 
-    async def link(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:
+    async def resolve(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:
         """Resolve files, inline images and retrieval; validate policy and budget."""
         opts = req.mpic
         policy = opts.policy if opts and "policy" in opts.model_fields_set else None

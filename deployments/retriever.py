@@ -1,6 +1,7 @@
 """The Retriever deployment (Serve replica): MRAG search and the admin operations on the dynamic
-library (collections, versions, refresh, rollback), wrapping one `mpic.retriever.service.Retriever`
-(CLIP + FAISS over immutable collection versions; every search answers from one version).
+library (collections, versions, refresh, rollback), wrapping one
+`mpic.retriever.service.RetrievalService` (CLIP + FAISS over immutable collection versions; every
+search answers from one version).
 
 A refresh needs the KV entry of each new image: the replica asks the LLM worker deployment
 (`LLMWorker.make_entry`), so the entries are computed by the serving engine on the serving model
@@ -13,9 +14,10 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from mpic.addressing import library_fingerprint
 from mpic.deployments.config import ServeAppConfig
 from mpic.retriever.query import RetrievalSpec, retrieve
-from mpic.retriever.service import Retriever as RetrieverService
+from mpic.retriever.service import RetrievalService
 from mpic.retriever.sources import open_source, read_captions
 from mpic.storage.entry_store import EntryStore
 from mpic.types import CacheEntry
@@ -28,7 +30,8 @@ class Retriever:
         entries = EntryStore.from_config(
             config.store.model_copy(update={"memory_bytes": 0, "disk_cache_dir": None})
         )
-        self.service = RetrieverService(entries.objects, entries)
+        self.service = RetrievalService(entries.objects, entries)
+        self.system_prompt = config.engine.system_prompt
         self.worker = worker
 
     def search(self, spec: RetrievalSpec, query: str) -> list[tuple[str, str]]:
@@ -60,7 +63,7 @@ class Retriever:
             collection,
             open_source(source),
             make_entry,
-            model_fingerprint=fingerprint,
+            model_fingerprint=library_fingerprint(fingerprint, self.system_prompt),
             captions=read_captions(captions),
         )
         return {

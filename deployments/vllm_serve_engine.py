@@ -20,6 +20,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import (
     DoneEvent,
@@ -35,7 +36,6 @@ from mpic.deployments.prompting import (
     prompt_parts,
     stored_linked_tokens,
 )
-from mpic.engine.hf.entries import canonical_context_key
 from mpic.engine.hf.vision import fit_image, load_image
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.errors import InvalidRequestError
@@ -43,7 +43,6 @@ from mpic.linker.prompt import canonical_context_ids
 from mpic.linker.recipe import plan_prompt
 from mpic.model_spec import ModelSpec
 from mpic.storage.config import StorageConfig
-from mpic.storage.entry_codec import entry_key
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry, LinkPlan
@@ -59,7 +58,7 @@ class VLLMServeEngine(ServeEngine):
         self.spec = ModelSpec.from_pretrained(cfg.model)
         self.processor = AutoProcessor.from_pretrained(cfg.model)
         context = canonical_context_ids(self.processor, cfg.system_prompt, self.spec.image_token_id)
-        self._context_key = canonical_context_key(context)
+        self._context_ids = list(context)
         self.vllm = None
         if role == "worker":
             from mpic.engine.vllm.async_engine import AsyncVllmEngine
@@ -81,7 +80,7 @@ class VLLMServeEngine(ServeEngine):
 
     def entry_id(self, media: bytes) -> str:
         """Content address over (fingerprint, canonical context, media bytes)."""
-        return entry_key(self.spec.fingerprint, self._context_key, media)
+        return entry_address(self.spec.fingerprint, self._context_ids, media)
 
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
         """The canonical entry computed by vLLM's own forward (written to the store); blocks the

@@ -8,20 +8,17 @@ rules) and engines can size KV. docs/models.md lists the prompt conventions.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from mpic.addressing import model_fingerprint
 from mpic.types import ModelFamily
 
 _MODEL_TYPES: dict[str, ModelFamily] = {"llava": "llava", "qwen2_vl": "qwen2-vl"}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
-_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ class ModelSpec:
         common: dict[str, Any] = {
             "family": family,
             "path": str(root),
-            "fingerprint": fingerprint(root),
+            "fingerprint": model_fingerprint(root),
             "num_layers": int(text["num_hidden_layers"]),
             "num_heads": heads,
             "num_kv_heads": int(text.get("num_key_value_heads") or heads),
@@ -198,27 +195,3 @@ def _image_processor_config(root: Path) -> dict[str, Any]:
     if combined.is_file():
         return _read_json(combined).get("image_processor", {})
     return {}
-
-
-def fingerprint(path: str | os.PathLike[str]) -> str:
-    """sha256 over config.json and every weight file (names and bytes, sorted by name).
-
-    Cached per (file names, sizes, mtimes), so repeated calls on an unchanged folder are cheap.
-    """
-    root = Path(path).resolve()
-    files = sorted(
-        p for p in root.iterdir() if p.name == "config.json" or p.name.endswith(_WEIGHT_SUFFIXES)
-    )
-    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    return _hash_files(str(root), stamp)
-
-
-@lru_cache(maxsize=64)
-def _hash_files(root: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
-    digest = hashlib.sha256()
-    for name, _, _ in stamp:
-        digest.update(name.encode() + b"\0")
-        with open(os.path.join(root, name), "rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()

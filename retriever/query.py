@@ -1,6 +1,6 @@
 """Retrieval inside a chat query (MPIC section 3.1, workflow step 4: "the retriever executes MRAG
 when triggered"): a request's `retrieval` field becomes dynamic-library references that the linker
-links like uploaded files. Runs in the Serve replica that prepares link plans (Linker/Retriever).
+links like uploaded files. Runs in the Serve replica that prepares link plans (Resolver/Retriever).
 
 Two modes:
 - explicit: `{"collection", "top_k", "min_score"}` always retrieves; hits under `min_score` drop.
@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mpic.errors import InvalidRequestError
-from mpic.retriever.service import Hit, Retriever
+from mpic.retriever.service import Hit, RetrievalService
 
 
 class RetrievalSpec(BaseModel):
@@ -51,7 +51,7 @@ class Retrieved(BaseModel):
 
 
 def retrieve(
-    retriever: Retriever,
+    retriever: RetrievalService,
     spec: RetrievalSpec,
     *,
     text: str | None = None,

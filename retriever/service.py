@@ -1,7 +1,7 @@
 """The retriever (MPIC section 3.1, component 4: the "relocation table" that finds references in
 the dynamic library): search, refresh, list, versions and rollback over the collections of one
 object store. Runs in the admin CLI process and inside the Retriever Serve replica
-(`mpic.deployments`), which wraps one `Retriever`.
+(`mpic.deployments`), which wraps one `RetrievalService`.
 
 Every search reads the collection's CURRENT pointer (one small GET) and answers from exactly that
 immutable version: its manifest and FAISS index are loaded once and cached by version id, so a
@@ -60,7 +60,7 @@ class LoadedVersion:
     by_vector_id: dict[int, ManifestItem]
 
 
-class Retriever:
+class RetrievalService:
     """Collections of one object store; `entries` holds the KV entries a refresh writes."""
 
     def __init__(

@@ -13,14 +13,13 @@ verifies all it hands out and raises `CorruptEntryError` on any mismatch, trunca
 bit rot and torn files at close to read speed. Measured on the 2-core dev CPU: SHA-256 (SHA-NI)
 0.5-1.1 GB/s, BLAKE3 1.9-2.5 GB/s, XXH3 8-10 GB/s, against cold local reads of 0.7-2 GB/s and
 page-cache reads of 5-20 GB/s: SHA-256 would make every load hash-bound (MPIC section 3.2: loads
-must be cheap enough to run beside recomputation). The content address `entry_key` stays SHA-256
-(docs/design.md). Decoding is zero-copy: tensors are views into the buffer that was read; the
-streaming reader hashes chunk i in a helper thread while reading chunk i+1.
+must be cheap enough to run beside recomputation). The content address (`mpic.addressing`) is
+SHA-256 (docs/design.md). Decoding is zero-copy: tensors are views into the buffer that was read;
+the streaming reader hashes chunk i in a helper thread while reading chunk i+1.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import struct
@@ -54,16 +53,6 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-def entry_key(model_fingerprint: str, canonical_context: str, media: bytes) -> str:
-    """sha256 hex over (model fingerprint, canonical context, media bytes): the design's content
-    address of a cache entry. Fields are length-prefixed so no two triples collide."""
-    h = hashlib.sha256(b"mpic-entry-key/1")
-    for part in (model_fingerprint.encode(), canonical_context.encode(), media):
-        h.update(struct.pack("<Q", len(part)))
-        h.update(part)
-    return h.hexdigest()
 
 
 def _raw(t: torch.Tensor) -> memoryview:

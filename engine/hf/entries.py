@@ -7,7 +7,7 @@ from the model's own vision tower (`mpic.engine.hf.vision.encode_images`); the c
 through the model with the one-pass layer loop (every token computed, so it is a plain prefill),
 and the image tokens' post-RoPE K/V, positions and embeddings make the entry. Its id is the
 content address sha256(model fingerprint, canonical context, media bytes)
-(`mpic.storage.entry_codec.entry_key`). Nothing is written here: storage persists entries.
+(`mpic.addressing.entry_address`). Nothing is written here: storage persists entries.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mpic.addressing import entry_address
 from mpic.engine.hf.vision import encode_images, load_image
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
@@ -23,13 +24,7 @@ from mpic.linker.positions import image_positions, text_positions
 from mpic.linker.prompt import ChatTokenizer, canonical_context_ids
 from mpic.linker.selective_prefill import run_layers
 from mpic.model_spec import ModelSpec
-from mpic.storage.entry_codec import entry_key
 from mpic.types import CacheEntry
-
-
-def canonical_context_key(context_ids: list[int]) -> str:
-    """The canonical context as the string part of the content address."""
-    return "ids:" + ",".join(str(i) for i in context_ids)
 
 
 def compute_entry(
@@ -100,6 +95,6 @@ def cache_image(
     """
     image = load_image(media)
     context_ids = canonical_context_ids(processor, system_prompt, spec.image_token_id)
-    entry_id = entry_key(spec.fingerprint, canonical_context_key(context_ids), media)
+    entry_id = entry_address(spec.fingerprint, context_ids, media)
     (embeds,) = encode_images(model, processor, [image])
     return compute_entry(adapter, spec, context_ids, embeds, entry_id)

@@ -4,7 +4,7 @@ MPIC connector, and `VllmFrontEnd` (request forms, upload prompt, failed-link fa
 starts its engine core and worker in child processes, which load `mpic.engine.vllm.connector`
 and the `mpic` general plugin (`mpic.engine.vllm.plugin`) themselves.
 
-Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_environment` (the ONE place):
+Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_environment`:
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
 - `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
   that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);
@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mpic.engine.hf.entries import canonical_context_key
+from mpic.addressing import entry_address
 from mpic.engine.hf.vision import fit_image, load_image
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import upload as vllm_upload
@@ -32,7 +32,6 @@ from mpic.errors import CorruptEntryError
 from mpic.linker.prompt import canonical_context_ids
 from mpic.model_spec import ModelSpec
 from mpic.storage.config import StorageConfig
-from mpic.storage.entry_codec import entry_key
 from mpic.storage.entry_store import EntryStore
 
 logger = logging.getLogger(__name__)
@@ -197,7 +196,7 @@ class VllmFrontEnd:
         (`mpic.engine.hf.entries.cache_image`), so both engines name an image's entry alike."""
         image = fit_image(load_image(media), self.spec.image_size)
         context = canonical_context_ids(self.processor, system_prompt, self.spec.image_token_id)
-        entry_id = entry_key(self.spec.fingerprint, canonical_context_key(context), media)
+        entry_id = entry_address(self.spec.fingerprint, context, media)
         ids = context + [self.spec.image_token_id]
         if self.spec.vision_end_id is not None:
             ids.append(self.spec.vision_end_id)

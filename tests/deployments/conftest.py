@@ -51,7 +51,7 @@ def serve_config(model_dir: Path, store_dir: Path):
             "ingress": small,
             "encoder": small,
             "retriever": small,
-            "linker": small,
+            "resolver": small,
             "llm_worker": {
                 "num_cpus": 0.1,
                 "max_ongoing_requests": 8,

@@ -144,7 +144,7 @@ def test_deployment_options_use_target_ongoing_requests() -> None:
     AutoscalingConfig(**auto)  # Ray accepts every key
     bad = DeploymentConfig(autoscaling={"min_replicas": 3, "max_replicas": 2})
     with pytest.raises(InvalidRequestError):
-        deployment_options("Linker", bad)
+        deployment_options("Resolver", bad)
 
 
 def test_load_config_variants(tmp_path: Path) -> None:

@@ -76,8 +76,8 @@ def test_serve_config_resolves_to_code(name: str, serve_cfg: dict) -> None:
     built = _bound_names(graph)
     assert built == set(DEPLOYMENT_NAMES)
     for key, dep in zip(
-        ["ingress", "encoder", "retriever", "linker", "llm_worker"],
-        ["Ingress", "Encoder", "Retriever", "Linker", "LLMWorker"],
+        ["ingress", "encoder", "retriever", "resolver", "llm_worker"],
+        ["Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker"],
         strict=True,
     ):
         opts = deployment_options(dep, getattr(cfg, key))

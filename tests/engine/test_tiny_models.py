@@ -10,11 +10,12 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from mpic.addressing import model_fingerprint as fingerprint
 from mpic.cli import app
 from mpic.engine.hf.vision import fit_image
 from mpic.engine.tiny.configs import SHAPES
 from mpic.engine.tiny.models import make_tiny
-from mpic.model_spec import ModelSpec, fingerprint
+from mpic.model_spec import ModelSpec
 
 
 def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):

@@ -79,10 +79,10 @@ def engine(llava_hf: tuple[Any, Any, Any]) -> CountingEngine:
 @pytest.fixture
 def make_retriever(tmp_path: Path) -> Callable[..., Any]:
     """make_retriever(**cfgs) -> Retriever on a fresh filesystem store under tmp_path."""
-    from mpic.retriever.service import Retriever
+    from mpic.retriever.service import RetrievalService
     from mpic.storage.factory import make_object_store
 
-    def make(**cfgs: Any) -> Retriever:
-        return Retriever(make_object_store(f"file://{tmp_path / 'store'}"), **cfgs)
+    def make(**cfgs: Any) -> RetrievalService:
+        return RetrievalService(make_object_store(f"file://{tmp_path / 'store'}"), **cfgs)
 
     return make

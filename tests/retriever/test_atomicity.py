@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mpic.retriever.service import Retriever
+from mpic.retriever.service import RetrievalService
 from mpic.retriever.sources import open_source
 from mpic.storage.factory import make_object_store
 from tests.retriever.conftest import write_images
@@ -20,13 +20,13 @@ from tests.retriever.conftest import write_images
 
 def test_searches_during_refresh_each_see_one_version(tmp_path, engine):
     url = f"file://{tmp_path / 'store'}"
-    admin = Retriever(make_object_store(url))
+    admin = RetrievalService(make_object_store(url))
     write_images(tmp_path / "a", [0, 1, 2])
     write_images(tmp_path / "b", [1, 2, 3, 4, 5])
     v1 = admin.refresh(
         "refs", open_source(str(tmp_path / "a")), engine, model_fingerprint=engine.fingerprint
     ).version
-    reader = Retriever(make_object_store(url))  # another process's view (a Serve replica)
+    reader = RetrievalService(make_object_store(url))  # another process's view (a Serve replica)
     items = {v1: {"img-000.png", "img-001.png", "img-002.png"}}
     seen: list[tuple[str, set[str]]] = []
     errors: list[BaseException] = []
@@ -66,7 +66,7 @@ KILLED_REFRESH = textwrap.dedent("""
     from mpic.engine.hf.entries import cache_image
     from mpic.engine.hf.adapters import make_adapter
     from mpic.engine.hf.loader import load_hf_model
-    from mpic.retriever.service import Retriever
+    from mpic.retriever.service import RetrievalService
     from mpic.retriever.sources import open_source
     from mpic.storage.factory import make_object_store
 
@@ -81,7 +81,7 @@ KILLED_REFRESH = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return cache_image(model, processor, adapter, spec, media)
 
-    Retriever(make_object_store(store_url)).refresh(
+    RetrievalService(make_object_store(store_url)).refresh(
         "refs", open_source(folder), compute, model_fingerprint=spec.fingerprint)
 """)
 
@@ -89,7 +89,7 @@ KILLED_REFRESH = textwrap.dedent("""
 @pytest.mark.slow  # a subprocess imports torch and loads the model (~10-20 s)
 def test_killed_refresh_leaves_old_version(tmp_path, engine, tiny_llava_dir):
     url = f"file://{tmp_path / 'store'}"
-    retriever = Retriever(make_object_store(url))
+    retriever = RetrievalService(make_object_store(url))
     write_images(tmp_path / "a", [0, 1])
     v1 = retriever.refresh(
         "refs", open_source(str(tmp_path / "a")), engine, model_fingerprint=engine.fingerprint

@@ -138,7 +138,7 @@ def test_failed_refresh_leaves_old_version_and_nothing_visible(tmp_path, engine,
 
 
 def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
-    from mpic.retriever.service import Retriever
+    from mpic.retriever.service import RetrievalService
     from mpic.storage.s3_store import S3ObjectStore
 
     src_cfg = s3_server.config(prefix="refs/2026")
@@ -154,7 +154,9 @@ def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
     source = open_source(url)
     assert source.names == [f"batch/{n}" for n in sorted(images)]
     # moto serves from a thread of this process: allow for a busy machine
-    retriever = Retriever(S3ObjectStore(s3_server.config().model_copy(update={"timeout_s": 30.0})))
+    retriever = RetrievalService(
+        S3ObjectStore(s3_server.config().model_copy(update={"timeout_s": 30.0}))
+    )
     report = retriever.refresh("s3refs", source, engine, model_fingerprint=engine.fingerprint)
     assert report.items == 3 and retriever.collections() == ["s3refs"]
     man = retriever.library("s3refs").current()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpic.storage.entry_codec import entry_key
+from mpic.addressing import entry_key
 from mpic.types import CacheEntry
 
 

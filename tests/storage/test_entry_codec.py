@@ -8,8 +8,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from mpic.addressing import entry_key
 from mpic.errors import CorruptEntryError
-from mpic.storage.entry_codec import decode, encode, entry_key, read_entry
+from mpic.storage.entry_codec import decode, encode, read_entry
 from tests.storage.synthetic import assert_same, make_entry
 
 
