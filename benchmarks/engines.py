@@ -47,7 +47,7 @@ class BenchEngine(Protocol):
         ...
 
 
-class ReferenceEngine:
+class ReferenceBenchEngine:
     """The HF reference runner (float32 on CPU unless a device is given)."""
 
     name = "reference"
@@ -82,7 +82,7 @@ def _vllm_engine(model_dir: str) -> BenchEngine:
 
 
 _ENGINES: dict[str, Callable[[str], BenchEngine]] = {
-    "reference": ReferenceEngine,
+    "reference": ReferenceBenchEngine,
     "vllm": _vllm_engine,
 }
 

@@ -59,7 +59,7 @@ def command(
     import torch
     from rich.console import Console
 
-    from mpic.benchmarks.engines import ReferenceEngine
+    from mpic.benchmarks.engines import ReferenceBenchEngine
     from mpic.benchmarks.offline import print_table, run_offline
     from mpic.linker.policies import policy_names
     from mpic.samples import interleaved_prompt, synthetic_png
@@ -73,7 +73,7 @@ def command(
     if threads:
         torch.set_num_threads(threads)
     path = Path(model) if model else ensure_small_model(MPICHome())
-    engine = ReferenceEngine(str(path))
+    engine = ReferenceBenchEngine(str(path))
     rows = run_offline(engine, [3], names, repeats)
     print_table(rows)
     console = Console()

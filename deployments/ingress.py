@@ -20,9 +20,9 @@ from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.auth import KeyRing, Principal
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.engine import DoneEvent, TokenEvent
 from mpic.deployments.files import FileCatalog
 from mpic.deployments.http_errors import install_error_handlers
+from mpic.deployments.messages import DoneEvent, TokenEvent
 from mpic.deployments.metrics import ServeMetrics
 from mpic.deployments.schemas import (
     AssistantMessage,

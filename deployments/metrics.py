@@ -12,7 +12,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mpic.deployments.engine import DoneEvent
+from mpic.deployments.messages import DoneEvent
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from mpic.deployments.engine import EncodedImage, LinkedPrompt, TokenEvent
+from mpic.deployments.messages import EncodedImage, LinkedPrompt, TokenEvent
 from mpic.engine.hf.vision import load_image
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import ImageRef, PromptPart

@@ -21,14 +21,8 @@ from starlette.concurrency import iterate_in_threadpool
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
-from mpic.deployments.engine import (
-    DoneEvent,
-    EncodedImage,
-    LinkedPrompt,
-    Role,
-    ServeEngine,
-    TokenEvent,
-)
+from mpic.deployments.engine import Role, ServeEngine
+from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.deployments.prompting import (
     INLINE_PREFIX,
     identify_image,

@@ -17,8 +17,8 @@ import re
 from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.engine import LinkedPrompt, LinkedTurn, Segment
 from mpic.deployments.files import FileCatalog
+from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
 from mpic.deployments.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -27,7 +27,7 @@ from mpic.deployments.schemas import (
     TextPart,
 )
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
-from mpic.retriever.query import RetrievalSpec
+from mpic.retriever.spec import RetrievalSpec
 
 _DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(?P<b64>.*)$", re.DOTALL)
 

@@ -16,9 +16,10 @@ from ray.serve.handle import DeploymentHandle
 
 from mpic.addressing import library_fingerprint
 from mpic.deployments.config import ServeAppConfig
-from mpic.retriever.query import RetrievalSpec, retrieve
+from mpic.retriever.query import retrieve
 from mpic.retriever.service import RetrievalService
 from mpic.retriever.sources import open_source, read_captions
+from mpic.retriever.spec import RetrievalSpec
 from mpic.storage.entry_store import EntryStore
 from mpic.types import CacheEntry
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mpic.retriever.query import RetrievalSpec
+from mpic.retriever.spec import RetrievalSpec
 
 
 class FileObject(BaseModel):

@@ -22,14 +22,8 @@ from collections.abc import AsyncIterator, Callable
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
-from mpic.deployments.engine import (
-    DoneEvent,
-    EncodedImage,
-    LinkedPrompt,
-    Role,
-    ServeEngine,
-    TokenEvent,
-)
+from mpic.deployments.engine import Role, ServeEngine
+from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.deployments.prompting import (
     Detokenizer,
     identify_image,
@@ -48,7 +42,7 @@ from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry, LinkPlan
 
 
-class VLLMServeEngine(ServeEngine):
+class VllmServeEngine(ServeEngine):
     """vLLM (CPU or GPU) with MPIC linking behind the serving deployments."""
 
     def __init__(self, cfg: EngineConfig, store: StorageConfig, role: Role) -> None:

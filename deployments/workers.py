@@ -21,15 +21,9 @@ from typing import Literal
 import ray
 
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.engine import (
-    DoneEvent,
-    EncodedImage,
-    LinkedPrompt,
-    Segment,
-    TokenEvent,
-    build_engine,
-)
+from mpic.deployments.engine import build_engine
 from mpic.deployments.files import file_object, open_library
+from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.schemas import FileObject
 from mpic.errors import InvalidRequestError
 from mpic.storage.entry_store import EntryStore

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mpic.errors import InvalidRequestError, NotFoundError
-from mpic.retriever.query import RetrievalSpec, retrieve
+from mpic.retriever.query import retrieve
 from mpic.retriever.sources import open_source
+from mpic.retriever.spec import RetrievalSpec
 from tests.retriever.conftest import png_bytes, write_images
 
 

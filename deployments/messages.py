@@ -1,0 +1,92 @@
+"""Messages between the Serve deployments (Ingress, Resolver, Encoder, LLM worker; any replica).
+
+Torch-free, so the HTTP ingress can import them without loading torch: an `EncodedImage` carries
+a tensor from the Encoder to the LLM worker, but only its type is named here. The Resolver hands
+the worker a `LinkedPrompt` (chat turns with every file reference resolved to a content-addressed
+entry id in the caller's namespace); the worker streams `TokenEvent`s, then one `DoneEvent`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Segment:
+    """One piece of a turn: text, a cached entry (linked), or an inline image (recomputed)."""
+
+    kind: Literal["text", "entry", "inline"]
+    text: str = ""
+    entry_id: str = ""
+    """`entry` only: the content-addressed entry id."""
+    content_hash: str = ""
+    """`entry` only: sha256 of the media, to recompute the entry if it is lost (a fallback)."""
+    embeds: Any = None
+    """`inline` only: the `EncodedImage` (a Ray ObjectRef in transit)."""
+
+
+@dataclass
+class LinkedTurn:
+    """One chat message after resolution."""
+
+    role: str
+    segments: list[Segment]
+
+
+@dataclass
+class LinkedPrompt:
+    """What the worker generates from: resolved turns, policy, decoding budget."""
+
+    turns: list[LinkedTurn]
+    policy: str
+    max_tokens: int
+    retrieved: list[str] = field(default_factory=list)
+    """Entry ids the retriever added (reported back to the client)."""
+
+    @property
+    def entry_ids(self) -> list[str]:
+        """Every linked entry id, in prompt order (repeats kept)."""
+        return [s.entry_id for t in self.turns for s in t.segments if s.kind == "entry"]
+
+
+@dataclass
+class EncodedImage:
+    """Encoder output: the bytes, content hash and input embeddings of one image."""
+
+    media: bytes
+    """The image file as uploaded (engines that encode inside `compute_entry` need it)."""
+    content_hash: str
+    """sha256 hex of the media bytes."""
+    media_type: str
+    """MIME type detected from the bytes, e.g. image/png."""
+    input_embeds: torch.Tensor | None
+    """[T, hidden]; None for engines that encode inside `compute_entry` (vLLM)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TokenEvent:
+    """A piece of generated text."""
+
+    text: str
+
+
+@dataclass
+class DoneEvent:
+    """The end of a generation, with what the ingress reports and records as metrics."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    """Linked (reused) tokens: OpenAI's `usage.prompt_tokens_details.cached_tokens`."""
+    completion_tokens: int
+    finish_reason: Literal["stop", "length"]
+    ttft_s: float
+    """Engine-side time to first token (link plan + loads + prefill + first decode)."""
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    """Entries served per storage tier, e.g. {"memory": 2, "disk": 1}."""
+    fallbacks: int = 0
+    """Entries that were missing or corrupt and were recomputed instead."""

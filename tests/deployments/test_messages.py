@@ -1,0 +1,17 @@
+"""The Serve seam: the messages between deployments and the HTTP schemas import without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_messages_and_http_schemas_are_torch_free() -> None:
+    code = (
+        "import sys\n"
+        "import mpic.deployments.messages, mpic.deployments.schemas, mpic.deployments.auth\n"
+        "import mpic.deployments.http_errors, mpic.prompt_parts, mpic.retriever.spec\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
