@@ -30,6 +30,10 @@ from mpic.types import CacheEntry
 class ServeEngine(ABC):
     """An engine as the serving deployments see it."""
 
+    stores_entries: bool = False
+    """True when `compute_entry` leaves the entry in the configured store itself (the vLLM
+    connector writes it from vLLM's worker process), so the LLM worker does not write it again."""
+
     @property
     @abstractmethod
     def fingerprint(self) -> str:

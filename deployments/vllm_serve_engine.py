@@ -76,9 +76,13 @@ class VllmServeEngine(ServeEngine):
         """Content address over (fingerprint, canonical context, media bytes)."""
         return entry_address(self.spec.fingerprint, self._context_ids, media)
 
+    stores_entries = True
+
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
-        """The canonical entry computed by vLLM's own forward (written to the store); blocks the
-        calling thread, batched with the queries in flight."""
+        """The canonical entry computed by vLLM's own forward; the connector writes it to the
+        store from vLLM's worker process and it is read back once here (this replica's memory
+        tier then holds it for planning). Blocks the calling thread, batched with the queries in
+        flight."""
         assert self.vllm is not None, "compute_entry runs in the LLM worker"
         entry = self.vllm.cache_image(image.media, self.cfg.system_prompt)
         assert entry.entry_id == entry_id, "vLLM and the serving layer name entries alike"

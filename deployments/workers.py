@@ -73,6 +73,7 @@ class LLMWorker:
             entry=entry,
             ttl_s=ttl_s,
             purpose=purpose,
+            entry_stored=self.engine.stores_entries,
         )
         return file_object(rec)
 

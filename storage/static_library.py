@@ -114,8 +114,12 @@ class StaticLibrary:
         entry: CacheEntry,
         ttl_s: float | None = None,
         purpose: Literal["vision", "user_data"] = "vision",
+        entry_stored: bool = False,
     ) -> FileRecord:
-        """Store media, entry and catalog record for `user` (record last); returns the record."""
+        """Store media, entry and catalog record for `user` (record last); returns the record.
+
+        entry_stored: the engine already wrote `entry` to this store (vLLM's connector does, in
+        its own process): it is not written again, only checked to be there."""
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         if not 0 < ttl <= self.max_ttl_s:
             raise InvalidRequestError(f"ttl must be in (0, {self.max_ttl_s}] s", param="ttl")
@@ -133,7 +137,10 @@ class StaticLibrary:
             expires_at=now + ttl,
         )
         self.objects.put(rec.media_key, media)
-        self.entries.put(entry)
+        if not entry_stored:
+            self.entries.put(entry)
+        elif self.entries.locate(entry.entry_id) is None:
+            raise ObjectNotFoundError(entry_object_key(entry.entry_id))
         holder = self._holder(user, rec.file_id)
         refs.add_ref(self.objects, rec.media_key, holder)
         refs.add_ref(self.objects, entry_object_key(rec.entry_key), holder)
