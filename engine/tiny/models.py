@@ -6,8 +6,8 @@ an HF folder (config.json, model.safetensors, tokenizer, processor configs, chat
 transformers (`AutoConfig`, `AutoProcessor`, the model class) and vLLM both load. Weights are
 seeded normal draws (std = hidden**-0.5, with gains on q/k and the LM head so attention and the
 first-token distribution are peaked but not one-hot); the tokenizer is trained offline
-(`engine/tiny_tokenizer.py`). Shapes, configs and processors per (family, size) are in
-`engine/tiny_configs.py`.
+(`engine/tiny/tokenizer.py`). Shapes, configs and processors per (family, size) are in
+`engine/tiny/configs.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""engine/model_spec.py on the configs of real checkpoints (legacy layouts, defaults left out):
+"""mpic/model_spec.py on the configs of real checkpoints (legacy layouts, defaults left out):
 the folder needs no weights, only config.json and the image processor config."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""engine/tiny_models.py and engine/model_spec.py: the written folders load in transformers, are
+"""engine/tiny/models.py and mpic/model_spec.py: the written folders load in transformers, are
 deterministic, and ModelSpec reads the facts the processor actually applies."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""engine/vision.py: image decoding errors, fixed-size fitting, and embeddings equal to what the
+"""engine/hf/vision.py: image decoding errors, fixed-size fitting, and embeddings equal to what the
 HF model inserts at the image placeholders."""
 
 from __future__ import annotations
