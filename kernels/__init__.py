@@ -1,2 +1,2 @@
-"""Attention of selected queries over linked keys with a position mask, and RoPE delta rotation:
-torch reference everywhere (the CPU default), Triton on GPU when available."""
+"""Selective attention over linked keys (`attention`: the backend seam; `sdpa_runs`, `flex`: the
+backends) and RoPE delta rotation (`rope`). Pure torch: CPU and CUDA."""

@@ -1,26 +1,112 @@
-"""Attention of selected queries over linked keys with an exact causal mask by prompt index
-(torch reference; runs in the reference runner and anywhere a dense linked KV is used).
+"""Selective attention: the recomputed queries of a layer over the linked keys, with the exact
+causal mask by prompt index (kernels; runs wherever a model runs: reference runner, vLLM worker,
+entry computation).
 
 This is the core of MPIC's selective attention (paper section 4.1, Fig. 7): only the S recomputed
 tokens issue queries, but they attend over all N linked keys (cached, rotated item KV plus fresh
-KV of recomputed tokens). A query at prompt index i sees keys at indices <= i. Grouped-query
-attention (H query heads sharing H_kv KV heads) is handled by SDPA's `enable_gqa`.
+KV of recomputed tokens). The query at prompt index i sees the key at index j iff j <= i.
+Grouped-query attention (H query heads sharing H_kv KV heads) is supported by every backend.
 
-Cost: each contiguous run of queries [a, b) scores only keys [0, b), so the work is at most
-S x N per head (not N x N), and no N x N mask is built when S << N.
+The seam: one abstract `AttentionBackend`, one module per backend (as LMCache's
+`v1/compute/attention`), picked by name (`get_backend`):
+
+- `sdpa_runs` (`mpic.kernels.sdpa_runs`): one SDPA call per contiguous run of queries with a mask
+  of the run's own size. The test oracle, and the CPU default (fastest eager path there).
+- `flex` (`mpic.kernels.flex`): ONE FlexAttention call per layer over all S queries with a block
+  mask `kv_idx <= q_index[q_idx]` built once per request and shared by all layers; compiled on
+  CUDA (the CUDA default), eager on CPU.
+
+A backend splits the work in two: `prepare` (once per set of active queries: runs, masks, the
+key bound; may read the indices on the host once) and `attend` (per layer; no host syncs).
+`SelectiveAttention` holds one request's prepared state and rebuilds it only when the caller
+passes a different query-index tensor object, so layers that share an index share the mask.
 """
 
 from __future__ import annotations
 
+import os
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
 import torch
-import torch.nn.functional as F
+
+BACKENDS: tuple[str, ...] = ("sdpa_runs", "flex")
+"""Backend names `get_backend` accepts."""
+
+BACKEND_ENV = "MPIC_ATTENTION_BACKEND"
+"""Environment variable that overrides the default backend (one of `BACKENDS`)."""
 
 
-def query_runs(q_index: torch.Tensor) -> list[tuple[int, int]]:
-    """Split ascending prompt indices into maximal contiguous runs: [(row_start, row_end)]."""
-    breaks = torch.nonzero(q_index[1:] != q_index[:-1] + 1).flatten() + 1
-    edges = [0, *breaks.tolist(), int(q_index.shape[0])]
-    return list(zip(edges[:-1], edges[1:], strict=False))
+class AttentionBackend(ABC):
+    """Causal-by-prompt-index attention of selected queries over linked keys."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def prepare(self, q_index: torch.Tensor, num_keys: int) -> Any:
+        """State for queries at prompt indices `q_index` (int64 [S], ascending, on the keys'
+        device) over `num_keys` linked keys: built once, reused by every layer."""
+
+    @abstractmethod
+    def attend(
+        self,
+        state: Any,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """q [S, H, D], keys/values [N, H_kv, D] indexed by prompt index (H % H_kv == 0),
+        scale (default D ** -0.5) -> [S, H, D] in q's dtype. No host<->device syncs."""
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend called `name`; ValueError listing the valid names otherwise."""
+    if name == "sdpa_runs":
+        from mpic.kernels.sdpa_runs import SdpaRunsBackend
+
+        return SdpaRunsBackend()
+    if name == "flex":
+        from mpic.kernels.flex import FlexBackend
+
+        return FlexBackend()
+    raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(BACKENDS)}")
+
+
+def default_backend_name(device: torch.device | str) -> str:
+    """`$MPIC_ATTENTION_BACKEND` if set, else `flex` on CUDA and `sdpa_runs` elsewhere (eager
+    FlexAttention materialises the whole S x N score matrix and is slower on CPU)."""
+    chosen = os.environ.get(BACKEND_ENV)
+    if chosen:
+        if chosen not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={chosen!r}; valid: {', '.join(BACKENDS)}")
+        return chosen
+    return "flex" if torch.device(device).type == "cuda" else "sdpa_runs"
+
+
+class SelectiveAttention:
+    """One request's attention: a backend plus the state prepared for the current queries."""
+
+    def __init__(self, backend: AttentionBackend | str) -> None:
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self._index: torch.Tensor | None = None
+        self._num_keys = -1
+        self._state: Any = None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        q_index: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """See `AttentionBackend.attend`; `q_index` int64 [S] ascending on the keys' device."""
+        num_keys = int(keys.shape[0])
+        if q_index is not self._index or num_keys != self._num_keys:
+            self._state = self.backend.prepare(q_index, num_keys)
+            self._index, self._num_keys = q_index, num_keys
+        return self.backend.attend(self._state, q, keys, values, scale)
 
 
 def selected_attention(
@@ -29,32 +115,13 @@ def selected_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     scale: float | None = None,
+    backend: str = "sdpa_runs",
 ) -> torch.Tensor:
-    """Causal attention of selected queries over linked keys.
+    """One-off causal attention of selected queries over linked keys (prepare + attend).
 
-    q: [S, H, D] queries of the tokens at prompt indices `q_index` (int64 [S], ascending).
-    keys, values: [N, H_kv, D] linked KV indexed by prompt index (H % H_kv == 0).
-    scale: softmax scale, default D ** -0.5. Returns [S, H, D] in q's dtype.
-
-    The recomputed tokens form a few contiguous runs (text, the first k tokens of an item;
-    docs/design.md "Exact masks"): a run at indices [a, b) sees keys [0, a) fully and itself
-    causally, so each run is one SDPA call over keys [0, b) with a mask of its own size only.
+    q: [S, H, D] queries at prompt indices `q_index` (int64 [S], ascending); keys, values:
+    [N, H_kv, D]; returns [S, H, D] in q's dtype.
     """
-    gqa = q.shape[1] != keys.shape[1]
-    outs = []
-    for r0, r1 in query_runs(q_index):
-        a, b = int(q_index[r0]), int(q_index[r1 - 1]) + 1
-        k = keys[:b].transpose(0, 1)[None]  # [1, H_kv, b, D]
-        v = values[:b].transpose(0, 1)[None]
-        qh = q[r0:r1].transpose(0, 1)[None]  # [1, H, run, D]
-        mask, causal = None, a == 0 and r1 - r0 > 1  # [0, b): a plain causal prefill
-        if r1 - r0 > 1 and not causal:  # key j visible to the query at a + i iff j <= a + i
-            mask = (
-                torch.arange(b, device=q.device)[None, :]
-                <= torch.arange(a, b, device=q.device)[:, None]
-            )
-        out = F.scaled_dot_product_attention(
-            qh, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
-        )
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    impl = get_backend(backend)
+    q_index = q_index.to(keys.device)
+    return impl.attend(impl.prepare(q_index, int(keys.shape[0])), q, keys, values, scale)

@@ -38,9 +38,9 @@ def rope_angles(positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     if positions.dim() == 1:
         positions = positions.expand(3, -1)
     assert sum(rope.mrope_section) == rope.head_dim // 2, "mrope_section must cover D/2 pairs"
-    section_of_pair = torch.repeat_interleave(
-        torch.arange(3, device=positions.device) % 3,
-        torch.tensor(rope.mrope_section, device=positions.device),
+    # built on the host (repeat_interleave with tensor repeats syncs on CUDA), then moved
+    section_of_pair = torch.repeat_interleave(torch.arange(3), torch.tensor(rope.mrope_section)).to(
+        positions.device
     )
     # pair j uses the position row section_of_pair[j]: [S, D/2]
     chosen = positions.to(torch.float32).index_select(0, section_of_pair).transpose(0, 1)
@@ -63,10 +63,13 @@ def rotate_keys(
 ) -> torch.Tensor:
     """Move post-RoPE keys from `old_positions` to `new_positions` by R(p_new - p_old).
 
-    keys: [..., S, H_kv, D] (leading dims, e.g. layers, broadcast); positions: [S] or [3, S].
-    Tokens whose delta is zero in every row come back bit-identical.
+    keys: [..., S, H_kv, D] (leading dims, e.g. layers, broadcast: all layers of all entries of a
+    request rotate in one call); positions: [S] or [3, S].
+    Tokens whose delta is zero in every row come back bit-identical. The positions may live on
+    any device (plan positions are host tensors): the delta is formed on the host, checked there
+    and moved to the keys' device once, so this costs no device->host sync.
     """
-    delta = new_positions.to(torch.int64) - old_positions.to(torch.int64)
+    delta = new_positions.cpu().to(torch.int64) - old_positions.cpu().to(torch.int64)
     if not bool(delta.any()):
         return keys
-    return apply_rotation(keys, rope_angles(delta, rope))
+    return apply_rotation(keys, rope_angles(delta.to(keys.device), rope))

@@ -2,19 +2,25 @@
 
 The `LinkedKV` implementation of the reference runner and of the two-step baselines' text pass:
 slots start as the dummy (zero) cache (paper section 4.1), `mpic.linker.link` fills item slots
-with rotated cached KV, and the selective prefill overwrites recomputed slots layer by layer.
-Extra capacity beyond the prompt holds decoded tokens (`attend` never looks past the query).
+of all layers at once (`write_layers`) with rotated cached KV, and the selective prefill
+overwrites recomputed slots layer by layer. Extra capacity beyond the prompt holds decoded tokens
+(`attend` never looks past the query). Attention goes through one `mpic.kernels.attention`
+backend (`flex` on CUDA, `sdpa_runs` on CPU by default), whose mask is prepared once per query
+set and shared by all layers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mpic.kernels.attention import selected_attention
+from mpic.kernels.attention import SelectiveAttention, default_backend_name
 
 
 class DenseLinkedKV:
-    """Linked KV of one sequence; indices are prompt (then decode) indices."""
+    """Linked KV of one sequence; indices are prompt (then decode) indices.
+
+    backend: an attention backend name (`mpic.kernels.attention.BACKENDS`), default by device.
+    """
 
     def __init__(
         self,
@@ -24,12 +30,14 @@ class DenseLinkedKV:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        backend: str | None = None,
     ) -> None:
         shape = (num_layers, capacity, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         """[L, capacity, H_kv, D] post-RoPE keys."""
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         """[L, capacity, H_kv, D]."""
+        self.attention = SelectiveAttention(backend or default_backend_name(self.keys.device))
 
     @property
     def capacity(self) -> int:
@@ -42,11 +50,21 @@ class DenseLinkedKV:
         self.keys[layer, index] = k.to(self.keys.device, self.keys.dtype)
         self.values[layer, index] = v.to(self.values.device, self.values.dtype)
 
+    def write_layers(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite slots `index` (int64 [S]) of every layer with k, v [L, S, H_kv, D]."""
+        index = index.to(self.keys.device)
+        self.keys[:, index] = k.to(self.keys.device, self.keys.dtype)
+        self.values[:, index] = v.to(self.values.device, self.values.dtype)
+
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Keys linked at `index` of `layer`: [S, H_kv, D]."""
         return self.keys[layer, index.to(self.keys.device)]
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Queries q [S, H, D] at `index` over keys at prompt indices <= the query -> [S, H, D]."""
-        index = index.to(self.keys.device)
-        return selected_attention(q, index, self.keys[layer], self.values[layer])
+        """Queries q [S, H, D] at `index` over keys at prompt indices <= the query -> [S, H, D].
+
+        Pass the same `index` tensor object to every layer: the backend's mask is built for the
+        first and reused (a new object rebuilds it)."""
+        if index.device != self.keys.device:
+            index = index.to(self.keys.device)
+        return self.attention(q, index, self.keys[layer], self.values[layer])

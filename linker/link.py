@@ -1,10 +1,11 @@
 """Filling a linked KV from cache entries (linker; reference runner and vLLM worker).
 
-Item tokens that are not recomputed at every layer get their entry's cached K/V, the keys
-rotated from the canonical positions to the prompt's by R(p_new - p_old) (`mpic.kernels.rope`);
-text slots stay the dummy (zero) cache of paper section 4.1 and are filled by the selective
-prefill. Also gathers the input embeddings of recomputed tokens: text from the embedding table,
-item tokens from the entry's stored `input_embeds` (no vision tower at link time).
+Item tokens that are not recomputed at every layer get their entry's cached K/V (all entries and
+layers of a request in a few tensor ops), the keys rotated from the canonical positions to the
+prompt's by R(p_new - p_old) (`mpic.kernels.rope`); text slots stay the dummy (zero) cache of
+paper section 4.1 and are filled by the selective prefill. Also gathers the input embeddings of
+recomputed tokens: text from the embedding table, item tokens from the entry's stored
+`input_embeds` (no vision tower at link time).
 """
 
 from __future__ import annotations
@@ -27,30 +28,47 @@ def link_entries(
     rope: RopeSpec,
     num_layers: int,
     every_item: bool = False,
+    device: torch.device | str | None = None,
 ) -> int:
     """Write rotated cached K/V of item tokens into `linked_kv`: those with recompute_depth < L,
     or every item token when `every_item` (a policy that drops tokens inside the pass, such as
     CacheBlend, needs cached KV under all of them).
 
+    In bulk: one gather per entry (all layers at once), ONE RoPE-delta rotation of the keys of
+    all entries ([L, S, H_kv, D]; 1-D RoPE or M-RoPE) and ONE `write_layers` call, so the work is
+    a few tensor ops whatever the number of entries and layers. The plan's tensors are host
+    tensors: the slot selection costs no device sync. device: where to rotate (default: the
+    first entry's device); the linked KV moves the result to its own device.
+
     entries: aligned with `plan.entry_ids`. Returns the number of token slots linked.
     """
-    linked = 0
     reused = plan.recompute_depth < num_layers
     if every_item:
         reused = torch.ones_like(reused)
+    chosen = reused & (plan.source_entry >= 0)
+    if not bool(chosen.any()):
+        return 0
+    target = torch.device(device) if device is not None else entries[0].keys.device
+    slot_parts, key_parts, value_parts, old_parts = [], [], [], []
     for e_idx, entry in enumerate(entries):
-        slots = torch.nonzero((plan.source_entry == e_idx) & reused).flatten()
+        slots = torch.nonzero(chosen & (plan.source_entry == e_idx)).flatten()
         if slots.numel() == 0:
             continue
         offsets = plan.source_offset[slots]
-        old = entry.positions[..., offsets]
-        new = plan.positions[..., slots]
-        keys = rotate_keys(entry.keys[:, offsets], old, new, rope)  # [L, S, H_kv, D]
-        values = entry.values[:, offsets]
-        for layer in range(num_layers):
-            linked_kv.write(layer, slots, keys[layer], values[layer])
-        linked += int(slots.numel())
-    return linked
+        slot_parts.append(slots)
+        old_parts.append(entry.positions.cpu()[..., offsets])
+        offsets = offsets.to(entry.keys.device)
+        key_parts.append(entry.keys[:, offsets].to(target))  # [L, S_e, H_kv, D]
+        value_parts.append(entry.values[:, offsets].to(target))
+    slots = torch.cat(slot_parts)
+    keys = rotate_keys(
+        torch.cat(key_parts, dim=1),
+        torch.cat(old_parts, dim=-1),
+        plan.positions[..., slots],
+        rope,
+    )
+    linked_kv.write_layers(slots, keys, torch.cat(value_parts, dim=1))
+    return int(slots.numel())
 
 
 def gather_input_embeds(

@@ -20,11 +20,18 @@ class LinkedKV(Protocol):
         """Overwrite the slots `index` (int64 [S], ascending) of `layer` with k, v [S, H_kv, D]."""
         ...
 
+    def write_layers(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite the slots `index` (int64 [S]) of every layer with k, v [L, S, H_kv, D]
+        (linking writes all layers of all entries in one call)."""
+        ...
+
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Keys currently linked at `index` of `layer`: [S, H_kv, D] (CacheBlend reads them)."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Attention of queries q [S, H, D] at prompt indices `index` (int64 [S], ascending) over
-        every linked key of `layer` whose prompt index <= the query's: -> [S, H, D]."""
+        every linked key of `layer` whose prompt index <= the query's: -> [S, H, D]. `index` lives
+        on the KV's device; callers pass the same tensor object to every layer while the query
+        set is unchanged, so an implementation may prepare its mask once."""
         ...

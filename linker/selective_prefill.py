@@ -68,32 +68,51 @@ def run_layers(
 
     hidden [S, hidden] input embeddings of the tokens at prompt indices `index` (int64 [S],
     ascending), positions [S] or [3, S], depth int64 [S] (layers each token runs; > 0).
-    Returns (hidden [S', hidden] of the tokens that ran every layer, their index [S'], the final
-    depth of all S tokens [S]).
+    Returns (hidden [S', hidden] of the tokens that ran every layer, their index [S'] (host),
+    the final depth of all S tokens [S] (host)).
+
+    No host<->device sync in the layer loop: the depths stay on the host and decide there which
+    tokens stay active; index and positions move to the model's device once, and shrink by
+    integer gathers (boolean masks would sync) only at layers where the active set changes. The
+    same index tensor object is handed to every layer until then, so the linked KV's attention
+    backend builds its mask once. A hook (CacheBlend) may sync at its check layer.
     """
-    depth = depth.clone()
-    rows = torch.arange(index.shape[0])  # row of each active token in the caller's arrays
+    dev = adapter.device
+    depth = depth.cpu().clone()
+    host_index = index.cpu()
+    rows = torch.arange(host_index.shape[0])  # row of each active token in the caller's arrays
+    idx, pos = host_index.to(dev), positions.to(dev)  # the active tokens', on the device
+
+    def rows_of(keep: torch.Tensor) -> torch.Tensor:
+        """Host bool mask [S] -> device int64 rows (integer gathers do not sync)."""
+        return torch.nonzero(keep).flatten().to(dev)
+
     for layer in range(adapter.num_layers):
         keep = depth[rows] > layer
         if not bool(keep.all()):
-            rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
+            take = rows_of(keep)
+            hidden, idx, pos = hidden[take], idx[take], pos[..., take]
+            rows = rows[keep]
         if rows.numel() == 0:
             break
-        idx, pos = index[rows], positions[..., rows]
-        q, k, v = adapter.attention_inputs(layer, hidden, pos.to(adapter.device))
+        q, k, v = adapter.attention_inputs(layer, hidden, pos)
         if hook is not None:
             chosen = hook.select(layer, idx, k, linked_kv)
-            if chosen is not None and not bool(chosen.all()):
+            if chosen is not None:
                 chosen = chosen.cpu()
-                depth[rows[~chosen]] = layer
-                rows, idx = rows[chosen], idx[chosen]
-                dev = chosen.to(hidden.device)
-                q, k, v, hidden = q[dev], k[dev], v[dev], hidden[dev]
+                if not bool(chosen.all()):
+                    depth[rows[~chosen]] = layer
+                    take = rows_of(chosen)
+                    q, k, v, hidden = q[take], k[take], v[take], hidden[take]
+                    idx, pos = idx[take], pos[..., take]
+                    rows = rows[chosen]
         linked_kv.write(layer, idx, k, v)
         attn = linked_kv.attend(layer, q, idx)
         hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
     full = depth[rows] >= adapter.num_layers
-    return hidden[full.to(hidden.device)], index[rows[full]], depth
+    if not bool(full.all()):
+        hidden = hidden[rows_of(full)]
+    return hidden, host_index[rows[full]], depth
 
 
 def selective_prefill(

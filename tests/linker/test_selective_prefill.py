@@ -5,7 +5,9 @@ context, gives the exact result with no item recompute; VLCache depths keep cach
 import pytest
 import torch
 
+from mpic.kernels.rope import rotate_keys
 from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.link import link_entries
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.recipe import with_policy
@@ -119,3 +121,50 @@ def test_cacheblend_dropped_tokens_keep_cached_kv_and_deviation_sees_it():
         kept == max(1, -(-15 * plan.num_tokens // 100))
         or kept == -(-15 * plan.num_tokens // 100) + 1
     )
+
+
+POLICIES = ["full", "mpic-0", "mpic-2", "vlcache-0.5:0.34:0", "cacheblend-15", "full-reuse"]
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+@pytest.mark.parametrize("name", POLICIES)
+def test_flex_backend_equals_sdpa_runs_oracle_in_the_pass(mrope, name):
+    """The one-call FlexAttention path links exactly what the per-run SDPA oracle links."""
+    adapter, plan, entries = _setup(mrope)
+    outs = {}
+    for backend in ("sdpa_runs", "flex"):
+        kv = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8, backend=backend)
+        planned = with_policy(plan, entries, name, adapter.num_layers)
+        outs[backend] = (link_and_prefill(adapter, planned, kv), kv)
+    (ref, ref_kv), (out, kv) = outs["sdpa_runs"], outs["flex"]
+    assert torch.equal(out.result.recompute_depth, ref.result.recompute_depth)
+    torch.testing.assert_close(out.result.logits, ref.result.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.keys, ref_kv.keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.values, ref_kv.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_bulk_link_equals_entry_by_entry_layer_by_layer(mrope):
+    """`link_entries` (one rotation, one write for all entries and layers) = the plain loop."""
+    adapter, plan, entries = _setup(mrope)
+    plan.recompute_depth = torch.zeros(plan.num_tokens, dtype=torch.int64)
+    plan.recompute_depth[plan.is_text] = adapter.num_layers
+    plan.recompute_depth[6] = 1  # a VLCache-like depth: linked too
+    plan.recompute_depth[13] = adapter.num_layers  # recomputed: not linked
+    bulk = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8)
+    linked = link_entries(bulk, plan, entries, adapter.rope, adapter.num_layers)
+    loop = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8)
+    count = 0
+    for slot in range(plan.num_tokens):
+        e = int(plan.source_entry[slot])
+        if e < 0 or int(plan.recompute_depth[slot]) >= adapter.num_layers:
+            continue
+        off = int(plan.source_offset[slot])
+        old, new = entries[e].positions[..., off : off + 1], plan.positions[..., slot : slot + 1]
+        for layer in range(adapter.num_layers):
+            key = rotate_keys(entries[e].keys[layer, off : off + 1], old, new, adapter.rope)
+            loop.write(layer, torch.tensor([slot]), key, entries[e].values[layer, off : off + 1])
+        count += 1
+    assert linked == count == int((~plan.is_text).sum()) - 1
+    torch.testing.assert_close(bulk.keys, loop.keys, rtol=1e-6, atol=1e-6)
+    assert torch.equal(bulk.values, loop.values)

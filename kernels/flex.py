@@ -1,0 +1,118 @@
+"""`flex` attention backend: ONE FlexAttention call per layer over all recomputed queries (kernels;
+the CUDA default, selectable on CPU).
+
+The mask is the exact causal rule by prompt index, `kv_idx <= q_index[q_idx]`, as a FlexAttention
+block mask built once per query set (`prepare`: once per request in an MPIC pass, shared by all
+layers); key blocks past a query block's last index are skipped by the fused kernel. On CUDA the
+call is `torch.compile`d (a fused Triton kernel; head sizes that are not a power of two, e.g. 80,
+are zero-padded to the next one, which leaves q.k and the output unchanged). On CPU it runs eager
+by default (FlexAttention's reference path materialises the S x N scores: correct, not fast);
+`FlexBackend(compile=True)` compiles there too (~11 s on the first call).
+
+Shapes: q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D]; GQA through `enable_gqa`. A single
+query (decode) needs no mask: it is one SDPA call over keys [0, i].
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from mpic.kernels.attention import AttentionBackend
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_flex() -> Any:
+    """torch.compile(flex_attention), built once per process (dynamic shapes after a recompile)."""
+    if "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex_attention)
+    return _COMPILED["flex"]
+
+
+@dataclass
+class FlexState:
+    """What `FlexBackend.prepare` builds for one query set."""
+
+    block_mask: BlockMask | None
+    """Mask over [S, kv_len]; None for a single query."""
+    kv_len: int
+    """Keys [0, kv_len) can be visible: max(q_index) + 1."""
+
+
+class FlexBackend(AttentionBackend):
+    """One FlexAttention call per layer (see the module docstring).
+
+    compile: None = compiled on CUDA, eager elsewhere; True/False to force.
+    """
+
+    name = "flex"
+
+    def __init__(self, compile: bool | None = None, block_size: int = 128) -> None:
+        self.compile = compile
+        self.block_size = block_size
+
+    def prepare(self, q_index: torch.Tensor, num_keys: int) -> FlexState:
+        """Block mask of `kv_idx <= q_index[q_idx]` (reads max(q_index) on the host once)."""
+        kv_len = min(int(q_index[-1]) + 1, num_keys)
+        if q_index.numel() == 1:
+            return FlexState(None, kv_len)
+
+        def causal_by_index(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return kv_idx <= q_index[q_idx]
+
+        mask = create_block_mask(
+            causal_by_index,
+            B=None,
+            H=None,
+            Q_LEN=int(q_index.numel()),
+            KV_LEN=kv_len,
+            device=q_index.device,
+            BLOCK_SIZE=self.block_size,
+        )
+        return FlexState(mask, kv_len)
+
+    def attend(
+        self,
+        state: FlexState,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One FlexAttention (or, for one query, SDPA) call -> [S, H, D]."""
+        gqa = q.shape[1] != keys.shape[1]
+        head_dim = q.shape[-1]
+        scale = head_dim**-0.5 if scale is None else scale
+        qh = q.transpose(0, 1)[None]  # [1, H, S, D]
+        kh = keys[: state.kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
+        vh = values[: state.kv_len].transpose(0, 1)[None]
+        if state.block_mask is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+            return out[0].transpose(0, 1)
+        compiled = q.is_cuda if self.compile is None else self.compile
+        if not compiled:
+            with warnings.catch_warnings():  # the eager path is chosen on purpose here
+                warnings.filterwarnings("ignore", ".*without torch.compile", UserWarning)
+                out = flex_attention(
+                    qh, kh, vh, block_mask=state.block_mask, scale=scale, enable_gqa=gqa
+                )
+            return out[0].transpose(0, 1)
+        padded = 1 << (head_dim - 1).bit_length()
+        if padded != head_dim:  # fused kernels want a power-of-two head size
+            pad = (0, padded - head_dim)
+            qh, kh, vh = F.pad(qh, pad), F.pad(kh, pad), F.pad(vh, pad)
+        out = _compiled_flex()(
+            qh.contiguous(),
+            kh.contiguous(),
+            vh.contiguous(),
+            block_mask=state.block_mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        return out[0, ..., :head_dim].transpose(0, 1)
