@@ -1,32 +1,71 @@
-"""A `LinkedKV` over one request's paged KV blocks, using vLLM's CPU attention op (vLLM worker).
+"""A `LinkedKV` over one request's paged KV blocks in vLLM's own cache tensors (vLLM worker).
 
-docs/design.md "Exact masks with the engine's own attention op": the reused KV already sits in the
-request's blocks; the recomputed tokens form a few contiguous runs [a, b). At each layer their
-fresh K/V are written into their slots (`cpu_attn_reshape_and_cache`, the portable write: the
-in-block layout depends on the ISA, docs/design.md "Platform notes"), then ONE `cpu_attention_with_kv_cache`
-call attends all runs, each run a "virtual sequence" of query length b - a and sequence length b
-that shares the request's block table. vLLM's causal rule for a chunk (query i of a run at
-position seq_len - qlen + i sees keys 0..that position) is exactly "key index <= query index".
+The reused KV already sits in the request's blocks; at each layer the recomputed tokens' fresh K/V
+are written into their slots, then their queries attend over the request's blocks with the exact
+causal mask by prompt index. Slot of prompt index p: `block_ids[p // bs] * bs + p % bs`.
 
-Slot of prompt index p: `block_ids[p // block_size] * block_size + p % block_size`.
-Shapes: per-layer cache [num_blocks, H_kv, block_size, 2 * D] (K region then V region).
+A small ops seam (`PagedKVOps`: clear, write slots, read keys, attend) has one implementation per
+cache layout, picked from the tensors vLLM registers (`paged_ops`):
+
+- `CpuPagedOps`: vLLM's CPU backend, per-layer cache [num_blocks, H_kv, block_size, 2 * D] whose
+  in-block layout depends on the ISA (docs/design.md "Platform notes"): never indexed by hand.
+  Writes go through `cpu_attn_reshape_and_cache`; ONE `cpu_attention_with_kv_cache` call attends
+  all recomputed runs, each run [a, b) a "virtual sequence" of query length b - a and sequence
+  length b sharing the request's block table (vLLM's causal rule for a chunk is exactly "key
+  index <= query index"; docs/design.md "Exact masks with the engine's own attention op").
+- `FlashPagedOps`: the CUDA FlashAttention layout. vLLM >= 0.32 registers a per-layer cache of
+  logical shape [num_blocks, H_kv, block_size, 2 * D] (any physical stride order) that its
+  backend views as `cache.transpose(1, 2).split(D, -1)` -> key/value [num_blocks, block_size,
+  H_kv, D]; older vLLM registers [2, num_blocks, block_size, H_kv, D] (key = [0], value = [1]).
+  Both give the same key/value views. Writes use vLLM's `reshape_and_cache_flash` where the op
+  exists (CUDA builds), else a torch index write (plain dtypes only). Attention gathers the
+  request's blocks through the block table into [B * block_size, H_kv, D] and runs one
+  `mpic.kernels.attention` backend call (`flex` on CUDA: one fused call per layer, block mask
+  built once per query set).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import Any
+
 import torch
 from torch import nn
-from vllm import _custom_ops as ops
-from vllm import envs
+
+from mpic.kernels.attention import SelectiveAttention, default_backend_name
 
 
 def contiguous_runs(index: torch.Tensor) -> list[tuple[int, int]]:
     """Ascending int64 [S] -> [(a, b), ...]: maximal runs with index[a:b] consecutive."""
+    index = index.cpu()
     if index.numel() == 0:
         return []
     breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
     edges = [0, *breaks.tolist(), int(index.numel())]
     return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+class PagedKVOps(ABC):
+    """Writes and attention over one request's blocks in one cache layout (all layers)."""
+
+    readable: bool = False
+    """True when `read_keys` reads the cache itself (no dense key mirror needed)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Zero the request's blocks in every layer (the "dummy cache")."""
+
+    @abstractmethod
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [S, H_kv, D] at cache slots int64 [S] of `layer`."""
+
+    def read_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """Keys at `slots` of `layer` [S, H_kv, D], or None where the layout is opaque."""
+        return None
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
 
 
 def _cache_format(attn: nn.Module) -> dict:
@@ -38,36 +77,24 @@ def _cache_format(attn: nn.Module) -> dict:
     }
 
 
-class PagedLinkedKV:
-    """Linked KV of one prompt living in vLLM's paged cache (one tensor per attention layer).
-
-    `layers[l]` is vLLM's `Attention` module of decoder layer l, `caches[l]` its KV tensor,
-    `block_ids` the request's blocks in order. `keys` [L, N, H_kv, D] is a dense mirror of the
-    linked keys (the initial linked keys, updated by `write`), used only by `read_keys`.
-    """
+class CpuPagedOps(PagedKVOps):
+    """vLLM's CPU attention backend (its own ops for every access; see the module docstring)."""
 
     def __init__(
         self,
         layers: list[nn.Module],
         caches: list[torch.Tensor],
-        block_ids: list[int],
+        blocks: torch.Tensor,
         block_size: int,
-        keys: torch.Tensor | None = None,
     ) -> None:
         self._layers = layers
         self._caches = caches
+        self._blocks = blocks
+        self._block_table = blocks.to(torch.int32).unsqueeze(0)
         self._block_size = block_size
-        self._blocks = torch.tensor(block_ids, dtype=torch.int64)
-        self._block_table = self._blocks.to(torch.int32).unsqueeze(0)
-        self._keys = keys
-
-    def slots(self, index: torch.Tensor) -> torch.Tensor:
-        """Prompt indices int64 [S] -> cache slots int64 [S]."""
-        bs = self._block_size
-        return self._blocks[index // bs] * bs + index % bs
 
     def clear(self) -> None:
-        """Zero the request's blocks in every layer (zero is zero in any in-block layout)."""
+        """Zero is zero in any in-block layout."""
         for cache in self._caches:
             cache[self._blocks] = 0
 
@@ -78,8 +105,10 @@ class PagedLinkedKV:
         key_cache, value_cache = both.chunk(2, dim=2)
         return key_cache, value_cache
 
-    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite prompt slots `index` [S] of `layer` with k, v [S, H_kv, D]."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`cpu_attn_reshape_and_cache`: the portable write for every ISA layout."""
+        from vllm import _custom_ops as ops
+
         attn = self._layers[layer]
         key_cache, value_cache = self._split(layer)
         ops.cpu_attn_reshape_and_cache(
@@ -87,26 +116,22 @@ class PagedLinkedKV:
             v.contiguous(),
             key_cache,
             value_cache,
-            self.slots(index),
+            slots,
             attn.isa,
             **_cache_format(attn),
         )
-        if self._keys is not None:
-            self._keys[layer, index] = k.to(self._keys.dtype)
-
-    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
-        """The linked keys at `index` of `layer`: [S, H_kv, D] (from the dense mirror)."""
-        if self._keys is None:
-            raise RuntimeError("PagedLinkedKV built without a key mirror cannot read keys")
-        return self._keys[layer, index]
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
+        """One `cpu_attention_with_kv_cache` call, one virtual sequence per run."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
         attn = self._layers[layer]
         impl = attn.impl
         runs = contiguous_runs(index)
+        host = index.cpu()
         starts = torch.tensor([0] + [b for _, b in runs], dtype=torch.int32)
-        seq_lens = torch.tensor([int(index[b - 1]) + 1 for _, b in runs], dtype=torch.int32)
+        seq_lens = torch.tensor([int(host[b - 1]) + 1 for _, b in runs], dtype=torch.int32)
         block_table = self._block_table.expand(len(runs), -1).contiguous()
         num_heads, head_dim = q.shape[1], q.shape[2]
         metadata = ops.cpu_attn_get_scheduler_metadata(
@@ -143,3 +168,176 @@ class PagedLinkedKV:
             **_cache_format(attn),
         )
         return out
+
+
+def flash_views(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FlashAttention-layout layer cache -> key, value views [num_blocks, block_size, H_kv, D].
+
+    cache: [num_blocks, H_kv, block_size, 2 * D] (vLLM >= 0.32, any stride order) or
+    [2, num_blocks, block_size, H_kv, D] (older vLLM). Views share the cache's storage."""
+    if cache.dim() == 5:
+        if cache.shape[0] != 2 or cache.shape[-1] != head_dim:
+            raise ValueError(f"not a [2, B, bs, H_kv, {head_dim}] cache: {tuple(cache.shape)}")
+        return cache[0], cache[1]
+    if cache.dim() != 4 or cache.shape[-1] != 2 * head_dim:
+        raise ValueError(f"not a [B, H_kv, bs, 2 * {head_dim}] cache: {tuple(cache.shape)}")
+    key, value = cache.transpose(1, 2).split(head_dim, dim=-1)
+    return key, value
+
+
+class FlashPagedOps(PagedKVOps):
+    """The CUDA FlashAttention layout (see the module docstring); runs on any device.
+
+    layers: vLLM's `Attention` modules (scale, cache dtype, k/v scales), or None (then the
+    softmax scale is D ** -0.5 and writes use torch); backend: attention backend name (default by
+    device). `use_vllm_write`: None = vLLM's `reshape_and_cache_flash` on CUDA when it exists.
+    """
+
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        blocks: torch.Tensor,
+        block_size: int,
+        head_dim: int,
+        layers: list[nn.Module] | None = None,
+        backend: str | None = None,
+        use_vllm_write: bool | None = None,
+    ) -> None:
+        self._views = [flash_views(c, head_dim) for c in caches]
+        device = caches[0].device
+        self._blocks = blocks.to(device)
+        self._block_size = block_size
+        self._layers = layers
+        self._attention = SelectiveAttention(backend or default_backend_name(device))
+        wanted = device.type == "cuda" if use_vllm_write is None else use_vllm_write
+        self._vllm_write = _flash_write_op() if wanted else None
+        if use_vllm_write and self._vllm_write is None:
+            raise RuntimeError("vLLM's reshape_and_cache_flash is not available here")
+
+    def clear(self) -> None:
+        """Zero the request's blocks of every layer's key and value views."""
+        for key, value in self._views:
+            key[self._blocks] = 0
+            value[self._blocks] = 0
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """vLLM's `reshape_and_cache_flash`, else an index write into the views."""
+        key, value = self._views[layer]
+        slots = slots.to(key.device)
+        if self._vllm_write is not None:
+            attn = self._layers[layer] if self._layers is not None else None
+            dtype = attn.impl.kv_cache_dtype if attn is not None else "auto"
+            one = torch.ones((), dtype=torch.float32, device=key.device)
+            k_scale = attn._k_scale if attn is not None else one
+            v_scale = attn._v_scale if attn is not None else one
+            self._vllm_write(
+                k.contiguous(), v.contiguous(), key, value, slots, dtype, k_scale, v_scale
+            )
+            return
+        if self._layers is not None and self._layers[layer].impl.kv_cache_dtype != "auto":
+            raise NotImplementedError("quantised KV caches need vLLM's reshape_and_cache_flash")
+        block, offset = slots // self._block_size, slots % self._block_size
+        key[block, offset] = k.to(key.dtype)
+        value[block, offset] = v.to(value.dtype)
+
+    readable = True
+
+    def read_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The keys at `slots` straight from the cache."""
+        key, _ = self._views[layer]
+        slots = slots.to(key.device)
+        return key[slots // self._block_size, slots % self._block_size]
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Gather the request's blocks by the block table, then one backend call."""
+        key, value = self._views[layer]
+        heads, dim = key.shape[-2], key.shape[-1]
+        keys = key.index_select(0, self._blocks).reshape(-1, heads, dim)  # [B * bs, H_kv, D]
+        values = value.index_select(0, self._blocks).reshape(-1, heads, dim)
+        scale = self._layers[layer].impl.scale if self._layers is not None else None
+        return self._attention(q, index.to(key.device), keys, values, scale)
+
+
+def _flash_write_op() -> Any:
+    """vLLM's `reshape_and_cache_flash` where its CUDA op is registered, else None."""
+    try:
+        from vllm import _custom_ops as ops
+
+        torch.ops._C_cache_ops.reshape_and_cache_flash  # noqa: B018 - raises if not registered
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return ops.reshape_and_cache_flash
+
+
+def paged_ops(
+    layers: list[nn.Module], caches: list[torch.Tensor], blocks: torch.Tensor, block_size: int
+) -> PagedKVOps:
+    """The ops for the caches vLLM registered: CPU tensors -> `CpuPagedOps`; CUDA tensors ->
+    `FlashPagedOps` (the FlashAttention layout, the default CUDA backend)."""
+    if caches[0].device.type == "cpu":
+        return CpuPagedOps(layers, caches, blocks, block_size)
+    head_dim = int(layers[0].impl.head_size)
+    return FlashPagedOps(caches, blocks, block_size, head_dim, layers=layers)
+
+
+class PagedLinkedKV:
+    """Linked KV of one prompt living in vLLM's paged cache (one tensor per attention layer).
+
+    `layers[l]` is vLLM's `Attention` module of decoder layer l, `caches[l]` its KV tensor,
+    `block_ids` the request's blocks in order; `ops` overrides the layout's ops (tests). `keys`
+    [L, N, H_kv, D] is a dense mirror of the linked keys, updated by every write, that
+    `read_keys` uses where the layout cannot be read directly (CPU); ignored otherwise.
+    """
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        caches: list[torch.Tensor],
+        block_ids: list[int],
+        block_size: int,
+        keys: torch.Tensor | None = None,
+        ops: PagedKVOps | None = None,
+    ) -> None:
+        self._block_size = block_size
+        self._blocks = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].device)
+        self._ops = ops or paged_ops(layers, caches, self._blocks, block_size)
+        self._keys = None if self._ops.readable else keys
+        self._num_layers = len(caches)
+
+    def slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Prompt indices int64 [S] -> cache slots int64 [S] (on the caches' device)."""
+        bs = self._block_size
+        index = index.to(self._blocks.device)
+        return self._blocks[index // bs] * bs + index % bs
+
+    def clear(self) -> None:
+        """Zero the request's blocks in every layer."""
+        self._ops.clear()
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite prompt slots `index` [S] of `layer` with k, v [S, H_kv, D]."""
+        self._ops.write(layer, self.slots(index), k, v)
+        if self._keys is not None:
+            self._keys[layer, index.to(self._keys.device)] = k.to(self._keys)
+
+    def write_layers(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite prompt slots `index` [S] of every layer with k, v [L, S, H_kv, D] (one
+        write per layer: vLLM keeps one cache tensor per layer)."""
+        slots = self.slots(index)
+        for layer in range(self._num_layers):
+            self._ops.write(layer, slots, k[layer], v[layer])
+        if self._keys is not None:
+            self._keys[:, index.to(self._keys.device)] = k.to(self._keys)
+
+    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """The linked keys at `index` of `layer`: [S, H_kv, D]."""
+        keys = self._ops.read_keys(layer, self.slots(index))
+        if keys is not None:
+            return keys
+        if self._keys is None:
+            raise RuntimeError("PagedLinkedKV built without a key mirror cannot read keys")
+        return self._keys[layer, index.to(self._keys.device)]
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
+        return self._ops.attend(layer, q, index)
