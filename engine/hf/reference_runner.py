@@ -64,9 +64,13 @@ class ReferenceRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         system_prompt: str | None = None,
+        attention_backend: str | None = None,
     ) -> None:
+        """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
+        `sdpa_runs`); None picks by device (`flex` on CUDA)."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model)
+        self.attention_backend = attention_backend
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}
 
@@ -115,6 +119,7 @@ class ReferenceRunner:
             a.head_dim,
             a.dtype,
             a.device,
+            backend=self.attention_backend,
         )
         out = link_and_prefill(a, planned, kv)
         logits = out.result.logits
