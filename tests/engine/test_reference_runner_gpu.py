@@ -1,0 +1,116 @@
+"""The reference runner on CUDA against the CPU oracle, both tiny families (marked gpu: skipped
+without CUDA). Entries, prefill logits under every kind of policy (full, mpic-k, VLCache depths,
+CacheBlend's in-pass hook, full reuse), greedy decode; the fused `flex` backend against the
+`sdpa_runs` oracle on the GPU in fp32 and bf16; and no host<->device sync in the layer loop."""
+
+import io
+
+import pytest
+import torch
+
+from mpic.engine.hf.reference_runner import ReferenceRunner
+from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.prompt import ImageRef
+from mpic.linker.selective_prefill import run_layers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+POLICIES = ["full", "mpic-2", "mpic-0", "vlcache-0.5:0.3:0", "cacheblend-15", "full-reuse"]
+FP32_TOL = 2e-3  # TF32-free matmuls, but cuDNN convolutions and kernel orders differ
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model_dir, sample_images):
+    cpu = ReferenceRunner(str(tiny_model_dir))
+    cuda = ReferenceRunner(str(tiny_model_dir), device="cuda")
+    assert cuda.attention_backend is None  # the default: flex on CUDA
+    ids = []
+    for img in sample_images[:2]:
+        want, got = cpu.cache_image(_png(img)), cuda.cache_image(_png(img))
+        assert want.entry_id == got.entry_id and got.keys.is_cuda
+        torch.testing.assert_close(got.keys.cpu(), want.keys, rtol=FP32_TOL, atol=FP32_TOL)
+        torch.testing.assert_close(got.values.cpu(), want.values, rtol=FP32_TOL, atol=FP32_TOL)
+        ids.append(want.entry_id)
+    return cpu, cuda, ids
+
+
+def _parts(ids):
+    a, b = ids
+    return ["Compare", ImageRef(a), "with", ImageRef(b), "and again", ImageRef(a), "briefly."]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_prefill_equals_cpu_oracle(runners, policy):
+    cpu, cuda, ids = runners
+    want, got = cpu.prefill(_parts(ids), policy), cuda.prefill(_parts(ids), policy)
+    assert got.logits.is_cuda and got.kv.keys.is_cuda
+    assert got.recomputed_tokens == want.recomputed_tokens
+    torch.testing.assert_close(got.logits.cpu(), want.logits, rtol=FP32_TOL, atol=FP32_TOL)
+    torch.testing.assert_close(got.kv.keys.cpu(), want.kv.keys, rtol=FP32_TOL, atol=FP32_TOL)
+
+
+@pytest.mark.parametrize("policy", ["full", "mpic-2"])
+def test_cuda_decode_equals_cpu(runners, policy):
+    cpu, cuda, ids = runners
+    want = cpu.generate(_parts(ids), policy, max_new_tokens=8, stop_at_eos=False).tokens
+    got = cuda.generate(_parts(ids), policy, max_new_tokens=8, stop_at_eos=False).tokens
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_flex_equals_sdpa_runs_on_cuda(tiny_model_dir, sample_images, dtype):
+    """Fused path vs oracle: max |logit diff| at the dtype's tolerance."""
+    tol = FP32_TOL if dtype == torch.float32 else 0.1
+    flex = ReferenceRunner(str(tiny_model_dir), "cuda", dtype, attention_backend="flex")
+    oracle = ReferenceRunner(str(tiny_model_dir), "cuda", dtype, attention_backend="sdpa_runs")
+    ids = []
+    for img in sample_images[:2]:
+        entry = flex.cache_image(_png(img))
+        oracle.add_entry(entry)
+        ids.append(entry.entry_id)
+    for policy in POLICIES:
+        diff = flex.prefill(_parts(ids), policy).logits - oracle.prefill(_parts(ids), policy).logits
+        print(f"{dtype} {policy}: max |logit diff| flex vs sdpa_runs = {diff.abs().max():.2e}")
+        assert float(diff.abs().max()) <= tol
+
+
+class _SyncGuard:
+    """A no-op in-pass hook that makes any host<->device sync raise from layer 1 on."""
+
+    def select(self, layer, index, k, linked_kv):
+        if layer == 1:
+            torch.cuda.set_sync_debug_mode("error")
+        return None
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa_runs"])
+def test_no_host_sync_inside_the_layer_loop(runners, backend):
+    _, cuda, ids = runners
+    planned = cuda.plan(_parts(ids), "mpic-2")
+    plan, a = planned.plan, cuda.adapter
+    kv = DenseLinkedKV(
+        a.num_layers, plan.num_tokens, a.num_kv_heads, a.head_dim, a.dtype, a.device, backend
+    )
+    index = torch.nonzero(plan.recompute_depth > 0).flatten()
+    embeds = a.embed_tokens(plan.token_ids[index].to(a.device))  # text-like stand-in embeddings
+    try:
+        run_layers(
+            a,
+            kv,
+            embeds,
+            index,
+            plan.positions[..., index],
+            plan.recompute_depth[index],
+            _SyncGuard(),
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
