@@ -1,7 +1,8 @@
 """Shapes, HF configs and processors of the tiny random models (CLI process, test processes).
 
 `SHAPES` lists every (family, size) that `mpic model make-tiny` writes; docs/models.md explains
-the choices (LLaVA-1.5-style fixed tokens per image, GQA, 144 tokens per image in `small`).
+the choices (LLaVA-1.5-style fixed tokens per image, GQA, 144 tokens per image in `small`; `7b`:
+the real LLaVA-1.5-7B and Qwen2-VL-7B shapes for GPU benchmarks).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FAMILIES: tuple[str, ...] = ("llava", "qwen2-vl")
-SIZES: tuple[str, ...] = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "small", "7b")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,13 @@ SHAPES: dict[tuple[str, str], TinyShape] = {
     # Qwen2-VL: patches of 14, merged 2x2: 112/14 = 8 -> 4x4 = 16 tokens; 336/14 = 24 -> 144.
     ("qwen2-vl", "tiny"): TinyShape(128, 2, 4, 2, 256, 512, 2048, 32, 2, 2, 112, 14),
     ("qwen2-vl", "small"): TinyShape(512, 8, 8, 2, 1408, 32000, 8192, 128, 4, 4, 336, 14),
+    # Real shapes for GPU benchmarks (random weights, written in bf16, ideally on a GPU).
+    # LLaVA-1.5-7B: Vicuna-7B backbone (MHA 32/32, FFN 11008), CLIP ViT-L/14-336 -> 576 tokens.
+    # Positions up to 16k so that 16 images (9.4k tokens) fit.
+    ("llava", "7b"): TinyShape(4096, 32, 32, 32, 11008, 32000, 16384, 1024, 24, 16, 336, 14),
+    # Qwen2-VL-7B: 3584 hidden, 28 layers, GQA 28/4, FFN 18944; ViT 1280 x 32 layers, 16 heads;
+    # 336 px -> 24 x 24 patches merged 2x2 -> 144 tokens. Vocabulary 32k (real: 152k).
+    ("qwen2-vl", "7b"): TinyShape(3584, 28, 28, 4, 18944, 32000, 32768, 1280, 32, 16, 336, 14),
 }
 
 

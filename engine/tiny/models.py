@@ -41,10 +41,12 @@ as in trained models, not log(vocab) (KL fidelity then measures something)."""
 
 def _init_weights(model, seed: int, std: float) -> None:
     """Seeded N(0, std * gain) for every matrix/embedding/conv and CLIP's class embedding; zero
-    biases; unit norm weights. Deterministic across runs and machines (CPU generator)."""
+    biases; unit norm weights. Drawn where the model lives: deterministic across runs and machines
+    on the CPU generator; a CUDA model draws on its GPU's generator (fast; other numbers)."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if name.endswith("bias"):
@@ -53,7 +55,8 @@ def _init_weights(model, seed: int, std: float) -> None:
                 module = name.split(".")[-2]
                 text = "language_model" in name or module == "lm_head"
                 gain = _GAINS.get(module, 1.0) if text else 1.0
-                param.copy_(torch.randn(param.shape, generator=gen) * (std * gain))
+                draw = torch.randn(param.shape, generator=gen, device=device)
+                param.copy_(draw * (std * gain))
             else:
                 param.fill_(1.0)
 
@@ -70,23 +73,47 @@ def _write_weights(model, family: str, out: Path) -> None:
     for name, tensor in model.state_dict().items():
         if family == "llava" and name.startswith("model.vision_tower."):
             name = "model.vision_tower.vision_model." + name[len("model.vision_tower.") :]
-        tensors[name] = tensor.contiguous()
+        tensors[name] = tensor.contiguous().cpu()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) -> Path:
+def default_device(size: str) -> str:
+    """Where `make_tiny` draws weights by default: a GPU for `7b` when there is one, else the CPU
+    (tiny and small stay on the CPU generator: the same weights on every machine)."""
+    import torch
+
+    return "cuda" if size == "7b" and torch.cuda.is_available() else "cpu"
+
+
+def make_tiny(
+    family: ModelFamily,
+    size: str,
+    out: str | Path,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Path:
     """Write a random-weight HF folder for `family` at `size` into `out`; returns its path.
 
-    The folder is assembled in a temporary sibling and renamed into place, so a failure never
-    leaves a half-written model behind. Raises ValueError on an unknown family or size.
+    device: where weights are drawn (default `default_device(size)`); dtype: "float32" or
+    "bfloat16" as saved (default bfloat16 for `7b`, float32 otherwise). The folder is assembled
+    in a temporary sibling and renamed into place, so a failure never leaves a half-written model
+    behind. Raises ValueError on an unknown family, size or dtype.
     """
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(
             f"unknown model {family!r}/{size!r}: family must be one of {list(FAMILIES)}, "
             f"size one of {list(SIZES)}"
         )
+    dtype = dtype or ("bfloat16" if size == "7b" else "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"unknown dtype {dtype!r}: float32 or bfloat16")
     import torch
     from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    device = device or default_device(size)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
 
     from mpic.engine.tiny.tokenizer import build_tokenizer
 
@@ -104,19 +131,22 @@ def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) ->
     else:
         config = qwen2vl_config(shape, vocab)
         model_cls = Qwen2VLForConditionalGeneration
-    config.dtype = "float32"
+    config.dtype = dtype
     config.architectures = [model_cls.__name__]
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         stage = Path(tmp) / "model"
         stage.mkdir()
-        with torch.device("cpu"):
-            model = model_cls(config).float().eval()
+        with torch.device(device):
+            model = model_cls(config).to(getattr(torch, dtype)).eval()
         _init_weights(model, seed, std=shape.hidden**-0.5)
         config.save_pretrained(stage)
         _write_weights(model, family, stage)
         processor(family, shape, tokenizer).save_pretrained(stage)
         (stage / "mpic_tiny.json").write_text(
-            json.dumps({"family": family, "size": size, "seed": seed}, indent=1)
+            json.dumps(
+                {"family": family, "size": size, "seed": seed, "dtype": dtype, "device": device},
+                indent=1,
+            )
         )
         if out.exists():
             out.rmdir()
@@ -127,9 +157,17 @@ def make_tiny(family: ModelFamily, size: str, out: str | Path, seed: int = 0) ->
 
 def make_tiny_command(
     family: str = typer.Option(..., "--family", help="llava | qwen2-vl"),
-    size: str = typer.Option("tiny", "--size", help="tiny (unit tests) | small (CPU benchmarks)"),
+    size: str = typer.Option(
+        "tiny", "--size", help="tiny (unit tests) | small (CPU benchmarks) | 7b (GPU benchmarks)"
+    ),
     out: str = typer.Option(..., "--out", help="folder to create (must not exist or be empty)"),
     seed: int = typer.Option(0, "--seed", help="random seed of weights and tokenizer corpus"),
+    device: str = typer.Option(
+        None, "--device", help="draw weights on cpu | cuda (default: cuda for 7b if present)"
+    ),
+    dtype: str = typer.Option(
+        None, "--dtype", help="float32 | bfloat16 (default: bfloat16 for 7b, else float32)"
+    ),
 ) -> None:
     """Write a random-weight HF model folder (config, weights, tokenizer, processor)."""
     if family not in FAMILIES:
@@ -143,8 +181,8 @@ def make_tiny_command(
 
     try:
         with Console(stderr=True).status(f"writing {family} {size} model to {out} ..."):
-            path = make_tiny(family, size, out, seed=seed)  # type: ignore[arg-type]
-    except FileExistsError as exc:
+            path = make_tiny(family, size, out, seed, device, dtype)  # type: ignore[arg-type]
+    except (FileExistsError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     except OSError as exc:
