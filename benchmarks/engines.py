@@ -2,11 +2,15 @@
 reference runner; other engines (e.g. `vllm`) register a factory with `register_engine`.
 
 An engine caches images (entries in memory before timing starts), times one prompt's first
-token under a policy, and decodes greedily.
+token under a policy, and decodes greedily. An engine that can also time a plain forward of S
+tokens (`floor_s`) gives the benchmark its floor column: the least a selective pass over S
+recomputed tokens could cost.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,15 +51,34 @@ class BenchEngine(Protocol):
         ...
 
 
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""`--dtype` names the reference engine accepts."""
+
+
 class ReferenceBenchEngine:
-    """The HF reference runner (float32 on CPU unless a device is given)."""
+    """The HF reference runner (float32 on CPU unless a device and dtype are given).
+
+    attention: the linked KV's attention backend (`mpic.kernels.attention`), None = by device.
+    """
 
     name = "reference"
 
-    def __init__(self, model_dir: str, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention: str | None = None,
+    ) -> None:
         from mpic.engine.hf.reference_runner import ReferenceRunner
 
-        self.runner = ReferenceRunner(model_dir, device=device, dtype=torch.float32)
+        self.runner = ReferenceRunner(
+            model_dir, device=device, dtype=DTYPES[dtype], attention_backend=attention
+        )
 
     def cache_image(self, media: bytes) -> str:
         """Entry id of the cached image."""
@@ -72,6 +95,26 @@ class ReferenceBenchEngine:
         """Greedy tokens after the policy's prefill."""
         gen = self.runner.generate(parts, policy, max_new_tokens, stop_at_eos=False)
         return gen.tokens
+
+    @torch.inference_mode()
+    def floor_s(self, num_tokens: int, repeats: int) -> float:
+        """Median seconds of a plain HF forward of `num_tokens` text tokens through the language
+        model (no cache, logits of the last token), after a warm-up: the floor of a selective
+        pass that recomputes that many tokens."""
+        model = self.runner.model
+        vocab = int(model.config.text_config.vocab_size)
+        ids = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(model.device)
+        lm = model.model.language_model
+
+        def once() -> float:
+            start = time.perf_counter()
+            hidden = lm(input_ids=ids, use_cache=False).last_hidden_state
+            int(model.lm_head(hidden[:, -1]).argmax())  # waits for the device
+            return time.perf_counter() - start
+
+        once()
+        return statistics.median(once() for _ in range(repeats))
 
 
 def _vllm_engine(model_dir: str) -> BenchEngine:
@@ -92,8 +135,35 @@ def register_engine(name: str, factory: Callable[[str], BenchEngine]) -> None:
     _ENGINES[name] = factory
 
 
-def get_engine(name: str, model_dir: str) -> BenchEngine:
-    """The engine called `name` over `model_dir`; ValueError listing valid names otherwise."""
+def get_engine(
+    name: str,
+    model_dir: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    attention: str | None = None,
+) -> BenchEngine:
+    """The engine called `name` over `model_dir`; ValueError listing valid names otherwise.
+
+    device, dtype, attention: the reference engine's (ValueError for other engines, which take
+    theirs from their own configuration, or for a CUDA device torch does not see)."""
+    from mpic.kernels.attention import BACKENDS
+
     if name not in _ENGINES:
         raise ValueError(f"unknown engine {name!r}; valid: {', '.join(sorted(_ENGINES))}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if attention is not None and attention not in BACKENDS:
+        raise ValueError(f"unknown attention backend {attention!r}; valid: {', '.join(BACKENDS)}")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: cpu or cuda") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    if name == "reference":
+        return ReferenceBenchEngine(model_dir, device, dtype, attention)
+    if (device, dtype, attention) != ("cpu", "float32", None):
+        raise ValueError(
+            f"--device/--dtype/--attention apply to the reference engine, not {name!r}"
+        )
     return _ENGINES[name](model_dir)

@@ -8,6 +8,12 @@ and the agreement of the first 16 greedy tokens with `full` on the same prompt. 
 on stdout, JSON `{"engine", "model", "results": [...]}` and a PNG of TTFT and KL vs n. Rows also
 carry `cpu_ms`, the process CPU time of the prefill: on a shared, busy host wall-clock TTFT is
 noisy while the CPU time still measures the work.
+
+The floor: for engines that can time a plain forward (`BenchEngine.floor_s`), each row also
+carries `floor_ms`, a plain forward of the row's number of recomputed tokens alone, and
+`floor_ratio` = TTFT / floor: how close the selective pass (plus linking and planning) comes to
+the cost of its own recomputation. `--device cuda --dtype bfloat16` runs the reference engine on
+a GPU (docs/kernels.md has the GPU commands).
 """
 
 from __future__ import annotations
@@ -46,6 +52,18 @@ def _median_cpu_ms(runs: list) -> float | None:
     return statistics.median(cpu) * 1000 if cpu else None
 
 
+def add_floors(engine: BenchEngine, rows: list[dict], repeats: int) -> None:
+    """Set `floor_ms` and `floor_ratio` on every row (None where the engine has no floor)."""
+    floor = getattr(engine, "floor_s", None)
+    cache: dict[int, float] = {}
+    for row in rows:
+        tokens = row["recomputed_tokens"]
+        if floor is not None and tokens not in cache:
+            cache[tokens] = floor(tokens, repeats) * 1000
+        row["floor_ms"] = cache.get(tokens)
+        row["floor_ratio"] = row["ttft_ms"] / cache[tokens] if tokens in cache else None
+
+
 def run_offline(
     engine: BenchEngine, image_counts: list[int], policies: list[str], repeats: int
 ) -> list[dict]:
@@ -81,6 +99,7 @@ def run_offline(
                     "cpu_ms": _median_cpu_ms(runs),
                 }
             )
+    add_floors(engine, rows, repeats)
     return rows
 
 
@@ -100,6 +119,8 @@ def print_table(rows: list[dict]) -> None:
         "vs full",
         "CPU ms",
         "vs full",
+        "floor ms",
+        "vs floor",
         "KL",
         "agree",
     )
@@ -116,6 +137,8 @@ def print_table(rows: list[dict]) -> None:
             _ratio(r, ref, "ttft_ms"),
             "-" if r.get("cpu_ms") is None else f"{r['cpu_ms']:.1f}",
             _ratio(r, ref, "cpu_ms"),
+            "-" if r.get("floor_ms") is None else f"{r['floor_ms']:.1f}",
+            "-" if r.get("floor_ratio") is None else f"{r['floor_ratio']:.2f}x",
             f"{r['kl_vs_full']:.2e}",
             f"{r['token_agreement']:.2f}",
         )
@@ -170,6 +193,16 @@ def command(
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per point (median)."),
     json_out: str = typer.Option(None, "--json", help="Write the results JSON here."),
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
+    device: str = typer.Option("cpu", "--device", help="reference engine: cpu | cuda"),
+    dtype: str = typer.Option(
+        "float32", "--dtype", help="reference engine: float32 | bfloat16 | float16"
+    ),
+    attention: str = typer.Option(
+        None,
+        "--attention",
+        help="reference engine's attention backend: sdpa_runs | flex (default: flex on CUDA, "
+        "sdpa_runs on CPU; see docs/kernels.md).",
+    ),
     threads: int = typer.Option(
         1,
         "--threads",
@@ -191,7 +224,7 @@ def command(
             raise ValueError("--images needs positive counts")
         if not Path(model, "config.json").is_file():
             raise ValueError(f"--model {model!r} is not an HF model folder")
-        bench = get_engine(engine, model)
+        bench = get_engine(engine, model, device, dtype, attention)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -201,7 +234,14 @@ def command(
     rows = run_offline(bench, counts, names, repeats)
     print_table(rows)
     if json_out:
-        doc = {"engine": engine, "model": model, "results": rows}
+        doc = {
+            "engine": engine,
+            "model": model,
+            "device": device,
+            "dtype": dtype,
+            "attention": attention,
+            "results": rows,
+        }
         Path(json_out).write_text(json.dumps(doc, indent=2))
     if plot_out:
         plot(rows, plot_out)

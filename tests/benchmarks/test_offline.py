@@ -17,6 +17,8 @@ KEYS = {
     "kl_vs_full",
     "token_agreement",
     "cpu_ms",
+    "floor_ms",
+    "floor_ratio",
 }
 
 
@@ -66,10 +68,21 @@ def test_fidelity_columns(bench):
         assert rows["mpic-4", n]["kl_vs_full"] > 1e-6
         assert rows["mpic-4", n]["recomputed_tokens"] == rows["mpic-4", n]["prompt_tokens"] - 12 * n
     assert rows["full", 2]["prompt_tokens"] > rows["full", 1]["prompt_tokens"] + 16
+    for r in rows.values():  # a plain forward of the recomputed tokens: timed, positive
+        assert r["floor_ms"] > 0 and r["floor_ratio"] == pytest.approx(r["ttft_ms"] / r["floor_ms"])
 
 
 @pytest.mark.parametrize(
-    "bad", [["--engine", "nope"], ["--policies", "full,bogus"], ["--images", "0"]]
+    "bad",
+    [
+        ["--engine", "nope"],
+        ["--policies", "full,bogus"],
+        ["--images", "0"],
+        ["--dtype", "int4"],
+        ["--attention", "triton"],
+        ["--device", "tpu"],
+        ["--engine", "vllm", "--dtype", "bfloat16"],
+    ],
 )
 def test_bad_options_exit_2(tiny_llava_dir, bad):
     result = CliRunner().invoke(app, ["bench", "offline", "--model", str(tiny_llava_dir), *bad])
