@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-POLICIES = ["full", "mpic-2", "mpic-0", "vlcache-0.5:0.3:0", "cacheblend-15", "full-reuse"]
+POLICIES = ["full", "mpic-2", "mpic-0", "vlcache-0.5:0.25", "cacheblend-15", "full-reuse"]
 FP32_TOL = 2e-3  # TF32-free matmuls, but cuDNN convolutions and kernel orders differ
 
 
@@ -66,21 +66,33 @@ def test_cuda_decode_equals_cpu(runners, policy):
     assert got == want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_flex_equals_sdpa_runs_on_cuda(tiny_model_dir, sample_images, dtype):
-    """Fused path vs oracle: max |logit diff| at the dtype's tolerance."""
-    tol = FP32_TOL if dtype == torch.float32 else 0.1
-    flex = ReferenceRunner(str(tiny_model_dir), "cuda", dtype, attention_backend="flex")
-    oracle = ReferenceRunner(str(tiny_model_dir), "cuda", dtype, attention_backend="sdpa_runs")
+def test_fused_flex_equals_sdpa_runs_on_cuda(tiny_model_dir, sample_images):
+    """Fused path vs oracle at the dtype's tolerance: in fp32 flex = sdpa_runs; in bf16 flex is
+    as close to the fp32 oracle as bf16 sdpa_runs is (bf16 rounding through the layers is the
+    tolerance: on the CPU small models both are ~0.4 from fp32, 0.27 apart)."""
+    path = str(tiny_model_dir)
+    oracle = ReferenceRunner(path, "cuda", torch.float32, attention_backend="sdpa_runs")
+    flex32 = ReferenceRunner(path, "cuda", torch.float32, attention_backend="flex")
+    sdpa16 = ReferenceRunner(path, "cuda", torch.bfloat16, attention_backend="sdpa_runs")
+    flex16 = ReferenceRunner(path, "cuda", torch.bfloat16, attention_backend="flex")
     ids = []
     for img in sample_images[:2]:
-        entry = flex.cache_image(_png(img))
-        oracle.add_entry(entry)
+        entry = oracle.cache_image(_png(img))
+        flex32.add_entry(entry)
+        low = sdpa16.cache_image(_png(img))
+        flex16.add_entry(low)
         ids.append(entry.entry_id)
     for policy in POLICIES:
-        diff = flex.prefill(_parts(ids), policy).logits - oracle.prefill(_parts(ids), policy).logits
-        print(f"{dtype} {policy}: max |logit diff| flex vs sdpa_runs = {diff.abs().max():.2e}")
-        assert float(diff.abs().max()) <= tol
+        want = oracle.prefill(_parts(ids), policy).logits
+        fp32 = (flex32.prefill(_parts(ids), policy).logits - want).abs().max()
+        bf16_flex = (flex16.prefill(_parts(ids), policy).logits.float() - want).abs().max()
+        bf16_sdpa = (sdpa16.prefill(_parts(ids), policy).logits.float() - want).abs().max()
+        print(
+            f"{tiny_model_dir.name} {policy}: max |logit diff| to the fp32 oracle: flex fp32 "
+            f"{fp32:.2e}, flex bf16 {bf16_flex:.3f}, sdpa_runs bf16 {bf16_sdpa:.3f}"
+        )
+        assert float(fp32) <= FP32_TOL
+        assert float(bf16_flex) <= 1.5 * float(bf16_sdpa) + 0.05
 
 
 class _SyncGuard:
