@@ -47,7 +47,13 @@ def link_and_prefill(
         ran |= plan.is_text
     hook = policy.layer_hook(plan, adapter.num_layers)
     link_entries(
-        linked_kv, plan, entries, adapter.rope, adapter.num_layers, every_item=hook is not None
+        linked_kv,
+        plan,
+        entries,
+        adapter.rope,
+        adapter.num_layers,
+        every_item=hook is not None,
+        device=adapter.device,  # rotate where the model runs (entries may come from storage)
     )
     index = torch.nonzero(plan.recompute_depth > 0).flatten()
     embeds = gather_input_embeds(adapter, plan, entries, index)
