@@ -72,3 +72,13 @@ def test_zero_delta_is_bit_exact():
     mixed[:, :5] += 3
     out = rotate_keys(keys, pos, mixed, ROPE_M)
     assert torch.equal(out[:, 5:], keys[:, 5:])
+
+
+@pytest.mark.parametrize("rope", [ROPE_1D, ROPE_M], ids=["1d", "mrope"])
+def test_rotation_follows_the_keys_device(rope):
+    """Plan positions are host tensors; keys may live elsewhere (CUDA in the reference runner;
+    the meta device here stands for any other device): the result stays with the keys."""
+    keys = torch.empty(3, 5, 2, rope.head_dim, device="meta")
+    old = torch.arange(5) if rope.mrope_section is None else torch.arange(5).expand(3, 5)
+    out = rotate_keys(keys, old, old + 7, rope)
+    assert out.device.type == "meta" and out.shape == keys.shape
