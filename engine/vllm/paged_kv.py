@@ -33,16 +33,7 @@ import torch
 from torch import nn
 
 from mpic.kernels.attention import SelectiveAttention, default_backend_name
-
-
-def contiguous_runs(index: torch.Tensor) -> list[tuple[int, int]]:
-    """Ascending int64 [S] -> [(a, b), ...]: maximal runs with index[a:b] consecutive."""
-    index = index.cpu()
-    if index.numel() == 0:
-        return []
-    breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
-    edges = [0, *breaks.tolist(), int(index.numel())]
-    return list(zip(edges[:-1], edges[1:], strict=True))
+from mpic.kernels.sdpa_runs import query_runs as contiguous_runs
 
 
 class PagedKVOps(ABC):
