@@ -3,14 +3,16 @@ the CUDA default, selectable on CPU).
 
 The mask is the exact causal rule by prompt index, `kv_idx <= q_index[q_idx]`, as a FlexAttention
 block mask built once per query set (`prepare`: once per request in an MPIC pass, shared by all
-layers); key blocks past a query block's last index are skipped by the fused kernel. On CUDA the
+layers) on the indices' device without reading them back (no host sync on CUDA); key blocks past
+a query block's last index are skipped by the fused kernel. On CUDA the
 call is `torch.compile`d (a fused Triton kernel; head sizes that are not a power of two, e.g. 80,
 are zero-padded to the next one, which leaves q.k and the output unchanged). On CPU it runs eager
 by default (FlexAttention's reference path materialises the S x N scores: correct, not fast);
 `FlexBackend(compile=True)` compiles there too (~11 s on the first call).
 
 Shapes: q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D]; GQA through `enable_gqa`. A single
-query (decode) needs no mask: it is one SDPA call over keys [0, i].
+query (decode) is one SDPA call over keys [0, i] (host index) or over all keys with a [1, N]
+mask (device index).
 """
 
 from __future__ import annotations
@@ -42,26 +44,38 @@ class FlexState:
     block_mask: BlockMask | None
     """Mask over [S, kv_len]; None for a single query."""
     kv_len: int
-    """Keys [0, kv_len) can be visible: max(q_index) + 1."""
+    """Keys [0, kv_len) are passed to the kernel: max(q_index) + 1 for host indices, all keys
+    for device indices (reading the maximum would sync; the mask skips the rest)."""
+    single_mask: torch.Tensor | None = None
+    """bool [1, kv_len] for a single query on a device (key j visible iff j <= its index)."""
 
 
 class FlexBackend(AttentionBackend):
     """One FlexAttention call per layer (see the module docstring).
 
-    compile: None = compiled on CUDA, eager elsewhere; True/False to force.
+    compile: None = compiled on CUDA, eager elsewhere; True/False to force. read_indices: None =
+    bound the keys by max(q_index) only where the indices are host tensors (reading device
+    indices would sync); False never reads them (the sync-free path, also testable on CPU).
     """
 
     name = "flex"
 
-    def __init__(self, compile: bool | None = None, block_size: int = 128) -> None:
+    def __init__(
+        self, compile: bool | None = None, block_size: int = 128, read_indices: bool | None = None
+    ) -> None:
         self.compile = compile
         self.block_size = block_size
+        self.read_indices = read_indices
 
     def prepare(self, q_index: torch.Tensor, num_keys: int) -> FlexState:
-        """Block mask of `kv_idx <= q_index[q_idx]` (reads max(q_index) on the host once)."""
-        kv_len = min(int(q_index[-1]) + 1, num_keys)
+        """Block mask of `kv_idx <= q_index[q_idx]`, built on q_index's device without a sync."""
+        on_host = q_index.device.type == "cpu" if self.read_indices is None else self.read_indices
+        kv_len = min(int(q_index[-1]) + 1, num_keys) if on_host else num_keys
         if q_index.numel() == 1:
-            return FlexState(None, kv_len)
+            if on_host:
+                return FlexState(None, kv_len)
+            keys = torch.arange(kv_len, device=q_index.device)
+            return FlexState(None, kv_len, (keys <= q_index)[None])
 
         def causal_by_index(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return kv_idx <= q_index[q_idx]
@@ -93,7 +107,10 @@ class FlexBackend(AttentionBackend):
         kh = keys[: state.kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
         vh = values[: state.kv_len].transpose(0, 1)[None]
         if state.block_mask is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+            mask = state.single_mask
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
             return out[0].transpose(0, 1)
         compiled = q.is_cuda if self.compile is None else self.compile
         if not compiled:

@@ -78,6 +78,19 @@ def test_keys_after_the_last_query_are_never_seen(backend):
     torch.testing.assert_close(selected_attention(q, index, k, v, backend=backend), before)
 
 
+@pytest.mark.parametrize(
+    "index", [_mpic_like_index(300), torch.tensor([123])], ids=["runs", "decode"]
+)
+def test_flex_without_reading_the_indices_equals_oracle(index):
+    """The CUDA path never reads q_index back (no sync): all keys go in, the mask bounds them."""
+    q, k, v = _case(300, 8, 2, 64, index, torch.float32)
+    impl = FlexBackend(read_indices=False)
+    state = impl.prepare(index, 300)
+    assert state.kv_len == 300
+    out = impl.attend(state, q, k, v)
+    torch.testing.assert_close(out, selected_attention(q, index, k, v), rtol=1e-5, atol=1e-5)
+
+
 def test_mask_prepared_once_per_query_set():
     calls = []
 
