@@ -17,7 +17,8 @@ The seam: one abstract `AttentionBackend`, one module per backend (as LMCache's
   CUDA (the CUDA default), eager on CPU.
 
 A backend splits the work in two: `prepare` (once per set of active queries: runs, masks, the
-key bound; may read the indices on the host once) and `attend` (per layer; no host syncs).
+key bound; `sdpa_runs` reads the indices on the host once, `flex` reads device indices never)
+and `attend` (per layer; no host syncs).
 `SelectiveAttention` holds one request's prepared state and rebuilds it only when the caller
 passes a different query-index tensor object, so layers that share an index share the mask.
 """
