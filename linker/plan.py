@@ -1,9 +1,10 @@
 """Link plans: from a rendered, tokenized interleaved prompt to a `LinkPlan` (docs/design.md "Link
 plan"; linker, runs in the Serve replica / reference runner before any KV is touched).
 
-Input: the prompt's token ids with ONE placeholder id per image (`mpic.linker.prompt`) and the
-cache entries the placeholders refer to, in order. Each placeholder is expanded to the entry's T
-tokens carrying the model's image token id, at the positions of the family's rules
+Input: the prompt's token ids with ONE placeholder id per item (`mpic.linker.prompt`: the image
+token id per image, `DOCUMENT_PLACEHOLDER` per document) and the cache entries the placeholders
+refer to, in order. Each placeholder is expanded to the entry's T tokens (an image's carry the
+model's image token id, a document's its own token ids), at the positions of the family's rules
 (`mpic.linker.positions`). Every token starts with recompute depth 0; a policy sets the depths.
 Bad input (unknown entry, entry of another model, too long) raises a typed error here, before
 anything is computed or written.
@@ -17,6 +18,7 @@ import torch
 
 from mpic.errors import InvalidRequestError, NotFoundError, PromptTooLongError
 from mpic.linker.positions import item_extent, item_positions, text_positions
+from mpic.linker.prompt import DOCUMENT_PLACEHOLDER
 from mpic.model_spec import ModelSpec
 from mpic.types import CacheEntry, LinkPlan
 
@@ -36,15 +38,36 @@ def resolve_entries(
 
 
 def linked_length(
-    token_ids: Sequence[int], items: Sequence[CacheEntry], image_token_id: int
+    token_ids: Sequence[int], items: Sequence[CacheEntry], image_token_id: int | None
 ) -> int:
-    """N, the prompt length after expanding each placeholder to its entry's T tokens."""
-    placeholders = sum(1 for t in token_ids if t == image_token_id)
-    if placeholders != len(items):
+    """N, the prompt length after expanding each placeholder to its entry's T tokens.
+
+    InvalidRequestError when the placeholders do not match the items in number or kind (an image
+    reference to a document's entry or the reverse)."""
+    kinds = [
+        "text" if t == DOCUMENT_PLACEHOLDER else "image"
+        for t in token_ids
+        if t == DOCUMENT_PLACEHOLDER or t == image_token_id
+    ]
+    if len(kinds) != len(items):
         raise InvalidRequestError(
-            f"the prompt has {placeholders} image placeholders but {len(items)} image references"
+            f"the prompt has {len(kinds)} item placeholders but {len(items)} item references"
         )
-    return len(token_ids) - placeholders + sum(e.num_tokens for e in items)
+    for kind, entry in zip(kinds, items, strict=True):
+        if entry.media_type != kind:
+            raise InvalidRequestError(
+                f"entry {entry.entry_id!r} is a cached {entry.media_type} item, referenced as "
+                f"{'a document' if kind == 'text' else 'an image'}",
+                param="messages",
+            )
+    return len(token_ids) - len(kinds) + sum(e.num_tokens for e in items)
+
+
+def item_token_ids(spec: ModelSpec, entry: CacheEntry) -> torch.Tensor:
+    """int64 [T]: the prompt ids of an entry's tokens (a document's own ids, else the image id)."""
+    if entry.media_type == "text":
+        return torch.as_tensor(entry.extra["token_ids"], dtype=torch.int64)
+    return torch.full((entry.num_tokens,), int(spec.image_token_id or 0), dtype=torch.int64)
 
 
 def build_plan(
@@ -55,8 +78,9 @@ def build_plan(
 ) -> LinkPlan:
     """Expand placeholders into item tokens and lay out positions (recompute depth 0 everywhere).
 
-    token_ids: the rendered prompt, one `spec.image_token_id` per image; items: the entry of each
-    placeholder in order (an entry may repeat). Raises PromptTooLongError when
+    token_ids: the rendered prompt, one `spec.image_token_id` per image and one
+    `DOCUMENT_PLACEHOLDER` per document; items: the entry of each placeholder in order (an
+    entry may repeat). Raises PromptTooLongError when
     N + max_new_tokens > spec.max_model_len, InvalidRequestError for an entry of another model.
     """
     for entry in items:
@@ -84,7 +108,7 @@ def build_plan(
             next_pos += count
 
     for i, tok in enumerate(token_ids):
-        if tok != spec.image_token_id:
+        if tok != spec.image_token_id and tok != DOCUMENT_PLACEHOLDER:
             continue
         flush_text(i)
         run_start = i + 1
@@ -92,7 +116,7 @@ def build_plan(
         if entry.entry_id not in entry_ids:
             entry_ids.append(entry.entry_id)
         t = entry.num_tokens
-        ids.append(torch.full((t,), spec.image_token_id, dtype=torch.int64))
+        ids.append(item_token_ids(spec, entry))
         pos.append(item_positions(spec.family, entry, next_pos))
         src.append(torch.full((t,), entry_ids.index(entry.entry_id), dtype=torch.int64))
         off.append(torch.arange(t, dtype=torch.int64))
