@@ -70,8 +70,12 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["reference", "vllm"] = Field(
-        "reference", description="reference: the HF reference runner; vllm: vLLM + MPIC connector."
+    kind: str = Field(
+        "reference",
+        pattern=r"^(reference|vllm|fake|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        description="reference: the HF reference runner; vllm: vLLM + MPIC connector; fake: "
+        "a deterministic model-free engine for HTTP tests; or 'package.module:Class' of any "
+        "`ServeEngine` subclass.",
     )
     model: str = Field(
         ".mpic/models/llava-small",
@@ -84,6 +88,19 @@ class EngineConfig(BaseModel):
         None,
         description="System prompt of the canonical context entries are cached in (and of "
         "prompts without a system message); None: the chat template's default.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="vLLM: context limit (None: the model's)."
+    )
+    max_num_seqs: int = Field(16, ge=1, description="vLLM: largest batch of running requests.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="vLLM: fraction of GPU memory vLLM may use."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one model spans.")
+    enforce_eager: bool = Field(True, description="vLLM: no CUDA graphs / torch.compile.")
+    log_stats: bool = Field(True, description="vLLM: its own Prometheus stats.")
+    fake_token_delay_s: float = Field(
+        0.0, ge=0, description="fake engine only: sleep between tokens (streaming tests)."
     )
 
 

@@ -59,10 +59,12 @@ class ServeEngine(ABC):
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Async generator: link `entries` (every id of `prompt.entry_ids`, loaded by the
-        worker), prefill selectively by `prompt.policy`, decode greedily, one TokenEvent per
-        piece as it is decoded; ends with a DoneEvent (its `fallbacks`: entries the engine
-        recomputed; the worker adds its tier_hits and own fallbacks). Must not block the event
-        loop. InvalidRequestError for a prompt over the context length."""
+        worker), prefill selectively by `prompt.policy`, decode by `prompt.sampling` (greedy at
+        temperature 0; seeded sampling, top_p, penalties, stop strings, logprobs: every field
+        honoured), one TokenEvent per piece as it is decoded; ends with a DoneEvent (its
+        `fallbacks`: entries the engine recomputed; the worker adds its tier_hits and own
+        fallbacks). Must not block the event loop. InvalidRequestError for a prompt over the
+        context length."""
 
     def engine_stats(self) -> dict[str, int]:
         """Engine-specific counters for tests and operators (none by default)."""
@@ -79,7 +81,9 @@ class ServeEngine(ABC):
 ENGINES = {
     "reference": "mpic.deployments.reference_engine:ReferenceServeEngine",
     "vllm": "mpic.deployments.vllm_serve_engine:VllmServeEngine",
+    "fake": "mpic.deployments.fake_engine:FakeServeEngine",
 }
+"""Built-in engine names; `engine.kind` may also be any 'package.module:Class' path."""
 
 
 Role = Literal["encoder", "worker"]
@@ -88,7 +92,16 @@ not (the vLLM engine starts no vLLM in an encoder)."""
 
 
 def build_engine(cfg: EngineConfig, store: StorageConfig, role: Role) -> ServeEngine:
-    """Instantiate the engine `cfg.kind` names (imports it lazily: vLLM only when asked)."""
-    module, _, name = ENGINES[cfg.kind].partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    """Instantiate the engine `cfg.kind` names: a built-in name or a 'module:Class' path
+    (imported lazily: vLLM only when asked). InvalidRequestError for a path that does not name a
+    `ServeEngine` subclass."""
+    module, _, name = ENGINES.get(cfg.kind, cfg.kind).partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidRequestError(f"engine.kind {cfg.kind!r}: {exc}", param="engine.kind") from exc
+    if not (isinstance(cls, type) and issubclass(cls, ServeEngine)):
+        raise InvalidRequestError(
+            f"engine.kind {cfg.kind!r} is not a ServeEngine subclass", param="engine.kind"
+        )
     return cls(cfg, store, role)

@@ -38,6 +38,22 @@ class LinkedTurn:
 
 
 @dataclass
+class Sampling:
+    """How to pick tokens (OpenAI's sampling fields, validated by the ingress); every engine
+    honours all of them. temperature 0 is greedy; `seed` makes sampling reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the answer; the matched stop string is not part of it."""
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely."""
+
+
+@dataclass
 class LinkedPrompt:
     """What the worker generates from: resolved turns, policy, decoding budget."""
 
@@ -46,6 +62,9 @@ class LinkedPrompt:
     max_tokens: int
     retrieved: list[str] = field(default_factory=list)
     """Entry ids the retriever added (reported back to the client)."""
+    sampling: Sampling = field(default_factory=Sampling)
+    request_id: str = ""
+    """The ingress's request id (logged by every deployment that handles the request)."""
 
     @property
     def entry_ids(self) -> list[str]:
@@ -69,10 +88,20 @@ class EncodedImage:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token with its logprob and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
 class TokenEvent:
-    """A piece of generated text."""
+    """A piece of generated text (and, when asked for, the logprobs of its tokens)."""
 
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

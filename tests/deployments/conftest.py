@@ -135,3 +135,13 @@ def chat(app: ServeApp, key: str, content: list, policy: str = "mpic-4", **body)
     return httpx.post(
         f"{app.url}/v1/chat/completions", headers=app.headers(key), json=payload, timeout=120
     )
+
+
+@pytest.fixture
+def fake_app(tmp_path: Path):
+    """The application in-process on the fake engine (no Ray, no model): HTTP tests in ms.
+    Same keys as `serve_app`; a fresh store per test."""
+    from tests.deployments.inprocess import fake_config, in_process_app
+
+    with in_process_app(fake_config(tmp_path / "store"), KEYS, [ADMIN_KEY]) as app:
+        yield app
