@@ -24,7 +24,7 @@ import typer
 from mpic.errors import MPICError
 
 T = TypeVar("T")
-app = typer.Typer(no_args_is_help=True, help="MPIC administration: dynamic library.")
+app = typer.Typer(no_args_is_help=True, help="MPIC administration: dynamic library, file sweeper.")
 library_app = typer.Typer(no_args_is_help=True, help="Dynamic-library collections (MRAG).")
 app.add_typer(library_app, name="library")
 
@@ -285,6 +285,38 @@ def search(
     typer.echo(f"{result.collection}@{result.version}")
     for h in result.hits:
         typer.echo(f"{h.score:+.4f}  {h.item_id}  {h.name}  {h.caption}")
+
+
+@app.command("sweep")
+def sweep(
+    store: StoreOpt = None,
+    server: ServerOpt = None,
+    api_key: KeyOpt = None,
+    grace_s: Annotated[
+        float | None,
+        typer.Option("--grace-s", min=0, help="Unreferenced blobs younger than this stay."),
+    ] = None,
+) -> None:
+    """Expire uploaded files past their TTL and delete the entries and media no live file or
+    library version references, from the object store (and, with --server, from the LLM
+    worker's memory and disk tiers too). Prints the sweep report as JSON."""
+
+    def go():
+        if server:
+            return _client(server, api_key).sweep()
+        from mpic.deployments.files import open_library
+        from mpic.storage.config import StorageConfig
+
+        cfg = StorageConfig(url=store) if store else StorageConfig()
+        if grace_s is not None:
+            cfg = cfg.model_copy(update={"sweep_grace_s": grace_s})
+        if cfg.url is None and cfg.s3 is None:
+            from mpic.config import MPICHome
+
+            cfg = cfg.model_copy(update={"url": MPICHome().store_dir.resolve().as_uri()})
+        return open_library(cfg).sweep().model_dump()
+
+    typer.echo(json.dumps(_run(go), indent=1))
 
 
 def main() -> None:

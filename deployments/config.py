@@ -83,6 +83,9 @@ class EngineConfig(BaseModel):
     )
     family: Literal["llava", "qwen2-vl"] = Field("llava", description="Family of that model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
+    served_model_name: str = Field(
+        "mpic", min_length=1, description="The model id of /v1/models; requests must name it."
+    )
     max_tokens_default: int = Field(16, ge=1, description="max_tokens when a request omits it.")
     system_prompt: str | None = Field(
         None,
@@ -126,6 +129,16 @@ class ServeAppConfig(BaseModel):
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     default_policy: str = Field("mpic-32", description="Policy when `mpic.policy` is absent.")
+    sweep_interval_s: float = Field(
+        300.0,
+        ge=0,
+        description="Every LLM worker runs the file sweeper this often (expire files past their "
+        "TTL, delete unreferenced entries and media from every tier); 0: only on demand "
+        "(`mpic-admin sweep`, POST /v1/admin/sweep).",
+    )
+    log_encoding: Literal["JSON", "TEXT"] = Field(
+        "JSON", description="Serve replica logs: JSON lines carrying the request id, or text."
+    )
     default_collection: str = Field(
         "default", description='Collection `"retrieval": "auto"` searches.'
     )

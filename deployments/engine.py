@@ -15,6 +15,7 @@ lock, so an engine that batches (vLLM's `AsyncLLM`) serves concurrent requests t
 from __future__ import annotations
 
 import importlib
+import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -25,6 +26,10 @@ from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
+
+MAX_POLICY_NUMBER = 1 << 20
+"""Largest number a policy name may carry (`mpic-<k>`: k selected tokens per item): more than
+any context, and far from integer overflow."""
 
 
 class ServeEngine(ABC):
@@ -72,9 +77,15 @@ class ServeEngine(ABC):
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (listing the valid names) unless `policy` is a registered one."""
+        too_big = [int(n) for n in re.findall(r"\d+", policy) if int(n) > MAX_POLICY_NUMBER]
+        if too_big:
+            raise InvalidRequestError(
+                f"policy {policy!r}: {too_big[0]} is out of range (at most {MAX_POLICY_NUMBER})",
+                param="mpic.policy",
+            )
         try:
             get_policy(policy)
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:
             raise InvalidRequestError(str(exc), param="mpic.policy") from exc
 
 

@@ -37,7 +37,7 @@ FAKE_VOCAB = tuple(
 )
 """Words every fake vocabulary holds besides the prompt's own (what sampling may pick)."""
 EOS = "<eos>"
-ECHO_BONUS = 12.0
+ECHO_BONUS = 3.0
 """How much the fake logits prefer the next echo word (greedy always picks it)."""
 CONTEXT_LIMIT = 4096
 

@@ -2,16 +2,38 @@
 
 A thin view over `mpic.storage.static_library.StaticLibrary` (per-user namespaces, TTL,
 NotFoundError for unknown or foreign ids, ExpiredError after the TTL) that speaks OpenAI file
-objects. Every replica opens its own view over the shared object store, so file records written
-by the worker on one node are visible to the ingress and linker on any other.
+objects: list pagination (`limit`, `after`, `purpose`, `order`), the media bytes
+(`/v1/files/{id}/content`), expiry updates, and the "lost" state of a file whose entry and media
+are both gone from the store (410 on use, `status: "lost"` in list/retrieve, never a 500).
+Every replica opens its own view over the shared object store, so file records written by the
+worker on one node are visible to the ingress and linker on any other.
 """
 
 from __future__ import annotations
 
-from mpic.deployments.schemas import FileObject
+import logging
+import threading
+from typing import Literal
+
+from mpic.deployments.schemas import FileList, FileObject
+from mpic.errors import ExpiredError, InvalidRequestError
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
-from mpic.storage.static_library import FileRecord, StaticLibrary
+from mpic.storage.object_store import ObjectNotFoundError
+from mpic.storage.static_library import FileRecord, StaticLibrary, SweepReport
+
+logger = logging.getLogger(__name__)
+
+LOST_MESSAGE = (
+    "the cached data and the media of file {id!r} are lost from the store; upload the image "
+    "again (a new file id)"
+)
+
+
+class FileLostError(ExpiredError):
+    """A file whose entry and media are both gone (HTTP 410, code `file_lost`)."""
+
+    code = "file_lost"
 
 
 def open_library(cfg: StorageConfig, entries: EntryStore | None = None) -> StaticLibrary:
@@ -31,8 +53,9 @@ def open_library(cfg: StorageConfig, entries: EntryStore | None = None) -> Stati
     )
 
 
-def file_object(rec: FileRecord) -> FileObject:
+def file_object(rec: FileRecord, lost: bool = False) -> FileObject:
     """OpenAI file object of a catalog record."""
+    status = "lost" if lost else "processed" if rec.status == "active" else "expired"
     return FileObject(
         id=rec.file_id,
         bytes=rec.bytes,
@@ -41,29 +64,112 @@ def file_object(rec: FileRecord) -> FileObject:
         filename=rec.name,
         purpose=rec.purpose,
         tokens=rec.token_count,
-        status="processed" if rec.status == "active" else "expired",
+        status=status,
+        status_details=LOST_MESSAGE.format(id=rec.file_id) if lost else None,
     )
 
 
 class FileCatalog:
-    """get / list / delete / resolve in the caller's namespace, as OpenAI file objects."""
+    """get / list / content / update / delete / resolve in the caller's namespace."""
 
     def __init__(self, cfg: StorageConfig) -> None:
         self.library = open_library(cfg)
 
     def get(self, user: str, file_id: str) -> FileObject:
-        """404 unknown or foreign, 410 expired."""
-        return file_object(self.library.get(user, file_id))
+        """404 unknown or foreign, 410 expired; a lost file is returned with status "lost"."""
+        rec = self.library.get(user, file_id)
+        return file_object(rec, self.library.is_lost(rec))
 
-    def list(self, user: str) -> list[FileObject]:
-        """The caller's live files, oldest first."""
-        return [file_object(r) for r in self.library.list_files(user)]
+    def list(
+        self,
+        user: str,
+        limit: int = 10000,
+        after: str | None = None,
+        purpose: str | None = None,
+        order: Literal["asc", "desc"] = "asc",
+    ) -> FileList:
+        """The caller's live files (OpenAI pagination: `after` is the last id of the previous
+        page, in the same `order` by creation time); 400 for an `after` not in the list."""
+        recs = self.library.list_files(user)
+        if order == "desc":
+            recs.reverse()
+        if purpose is not None:
+            recs = [r for r in recs if r.purpose == purpose]
+        if after is not None:
+            ids = [r.file_id for r in recs]
+            if after not in ids:
+                raise InvalidRequestError(f"after: no such file {after!r}", param="after")
+            recs = recs[ids.index(after) + 1 :]
+        page = [file_object(r, self.library.is_lost(r)) for r in recs[:limit]]
+        return FileList(
+            data=page,
+            has_more=len(recs) > limit,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+        )
+
+    def content(self, user: str, file_id: str) -> tuple[bytes, str, str]:
+        """(media bytes, MIME type, file name) of a live file; 410 when the media is lost."""
+        rec = self.library.get(user, file_id)
+        try:
+            return self.library.objects.get(rec.media_key), rec.media_type, rec.name
+        except ObjectNotFoundError:
+            raise FileLostError(
+                f"the media of file {file_id!r} is lost from the store", param="file_id"
+            ) from None
+
+    def update_expiry(self, user: str, file_id: str, expires_at: float) -> FileObject:
+        """Move a live file's expiry (400 outside (now, now + max TTL], 404, 410)."""
+        return file_object(self.library.update_expiry(user, file_id, expires_at))
 
     def delete(self, user: str, file_id: str) -> None:
         """404 unknown or foreign."""
         self.library.delete_file(user, file_id)
 
     def resolve(self, user: str, file_id: str) -> tuple[str, str]:
-        """(entry id, media sha256) a chat request links for `file_id` (404 / 410 as `get`)."""
+        """(entry id, media sha256) a chat request links for `file_id` (404 / 410 as `get`;
+        410 `file_lost` when its entry and media are both gone)."""
         rec = self.library.get(user, file_id)
+        if self.library.is_lost(rec):
+            raise FileLostError(LOST_MESSAGE.format(id=file_id), param="file_id")
         return rec.entry_key, rec.content_hash
+
+
+class Sweeper:
+    """Runs `StaticLibrary.sweep` every `interval_s` on a daemon thread (LLM-worker replicas,
+    whose library reaches every tier: its memory tier, the node's disk tier and the object
+    store), and on demand (`sweep_now`). Sweeps never overlap within a replica; sweeps of two
+    replicas may (both only delete what no live record references)."""
+
+    def __init__(self, library: StaticLibrary, interval_s: float) -> None:
+        self.library, self.interval_s = library, interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.last: SweepReport | None = None
+        if interval_s > 0:
+            threading.Thread(target=self._loop, name="mpic-sweeper", daemon=True).start()
+
+    def sweep_now(self) -> SweepReport:
+        """One sweep; logs what it removed."""
+        with self._lock:
+            report = self.library.sweep()
+        if report.expired or report.blobs_deleted or report.tombstones_removed:
+            logger.info(
+                "sweep: %d file(s) expired, %d blob(s) deleted, %d tombstone(s) removed",
+                len(report.expired),
+                len(report.blobs_deleted),
+                report.tombstones_removed,
+            )
+        self.last = report
+        return report
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sweep_now()
+            except Exception:  # noqa: BLE001 - the next round retries; never kill the replica
+                logger.exception("sweep failed")
+
+    def stop(self) -> None:
+        """End the background loop."""
+        self._stop.set()

@@ -1,8 +1,10 @@
 """Typed errors -> OpenAI-style JSON error bodies (Ingress replica).
 
 `install_error_handlers(app)` maps `mpic.errors.MPICError` subclasses to their own HTTP status
-(401/403/404/410/413/415/400), request-body validation failures to 422, and unexpected
-exceptions to 500, always as `{"error": {"message", "type", "param", "code"}}`.
+(401/403/404/410/413/415/400), request validation failures to 400 (as OpenAI and vLLM answer,
+`param` naming the offending field), and unexpected exceptions to 500, always as
+`{"error": {"message", "type", "param", "code"}}`. `error_body` gives the same body for an error
+raised after a stream started (sent as an SSE `data:` event before the stream closes).
 """
 
 from __future__ import annotations
@@ -15,9 +17,47 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mpic.deployments.schemas import ErrorBody, ErrorDetail
-from mpic.errors import MPICError
+from mpic.errors import MPICError, NotFoundError
 
 logger = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(NotFoundError):
+    """A request names a model this deployment does not serve (HTTP 404, like OpenAI)."""
+
+    code = "model_not_found"
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The typed error inside a Ray task/actor error (a replica's exception as the caller
+    sees it), else `exc`."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, MPICError):
+        return cause
+    for attr in ("as_instanceof_cause",):
+        try:
+            inner = getattr(exc, attr)()
+        except Exception:  # noqa: BLE001 - not a Ray error
+            continue
+        if isinstance(inner, MPICError):
+            return inner
+    return exc
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status an exception answers with (500 for untyped ones)."""
+    exc = _unwrap(exc)
+    return exc.status if isinstance(exc, MPICError) else 500
+
+
+def error_body(exc: BaseException) -> ErrorBody:
+    """The OpenAI error body of any exception (untyped: a generic 500 message)."""
+    exc = _unwrap(exc)
+    if isinstance(exc, MPICError):
+        detail = ErrorDetail(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+    else:
+        detail = ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error")
+    return ErrorBody(error=detail)
 
 
 def error_response(
@@ -34,6 +74,13 @@ def mpic_error_response(exc: MPICError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
 
 
+def validation_param(error: dict) -> str | None:
+    """The field a pydantic error is about, dotted (`messages.0.content`); the body/query
+    prefix is dropped."""
+    loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    return ".".join(loc) or None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers on `app`."""
 
@@ -43,10 +90,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"malformed request: {first.get('msg', 'invalid body')}"
-        return error_response(422, message, "invalid_request_error", "invalid_body", param)
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = validation_param(first)
+        if first.get("type") == "extra_forbidden":
+            message = f"unrecognized request field: {param}"
+        else:
+            where = f"{param}: " if param else ""
+            message = f"invalid request: {where}{first.get('msg', 'invalid body')}"
+        return error_response(400, message, "invalid_request_error", "invalid_request", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -56,5 +108,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        inner = _unwrap(exc)
+        if isinstance(inner, MPICError):  # a replica's typed error, wrapped by Ray
+            return mpic_error_response(inner)
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None)

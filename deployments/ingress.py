@@ -3,17 +3,23 @@
 Only small things cross HTTP: image bytes on upload, text and ids on queries. The ingress hands
 image bytes to the Encoder, chains the Encoder's result (an ObjectRef, never materialised here)
 into the LLM worker, asks the Resolver to resolve a chat request, and streams the worker's tokens.
+
+Every request carries a request id (Serve's, taken from an `X-Request-ID` header when the client
+sends one): it is in every log line of every deployment that handles the request (Serve's JSON
+logs), in the `LinkedPrompt` the engine receives, and in the `x-request-id` response header.
+Every request is counted by route template and outcome (`mpic.deployments.metrics`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
-from fastapi import FastAPI, File, Form, Header, UploadFile
+from fastapi import FastAPI, File, Form, Header, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -21,23 +27,34 @@ from ray.serve.handle import DeploymentHandle
 from mpic.deployments.auth import KeyRing, Principal
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.files import FileCatalog
-from mpic.deployments.http_errors import install_error_handlers
-from mpic.deployments.messages import DoneEvent, TokenEvent
-from mpic.deployments.metrics import ServeMetrics
+from mpic.deployments.http_errors import (
+    ModelNotFoundError,
+    error_body,
+    install_error_handlers,
+    status_of,
+)
+from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
+from mpic.deployments.metrics import ServeMetrics, gather_cluster_metrics
 from mpic.deployments.schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
     FileDeleted,
+    FileExpiryUpdate,
     FileList,
     FileObject,
+    LogprobContent,
+    Model,
+    ModelList,
     PromptTokensDetails,
     RefreshBody,
     RollbackBody,
+    TopLogprob,
     Usage,
 )
 from mpic.errors import PayloadTooLargeError
@@ -47,27 +64,85 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="MPIC serve", version="0.1.0")
 install_error_handlers(app)
 
+_METRICS: list[ServeMetrics] = []
+
 
 # Helpers must be defined above the class: `serve.ingress` serializes the class when it is
 # decorated, with the module globals that exist at that moment.
-def _usage(done: DoneEvent) -> Usage:
+def _metrics() -> ServeMetrics:
+    """This process's metrics object (created in the replica, never pickled)."""
+    if not _METRICS:
+        _METRICS.append(ServeMetrics())
+    return _METRICS[0]
+
+
+def _request_id(header: str | None) -> str:
+    """Serve's request id (from `X-Request-ID` when sent), else the header, else a new one."""
+    try:
+        rid = serve.context._get_serve_request_context().request_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (in-process tests)
+        rid = ""
+    return rid or header or uuid.uuid4().hex
+
+
+@app.middleware("http")
+async def _count(request: Request, call_next):
+    """Count every request by route template and outcome; echo the request id."""
+    rid = _request_id(request.headers.get("x-request-id"))
+    request.state.request_id = rid
+    try:
+        response = await call_next(request)
+    except Exception:
+        _metrics().request(_route(request), "500")
+        raise
+    outcome = "ok" if response.status_code < 400 else str(response.status_code)
+    _metrics().request(_route(request), outcome)
+    response.headers["x-request-id"] = rid
+    return response
+
+
+def _route(request: Request) -> str:
+    route = request.scope.get("route")
+    return getattr(route, "path", "unmatched")
+
+
+def _usage(done: DoneEvent, completion_tokens: int | None = None) -> Usage:
+    out = done.completion_tokens if completion_tokens is None else completion_tokens
     return Usage(
         prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
+        completion_tokens=out,
+        total_tokens=done.prompt_tokens + out,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
     )
 
 
-def _mpic_info(policy: str, done: DoneEvent, ttft: float, retrieved: list[str]) -> dict:
+def _mpic_info(prompt: LinkedPrompt, done: DoneEvent, ttft: float) -> dict:
     return {
-        "policy": policy,
+        "policy": prompt.policy,
+        "request_id": prompt.request_id,
         "ttft_s": ttft,
         "engine_ttft_s": done.ttft_s,
         "tier_hits": done.tier_hits,
         "fallbacks": done.fallbacks,
-        "retrieved": retrieved,
+        "retrieved": prompt.retrieved,
     }
+
+
+def _logprobs(items: list[TokenLogprob]) -> ChoiceLogprobs:
+    def top(token: str, lp: float) -> TopLogprob:
+        return TopLogprob(token=token, logprob=lp, bytes=list(token.encode()))
+
+    return ChoiceLogprobs(
+        content=[
+            LogprobContent(
+                token=t.token,
+                logprob=t.logprob,
+                bytes=list(t.token.encode()),
+                top_logprobs=[top(tok, lp) for tok, lp in t.top],
+            )
+            for t in items
+        ]
+    )
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -76,9 +151,32 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
         yield item
 
 
+class _Answer:
+    """One choice collected from the worker's events."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.done: DoneEvent | None = None
+        self.t_first = self.t_last = 0.0
+
+    async def collect(self, events) -> _Answer:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                self.t_last = time.perf_counter()
+                self.t_first = self.t_first or self.t_last
+                self.text.append(ev.text)
+                self.logprobs.extend(ev.logprobs or [])
+            else:
+                self.done = ev
+        assert self.done is not None, "the worker always ends with a DoneEvent"
+        return self
+
+
 @serve.ingress(app)
 class Ingress:
-    """Routes `/v1/files*`, `/v1/chat/completions`, `/v1/admin/*`, `/healthz`, `/metrics`."""
+    """Routes `/v1/models*`, `/v1/files*`, `/v1/chat/completions`, `/v1/admin/*`, `/healthz`,
+    `/metrics`."""
 
     def __init__(
         self,
@@ -95,7 +193,7 @@ class Ingress:
         self.files = FileCatalog(config.store)
         self.encoder, self.resolver = encoder, resolver
         self.worker, self.retriever = worker, retriever
-        self.metrics = ServeMetrics()
+        self.started = int(time.time())
 
     def _auth(self, authorization: str | None) -> Principal:
         return self.keys.authenticate(authorization)
@@ -107,9 +205,36 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        """Prometheus exposition (no auth; scrape from inside the cluster)."""
-        body = self.metrics.render(self.cfg.name)
+        """Prometheus text of the `mpic_*` (and vLLM) series of every replica on every node,
+        gathered from Ray's metrics agents (no auth; scrape from inside the cluster)."""
+        body = await asyncio.to_thread(gather_cluster_metrics)
         return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def list_models(self, authorization: Annotated[str | None, Header()] = None) -> ModelList:
+        """The served model (one per deployment)."""
+        self._auth(authorization)
+        return ModelList(data=[self._model()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(
+        self, model_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> Model:
+        """The served model, or 404 `model_not_found`."""
+        self._auth(authorization)
+        self._check_model(model_id)
+        return self._model()
+
+    def _model(self) -> Model:
+        return Model(id=self.cfg.engine.served_model_name, created=self.started)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.cfg.engine.served_model_name:
+            raise ModelNotFoundError(
+                f"The model {name!r} does not exist; this deployment serves "
+                f"{self.cfg.engine.served_model_name!r} (GET /v1/models)",
+                param="model",
+            )
 
     @app.post("/v1/files")
     async def create_file(
@@ -134,20 +259,53 @@ class Ingress:
         encoded = self.encoder.encode.remote(data)  # ObjectRef-backed; not materialised here
         name = file.filename or ""
         record = await self.worker.upload.remote(who.user, name, encoded, ttl_seconds, purpose)
-        self.metrics.uploads.inc()
+        _metrics().uploads.inc()
         return record
 
     @app.get("/v1/files")
-    async def list_files(self, authorization: Annotated[str | None, Header()] = None) -> FileList:
-        """The caller's files (never another user's)."""
-        return FileList(data=self.files.list(self._auth(authorization).user))
+    async def list_files(
+        self,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+        after: Annotated[str | None, Query()] = None,
+        purpose: Annotated[Literal["vision", "user_data"] | None, Query()] = None,
+        order: Annotated[Literal["asc", "desc"], Query()] = "asc",
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> FileList:
+        """The caller's files (never another user's), with expiry and status, paginated."""
+        user = self._auth(authorization).user
+        return await asyncio.to_thread(self.files.list, user, limit, after, purpose, order)
 
     @app.get("/v1/files/{file_id}")
     async def get_file(
         self, file_id: str, authorization: Annotated[str | None, Header()] = None
     ) -> FileObject:
-        """One of the caller's files: 404 if unknown or another user's, 410 if expired."""
+        """One of the caller's files: 404 if unknown or another user's, 410 if expired;
+        status "lost" when its entry and media are gone."""
         return self.files.get(self._auth(authorization).user, file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(
+        self, file_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> Response:
+        """The uploaded bytes (404 / 410 as retrieve; 410 when the media is lost)."""
+        data, media_type, _ = self.files.content(self._auth(authorization).user, file_id)
+        return Response(data, media_type=media_type)
+
+    @app.post("/v1/files/{file_id}")
+    async def update_file(
+        self,
+        file_id: str,
+        body: FileExpiryUpdate,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> FileObject:
+        """Change a live file's expiry (Gemini cachedContents-style update): `ttl_seconds`
+        from now, or `expires_after.seconds` after its creation."""
+        user = self._auth(authorization).user
+        if body.ttl_seconds is not None:
+            expires_at = time.time() + body.ttl_seconds
+        else:
+            expires_at = self.files.get(user, file_id).created_at + body.expires_after.seconds
+        return self.files.update_expiry(user, file_id, expires_at)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(
@@ -159,70 +317,107 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat(
-        self, body: ChatCompletionRequest, authorization: Annotated[str | None, Header()] = None
+        self,
+        request: Request,
+        body: ChatCompletionRequest,
+        authorization: Annotated[str | None, Header()] = None,
     ) -> Response:
         """OpenAI chat completion with cached-file links; SSE when `stream` is true."""
         who = self._auth(authorization)
+        self._check_model(body.model)
         t0 = time.perf_counter()
-        prompt = await self.resolver.resolve.remote(who.user, body)
-        events = self.worker.options(stream=True).generate.remote(prompt)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        rid = request.state.request_id
+        logger.info(
+            "chat request %s user=%s end_user=%s",
+            rid,
+            who.user,
+            body.user or "-",
+            extra={"request_id": rid},
+        )
+        prompt: LinkedPrompt = await self.resolver.resolve.remote(who.user, body)
+        prompt.request_id, prompt.sampling = rid, body.sampling()
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
-            gen = self._sse(events, body, rid, created, prompt.policy, t0)
+            events = self.worker.options(stream=True).generate.remote(prompt)
+            gen = self._sse(events, body, cid, created, prompt, t0)
             first = await anext(gen)  # surface errors before the 200 status is sent
             return StreamingResponse(_prepend(first, gen), media_type="text/event-stream")
-        text, done, ttft, t_first = [], None, 0.0, 0.0
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                if not text:
-                    t_first = time.perf_counter()
-                    ttft = t_first - t0
-                text.append(ev.text)
-            else:
-                done = ev
-        assert done is not None, "the worker always ends with a DoneEvent"
-        self.metrics.record(prompt.policy, done, ttft, time.perf_counter() - t_first)
+        answers = await asyncio.gather(
+            *(_Answer().collect(self._generate(prompt, i)) for i in range(body.n))
+        )
+        done = answers[0].done
+        ttft = answers[0].t_first - t0
+        for a in answers:
+            _metrics().record(prompt.policy, a.done, a.t_first - t0, a.t_last - a.t_first)
         out = ChatCompletion(
-            id=rid,
+            id=cid,
             created=created,
             model=body.model,
-            usage=_usage(done),
+            usage=_usage(done, sum(a.done.completion_tokens for a in answers)),
             choices=[
                 Choice(
-                    message=AssistantMessage(content="".join(text)),
-                    finish_reason=done.finish_reason,
+                    index=i,
+                    message=AssistantMessage(content="".join(a.text)),
+                    finish_reason=a.done.finish_reason,
+                    logprobs=_logprobs(a.logprobs) if body.logprobs else None,
                 )
+                for i, a in enumerate(answers)
             ],
-            mpic=_mpic_info(prompt.policy, done, ttft, prompt.retrieved),
+            mpic=_mpic_info(prompt, done, ttft),
         )
         return Response(out.model_dump_json(), media_type="application/json")
 
-    async def _sse(self, events, body, rid, created, policy, t0) -> AsyncIterator[str]:
-        def chunk(delta: Delta, finish=None, usage=None) -> str:
+    def _generate(self, prompt: LinkedPrompt, index: int):
+        """The worker's event stream of choice `index` (choice i samples with seed + i)."""
+        if index and prompt.sampling.seed is not None:
+            sampling = type(prompt.sampling)(**vars(prompt.sampling))
+            sampling.seed = prompt.sampling.seed + index
+            prompt = type(prompt)(**{**vars(prompt), "sampling": sampling})
+        return self.worker.options(stream=True).generate.remote(prompt)
+
+    async def _sse(self, events, body, cid, created, prompt, t0) -> AsyncIterator[str]:
+        def chunk(delta: Delta | None, finish=None, usage=None, logprobs=None) -> str:
+            choices = (
+                [ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)] if delta else []
+            )
             c = ChatCompletionChunk(
-                id=rid,
-                created=created,
-                model=body.model,
-                usage=usage,
-                choices=[ChunkChoice(delta=delta, finish_reason=finish)] if delta else [],
+                id=cid, created=created, model=body.model, usage=usage, choices=choices
             )
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
-        started, ttft, t_first = False, 0.0, 0.0
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                if not started:
-                    t_first = time.perf_counter()
-                    ttft, started = t_first - t0, True
-                    yield chunk(Delta(role="assistant", content=ev.text))
-                else:
-                    yield chunk(Delta(content=ev.text))
-                continue
-            self.metrics.record(policy, ev, ttft, time.perf_counter() - t_first)
-            yield chunk(Delta(), finish=ev.finish_reason)
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk(None, usage=_usage(ev))
+        started, t_first = False, 0.0
+        try:
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    lps = _logprobs(ev.logprobs) if body.logprobs and ev.logprobs else None
+                    if not started:
+                        t_first, started = time.perf_counter(), True
+                        yield chunk(Delta(role="assistant", content=ev.text), logprobs=lps)
+                    else:
+                        yield chunk(Delta(content=ev.text), logprobs=lps)
+                    continue
+                t_first = t_first or time.perf_counter()
+                _metrics().record(prompt.policy, ev, t_first - t0, time.perf_counter() - t_first)
+                yield chunk(Delta(), finish=ev.finish_reason)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield chunk(None, usage=_usage(ev))
+        except Exception as exc:  # noqa: BLE001 - after the 200: an SSE error event, then close
+            if not started:
+                raise
+            status = status_of(exc)
+            if status >= 500:
+                logger.exception("stream %s failed", prompt.request_id)
+            else:
+                logger.warning("stream %s ended by an error: %s", prompt.request_id, exc)
+            _metrics().request("/v1/chat/completions", "stream_error")
+            yield f"data: {error_body(exc).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
+
+    @app.post("/v1/admin/sweep")
+    async def admin_sweep(self, authorization: Annotated[str | None, Header()] = None):
+        """Admin: run the file sweeper now (expire, release, delete unreferenced blobs)."""
+        KeyRing.require_admin(self._auth(authorization))
+        return await self.worker.sweep.remote()
 
     @app.get("/v1/admin/collections")
     async def admin_collections(self, authorization: Annotated[str | None, Header()] = None):

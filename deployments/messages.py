@@ -25,6 +25,8 @@ class Segment:
     """`entry` only: the content-addressed entry id."""
     content_hash: str = ""
     """`entry` only: sha256 of the media, to recompute the entry if it is lost (a fallback)."""
+    file_id: str = ""
+    """`entry` from a file part: the caller's file id (logged when the entry falls back)."""
     embeds: Any = None
     """`inline` only: the `EncodedImage` (a Ray ObjectRef in transit)."""
 
@@ -51,6 +53,8 @@ class Sampling:
     """Strings that end the answer; the matched stop string is not part of it."""
     logprobs: int | None = None
     """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> bias added to its logit before sampling (OpenAI `logit_bias`)."""
 
 
 @dataclass

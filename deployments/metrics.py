@@ -1,83 +1,149 @@
-"""Prometheus metrics of the serving path (Ingress replica), exposed at `GET /metrics`.
+"""Metrics of the serving path through Ray Serve's metrics API (Ingress and LLM-worker replicas),
+and the `GET /metrics` view of them.
 
-Each ingress replica owns one `CollectorRegistry`; the counters are fed from the `DoneEvent`
-every generation ends with, and the replica gauge is read from `serve.status()` at scrape time.
-(With several ingress replicas each exposes its own counts; in a KubeRay cluster Ray's own
-metrics export aggregates the `ray_serve_*` series across replicas.)
+Every series is a `ray.serve.metrics` Counter/Histogram: Serve tags it with the deployment,
+replica and application, and Ray's metrics agent on each node exports every replica's series
+(Prometheus scrapes the agents, `http://<node>:<metrics_export_port>/metrics`, as KubeRay's
+PodMonitor does). So with several ingress or worker replicas nothing is lost: a scrape, or the
+ingress's `/metrics` route, which gathers the `mpic_*` series of every node's agent, sees the
+requests of all of them (sum over the `replica` tag). Outside a Ray cluster (the in-process test
+harness) recording is a no-op.
+
+Series (all prefixed `mpic_`; Ray appends `_total` to counters in the exposition):
+  requests{route, outcome}        every HTTP request: outcome = ok | <status> | stream_error
+  ttft_seconds{policy}            time to first token seen by the ingress
+  inter_token_seconds{policy}     mean gap between streamed tokens of one answer
+  prompt_tokens, cached_tokens, output_tokens, uploads, fallbacks
+  store_hits{tier}, store_misses{tier}, store_read_bytes{tier}, store_written_bytes{tier}
+                                  the LLM worker's entry-store tiers (memory / disk / object)
+vLLM's own `vllm:*` series are exported by the same agents when `engine.log_stats` is on.
 """
 
 from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from ray.serve.metrics import Counter, Histogram
 
 from mpic.deployments.messages import DoneEvent
 
 logger = logging.getLogger(__name__)
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+_STORE_SERIES = {
+    "mpic_store_hits": "store_hits",
+    "mpic_store_misses": "store_misses",
+    "mpic_store_read_bytes": "store_read_bytes",
+    "mpic_store_written_bytes": "store_written_bytes",
+}
 
 
 class ServeMetrics:
-    """The MPIC series: TTFT, output tokens/s, cache hits per tier, fallbacks, replicas."""
+    """The ingress series (one object per replica process; Ray aggregates across replicas)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.requests = Counter(
+            "mpic_requests",
+            description="HTTP requests by route template and outcome (ok, status, stream_error).",
+            tag_keys=("route", "outcome"),
+        )
         self.ttft = Histogram(
             "mpic_ttft_seconds",
-            "Time to first token seen by the ingress.",
-            ["policy"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            description="Time to first token seen by the ingress.",
+            boundaries=_LATENCY_BUCKETS,
+            tag_keys=("policy",),
         )
-        self.tokens_per_s = Histogram(
-            "mpic_output_tokens_per_second",
-            "Decode speed per request.",
-            ["policy"],
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000),
-            registry=r,
+        self.inter_token = Histogram(
+            "mpic_inter_token_seconds",
+            description="Mean time between generated tokens of one answer.",
+            boundaries=_ITL_BUCKETS,
+            tag_keys=("policy",),
         )
-        self.requests = Counter(
-            "mpic_requests", "Chat requests by outcome.", ["policy", "outcome"], registry=r
+        self.prompt_tokens = Counter("mpic_prompt_tokens", description="Prompt tokens.")
+        self.cached_tokens = Counter(
+            "mpic_cached_tokens", description="Prompt tokens served from cached entries."
         )
-        self.prompt_tokens = Counter("mpic_prompt_tokens", "Prompt tokens.", registry=r)
-        self.cached_tokens = Counter("mpic_cached_tokens", "Linked (reused) tokens.", registry=r)
-        self.output_tokens = Counter("mpic_output_tokens", "Generated tokens.", registry=r)
-        self.cache_hits = Counter(
-            "mpic_cache_hits", "Cache entries served, by storage tier.", ["tier"], registry=r
-        )
+        self.output_tokens = Counter("mpic_output_tokens", description="Generated tokens.")
         self.fallbacks = Counter(
-            "mpic_fallbacks", "Entries missing or corrupt and recomputed instead.", registry=r
+            "mpic_fallbacks", description="Entries lost or corrupt and recomputed instead."
         )
-        self.uploads = Counter("mpic_uploads", "Files uploaded and cached.", registry=r)
-        self.replicas = Gauge(
-            "mpic_replicas", "Running replicas per deployment.", ["deployment"], registry=r
-        )
+        self.uploads = Counter("mpic_uploads", description="Files uploaded and cached.")
+
+    def request(self, route: str, outcome: str) -> None:
+        """Count one HTTP request."""
+        self.requests.inc(1, tags={"route": route, "outcome": outcome})
 
     def record(self, policy: str, done: DoneEvent, ttft_s: float, decode_s: float) -> None:
-        """Record one finished generation."""
-        self.requests.labels(policy, "ok").inc()
-        self.ttft.labels(policy).observe(ttft_s)
+        """Record one finished generation (`decode_s`: first token to last)."""
+        self.ttft.observe(ttft_s, tags={"policy": policy})
         if done.completion_tokens > 1 and decode_s > 0:
-            self.tokens_per_s.labels(policy).observe((done.completion_tokens - 1) / decode_s)
-        self.prompt_tokens.inc(done.prompt_tokens)
-        self.cached_tokens.inc(done.cached_tokens)
-        self.output_tokens.inc(done.completion_tokens)
-        for tier, n in done.tier_hits.items():
-            self.cache_hits.labels(tier).inc(n)
-        self.fallbacks.inc(done.fallbacks)
+            self.inter_token.observe(
+                decode_s / (done.completion_tokens - 1), tags={"policy": policy}
+            )
+        for counter, n in (
+            (self.prompt_tokens, done.prompt_tokens),
+            (self.cached_tokens, done.cached_tokens),
+            (self.output_tokens, done.completion_tokens),
+            (self.fallbacks, done.fallbacks),
+        ):
+            if n:
+                counter.inc(n)
 
-    def render(self, app_name: str) -> bytes:
-        """The exposition text; refreshes the replica gauge from the Serve controller."""
+
+class StoreMetricsExporter:
+    """Mirrors an `EntryStore`'s per-tier counters (a process-local prometheus_client registry,
+    the storage layer knows no Ray) into Ray Serve counters: `export()` adds what grew since
+    the last call. Runs in the LLM worker after each upload and generation."""
+
+    def __init__(self, store_metrics) -> None:
+        self.source = store_metrics
+        self.counters = {
+            name: Counter(
+                f"mpic_{short}", description=f"Entry store: {short} by tier.", tag_keys=("tier",)
+            )
+            for name, short in _STORE_SERIES.items()
+        }
+        self.seen: dict[tuple[str, str], float] = {}
+
+    def export(self) -> None:
+        """Add the growth of every tier counter since the last export."""
+        for family in self.source.registry.collect():
+            counter = self.counters.get(family.name)
+            if counter is None:
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                tier = sample.labels.get("tier", "")
+                key = (family.name, tier)
+                delta = sample.value - self.seen.get(key, 0.0)
+                if delta > 0:
+                    counter.inc(delta, tags={"tier": tier})
+                    self.seen[key] = sample.value
+
+
+def gather_cluster_metrics(prefixes: tuple[str, ...] = ("mpic_", "ray_mpic_", "vllm")) -> str:
+    """The Prometheus text of every alive node's Ray metrics agent, only the series whose name
+    starts with one of `prefixes` (plus their HELP/TYPE lines). Empty outside a Ray cluster."""
+    import httpx
+    import ray
+
+    if not ray.is_initialized():
+        return "# no Ray cluster: metrics are recorded only under Ray Serve\n"
+    out: list[str] = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{port}/metrics"
         try:
-            from ray import serve
-
-            app = serve.status().applications.get(app_name)
-            for name, dep in app.deployments.items() if app else []:
-                running = dep.replica_states.get("RUNNING", 0)
-                self.replicas.labels(name).set(running)
-        except Exception:  # the controller may be briefly unreachable; metrics must still serve
-            logger.warning("could not read serve.status() for the replica gauge", exc_info=True)
-        return generate_latest(self.registry)
+            text = httpx.get(url, timeout=5).text
+        except httpx.HTTPError as exc:
+            logger.warning("metrics agent %s did not answer: %s", url, exc)
+            continue
+        for line in text.splitlines():
+            name = line.split(" ", 3)[2] if line.startswith("# ") else line
+            if name.startswith(prefixes):
+                out.append(line)
+    return "\n".join(out) + "\n"

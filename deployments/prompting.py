@@ -21,6 +21,7 @@ from mpic.deployments.messages import (
     TokenLogprob,
 )
 from mpic.engine.hf.vision import load_image
+from mpic.errors import InvalidRequestError
 from mpic.prompt_parts import ImageRef, PromptPart, Turn
 from mpic.types import LinkPlan
 
@@ -99,11 +100,12 @@ class StopMatcher:
 
 class Sampler:
     """Picks the next token from logits [V] by a request's `Sampling` (the reference and fake
-    engines; vLLM samples natively with the same fields). Frequency/presence penalties subtract
-    `frequency * count + presence * (count > 0)` from the logits of tokens generated so far
-    (OpenAI's definition); temperature 0 is greedy, else softmax(logits / temperature) restricted
-    to the smallest top-p nucleus, drawn with a torch Generator seeded per request (same seed,
-    same text). Logprobs are log-softmax of the penalised logits at temperature 1."""
+    engines; vLLM samples natively with the same fields). `logit_bias` is added first; then
+    frequency/presence penalties subtract `frequency * count + presence * (count > 0)` from the
+    logits of tokens generated so far (OpenAI's definition); temperature 0 is greedy, else
+    softmax(logits / temperature) restricted to the smallest top-p nucleus, drawn with a torch
+    Generator seeded per request (same seed, same text). Logprobs are log-softmax of the
+    biased, penalised logits at temperature 1."""
 
     def __init__(self, sampling: Sampling, token_text: Callable[[int], str]) -> None:
         self.s, self.token_text = sampling, token_text
@@ -115,6 +117,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """The next token id."""
         s, logits = self.s, logits.detach().float().cpu().clone()
+        if s.logit_bias:
+            ids = torch.tensor(list(s.logit_bias))
+            if int(ids.max()) >= logits.numel():
+                raise InvalidRequestError(
+                    f"logit_bias: token id {int(ids.max())} is outside the vocabulary "
+                    f"({logits.numel()} tokens)",
+                    param="logit_bias",
+                )
+            logits[ids] += torch.tensor(list(s.logit_bias.values()))
         if self.counts and (s.frequency_penalty or s.presence_penalty):
             ids = torch.tensor(list(self.counts))
             n = torch.tensor(list(self.counts.values()), dtype=torch.float32)
@@ -146,17 +157,6 @@ class Sampler:
             return None
         out, self.pending = self.pending, []
         return out
-
-
-def sampled_events(tokenizer, tokens: Iterable[int], sampler: Sampler) -> Iterator[TokenEvent]:
-    """`token_events` with each event carrying the logprobs of its tokens."""
-    detok = Detokenizer(tokenizer)
-    for token in tokens:
-        ev = detok.push([token])
-        ev.logprobs = sampler.take()
-        yield ev
-    if (rest := detok.flush()).text:
-        yield rest
 
 
 class Detokenizer:

@@ -12,6 +12,7 @@ computed for the request and never stored).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -25,10 +26,12 @@ from mpic.deployments.engine import Role, ServeEngine
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.deployments.prompting import (
     INLINE_PREFIX,
+    Detokenizer,
+    Sampler,
+    StopMatcher,
     identify_image,
     prompt_parts,
     stored_linked_tokens,
-    token_events,
 )
 from mpic.engine.hf.entries import compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
@@ -37,6 +40,7 @@ from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -91,8 +95,10 @@ class ReferenceServeEngine(ServeEngine):
     def _stream(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> Iterator[TokenEvent | DoneEvent]:
-        """Greedy generation through the runner's link + selective prefill + decode, one event
-        per token as it is decoded (the runner is held for the whole generation)."""
+        """Generation through the runner's link + selective prefill + decode, one event per
+        token as it is decoded, tokens picked by the request's `Sampler` (greedy at temperature
+        0; seeded sampling, top_p, penalties, logit_bias, logprobs) and cut at a stop string
+        (the decode thread stops too). The runner is held for the whole generation."""
         table = dict(entries)
 
         def inline_entry(image: EncodedImage) -> str:
@@ -101,40 +107,53 @@ class ReferenceServeEngine(ServeEngine):
             return entry_id
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        tokenizer = self.runner.processor.tokenizer
+        sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]))
+        stops = StopMatcher(prompt.sampling.stop)
         tokens: list[int] = []
         prefilled: list[Prefilled] = []
         out: queue.SimpleQueue = queue.SimpleQueue()
+        cancel = threading.Event()
 
         def produce() -> None:  # decodes at the runner's pace, whatever the consumer does
             with self._lock:
                 self.runner.entries = table
                 try:
                     for token, pre in self.runner.stream(
-                        parts, prompt.policy, prompt.max_tokens, system_prompt=system
+                        parts, prompt.policy, prompt.max_tokens, system_prompt=system, pick=sampler
                     ):
-                        out.put((token, pre))
+                        out.put((token, pre, sampler.take()))
+                        if cancel.is_set():
+                            break
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                     out.put(exc)
                 finally:
                     self.runner.entries = {}
                     out.put(None)
 
-        def decoded() -> Iterator[int]:
+        threading.Thread(target=produce, name="mpic-decode", daemon=True).start()
+        logger.debug("request %s: decoding", prompt.request_id)
+        detok, stopped = Detokenizer(tokenizer), False
+        try:
             while (item := out.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                token, pre = item
+                token, pre, logprobs = item
                 prefilled[:1] = [pre]
                 tokens.append(token)
-                yield token
-
-        threading.Thread(target=produce, name="mpic-decode", daemon=True).start()
-        yield from token_events(self.runner.processor.tokenizer, decoded())
+                text, stopped = stops.push(detok.push([token]).text)
+                yield TokenEvent(text, logprobs)
+                if stopped:
+                    break
+            if not stopped and (rest := stops.push(detok.flush().text)[0] + stops.flush()):
+                yield TokenEvent(rest)
+        finally:
+            cancel.set()
         pre = prefilled[0]
         yield DoneEvent(
             prompt_tokens=pre.plan.num_tokens,
             cached_tokens=stored_linked_tokens(pre.plan),
             completion_tokens=len(tokens),
-            finish_reason="length" if len(tokens) >= prompt.max_tokens else "stop",
+            finish_reason="length" if len(tokens) >= prompt.max_tokens and not stopped else "stop",
             ttft_s=pre.ttft_s,
         )

@@ -76,7 +76,9 @@ class Resolver:
                 segments.append(Segment("text", text=part.text))
             elif isinstance(part, FilePart):
                 entry_id, sha = self.files.resolve(user, part.file.file_id)
-                segments.append(Segment("entry", entry_id=entry_id, content_hash=sha))
+                segments.append(
+                    Segment("entry", entry_id=entry_id, content_hash=sha, file_id=part.file.file_id)
+                )
             elif isinstance(part, ImagePart):
                 segments.append(await self._inline(part, i))
         if msg.role != "user" and any(s.kind != "text" for s in segments):

@@ -1,14 +1,16 @@
-"""HTTP API bodies (Ingress replica): OpenAI's files and chat-completions shapes plus the `mpic`
-extension object. Requests are strict (`extra="forbid"`) where MPIC defines them; OpenAI fields
-that the SDK may send but MPIC does not use are accepted and ignored on the request root.
+"""HTTP API bodies (Ingress replica): OpenAI's models, files and chat-completions shapes plus the
+`mpic` extension object. Requests are strict (`extra="forbid"`): an OpenAI field is honoured or
+rejected with a 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mpic.deployments.messages import Sampling
+from mpic.errors import InvalidRequestError
 from mpic.retriever.spec import RetrievalSpec
 
 
@@ -22,16 +24,62 @@ class FileObject(BaseModel):
     expires_at: int | None = Field(None, description="Unix seconds, None for no expiry.")
     filename: str = Field("", description="Name the client sent.")
     purpose: Literal["vision", "user_data"] = Field(description="Upload purpose.")
-    status: Literal["processed", "expired"] = Field("processed", description="Cache state.")
+    status: Literal["processed", "expired", "lost"] = Field(
+        "processed", description="processed: cached; lost: entry and media gone (410 on use)."
+    )
+    status_details: str | None = Field(None, description="Why a file is lost.")
     tokens: int = Field(description="Image tokens the cached entry holds (T).")
 
 
 class FileList(BaseModel):
-    """`GET /v1/files`."""
+    """`GET /v1/files` (OpenAI cursor pagination)."""
 
     object: Literal["list"] = "list"
     data: list[FileObject]
     has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class FileExpiryUpdate(BaseModel):
+    """`POST /v1/files/{id}`: a new expiry, either `ttl_seconds` from now (Gemini's `ttl`) or
+    OpenAI's `expires_after` (seconds after the file's creation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttl_seconds: int | None = Field(None, ge=1, description="Expire this many seconds from now.")
+    expires_after: ExpiresAfter | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> FileExpiryUpdate:
+        if (self.ttl_seconds is None) == (self.expires_after is None):
+            raise InvalidRequestError(
+                "give exactly one of ttl_seconds and expires_after", param="ttl_seconds"
+            )
+        return self
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI `expires_after`."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"] = "created_at"
+    seconds: int = Field(ge=1)
+
+
+class Model(BaseModel):
+    """`GET /v1/models/{id}`: the served model."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mpic"
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`."""
+
+    object: Literal["list"] = "list"
+    data: list[Model]
 
 
 class FileDeleted(BaseModel):
@@ -85,10 +133,11 @@ ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="ty
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of parts."""
+    """One chat message; content is a string or a list of parts. `developer` is OpenAI's newer
+    name for `system`; assistant turns are earlier answers (multi-turn chats)."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = None
 
@@ -112,18 +161,120 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """`POST /v1/chat/completions` body. Greedy decoding is what MPIC serves (temperature 0)."""
+class ResponseFormat(BaseModel):
+    """OpenAI `response_format`: only plain text is served."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str = Field(description="Any string; the deployment serves one model.")
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+REJECTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served model is not a reasoning model",
+    "web_search_options": "web search is not supported",
+    "metadata": "stored completions are not supported (metadata needs store)",
+    "verbosity": "verbosity is not supported",
+    "prompt_cache_key": "MPIC caches by content (upload files instead)",
+    "safety_identifier": "safety identifiers are not supported",
+}
+"""OpenAI chat fields MPIC does not implement: any value other than null gets a 400 naming the
+field (docs/serving.md has the table of every field)."""
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions` body. Every OpenAI field is either honoured or, when set to
+    something MPIC cannot do, rejected with a 400 naming it (`REJECTED_FIELDS`, `modalities`
+    other than text, `response_format` other than text, `store: true`, and any field OpenAI
+    does not define). Validation errors name the field in `error.param`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="The served model id (`GET /v1/models`); others get 404.")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy (default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int | None = Field(
+        None, ge=-(2**63), lt=2**63, description="Same seed, same sampled text."
+    )
+    n: int = Field(1, ge=1, le=8, description="Choices to generate (non-streaming only if > 1).")
+    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
+    )
+    logprobs: bool | None = Field(None, description="Return the chosen tokens' logprobs.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="End-user id: logged with the request id.")
+    store: bool | None = Field(None, description="Only false/null: completions are not stored.")
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    response_format: ResponseFormat | None = Field(None, description='Only {"type": "text"}.')
+    service_tier: Literal["auto", "default"] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    metadata: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
     mpic: MPICOptions | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        for name, why in REJECTED_FIELDS.items():
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"{name}: {why}", param=name)
+        if self.store:
+            raise InvalidRequestError("store: completions are not stored", param="store")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise InvalidRequestError('modalities: only ["text"] is served', param="modalities")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                f"response_format {self.response_format.type!r} is not supported (only text)",
+                param="response_format",
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise InvalidRequestError("stop: at most 4 non-empty strings", param="stop")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.n > 1 and self.stream:
+            raise InvalidRequestError("n > 1 is served without streaming only", param="n")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= bias <= 100:
+                raise InvalidRequestError(
+                    "logit_bias maps token ids to biases in [-100, 100]", param="logit_bias"
+                )
+        return self
+
+    def sampling(self) -> Sampling:
+        """The engine-side `Sampling` of this request."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return Sampling(
+            temperature=self.temperature or 0.0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            stop=stops,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+        )
 
 
 class PromptTokensDetails(BaseModel):
@@ -148,12 +299,33 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One alternative token."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class LogprobContent(TopLogprob):
+    """One generated token with its most likely alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """`choices[i].logprobs`."""
+
+    content: list[LogprobContent]
+
+
 class Choice(BaseModel):
     """One non-streaming choice."""
 
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -181,6 +353,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -22,13 +22,14 @@ import ray
 
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engine import build_engine
-from mpic.deployments.files import file_object, open_library
+from mpic.deployments.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
+from mpic.deployments.metrics import StoreMetricsExporter
 from mpic.deployments.schemas import FileObject
-from mpic.errors import InvalidRequestError
+from mpic.errors import MPICError
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
-from mpic.storage.parallel_fetch import fetch_entries
+from mpic.storage.parallel_fetch import FetchError, fetch_entries
 from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry
 
@@ -54,6 +55,12 @@ class LLMWorker:
         self.engine = build_engine(config.engine, config.store, "worker")
         self.entries = EntryStore.from_config(config.store)
         self.library = open_library(config.store, self.entries)
+        self.sweeper = Sweeper(self.library, config.sweep_interval_s)
+        self.store_metrics = StoreMetricsExporter(self.entries.metrics)
+
+    def sweep(self) -> dict:
+        """Run the file sweeper now (admin route); its report."""
+        return self.sweeper.sweep_now().model_dump()
 
     def upload(
         self,
@@ -75,6 +82,7 @@ class LLMWorker:
             purpose=purpose,
             entry_stored=self.engine.stores_entries,
         )
+        self.store_metrics.export()
         return file_object(rec)
 
     def fingerprint(self) -> str:
@@ -106,15 +114,21 @@ class LLMWorker:
         segs = {s.entry_id: s for t in prompt.turns for s in t.segments if s.kind == "entry"}
         keys = list(segs)
         store = self.cfg.store
-        got = await asyncio.to_thread(
-            fetch_entries,
-            self.entries,
-            keys,
-            lambda k: self._recompute(segs[k]),
-            pin=True,
-            max_workers=store.load_workers,
-            load_timeout_s=store.load_timeout_s,
-        )
+        try:
+            got = await asyncio.to_thread(
+                fetch_entries,
+                self.entries,
+                keys,
+                lambda k: self._recompute(segs[k], prompt.request_id),
+                pin=True,
+                max_workers=store.load_workers,
+                load_timeout_s=store.load_timeout_s,
+            )
+        except FetchError as exc:  # a typed cause (the media is gone too: 410) is the answer
+            if isinstance(exc.__cause__, MPICError):
+                raise exc.__cause__ from None
+            raise
+        self.store_metrics.export()
         with got:
             tiers = Counter(src for src in got.sources if src != "computed")
             entries = dict(zip(keys, got.entries, strict=True))
@@ -123,10 +137,21 @@ class LLMWorker:
                     ev.tier_hits, ev.fallbacks = dict(tiers), ev.fallbacks + len(got.fallbacks)
                 yield ev
 
-    def _recompute(self, seg: Segment) -> CacheEntry:
-        """A lost or corrupt entry, recomputed from the media the library keeps."""
+    def _recompute(self, seg: Segment, request_id: str) -> CacheEntry:
+        """A lost or corrupt entry, recomputed from the media the library keeps (a fallback,
+        logged as a WARNING with the request id); 410 when the media is gone too."""
+        logger.warning(
+            "request %s: file %s (entry %s) is lost or corrupt; recomputing it from its media",
+            request_id,
+            seg.file_id or "-",
+            seg.entry_id,
+            extra={"request_id": request_id, "file_id": seg.file_id, "entry_id": seg.entry_id},
+        )
         try:
             media = self.entries.objects.get(media_key(seg.content_hash))
         except ObjectNotFoundError:
-            raise InvalidRequestError(f"entry {seg.entry_id} and its media are gone") from None
+            raise FileLostError(
+                f"the cached data and the media of entry {seg.entry_id} are lost; upload the "
+                "image again"
+            ) from None
         return self.engine.compute_entry(seg.entry_id, self.engine.encode_image(media))

@@ -57,3 +57,7 @@ class AdminClient:
         return self._call(
             "POST", f"/v1/admin/collections/{collection}/rollback", {"version": version}
         )
+
+    def sweep(self) -> dict[str, Any]:
+        """Run the server's file sweeper now; its report (expired ids, blobs deleted)."""
+        return self._call("POST", "/v1/admin/sweep", {})

@@ -76,7 +76,8 @@ def media_key(content_hash: str) -> str:
 
 
 class StaticLibrary:
-    """Per-user uploaded files: add, get, resolve (link), list, media, delete, sweep."""
+    """Per-user uploaded files: add, get, resolve (link), list, update expiry, media, delete,
+    sweep."""
 
     def __init__(
         self,
@@ -178,6 +179,27 @@ class StaticLibrary:
             if rec.status == "active" and rec.expires_at > now:
                 out.append(rec)
         return sorted(out, key=lambda r: r.created_at)
+
+    def update_expiry(self, user: str, file_id: str, expires_at: float) -> FileRecord:
+        """Move a live file's expiry to `expires_at` (seconds since the epoch; Gemini's
+        cachedContents update): it must lie in the future and at most `max_ttl_s` from now.
+        NotFoundError / ExpiredError as `get` (an expired file cannot be revived: its blobs may
+        already be swept)."""
+        rec, now = self.get(user, file_id), self.clock()
+        if not now < expires_at <= now + self.max_ttl_s:
+            raise InvalidRequestError(
+                f"the new expiry must lie in (now, now + {self.max_ttl_s:g} s]", param="ttl"
+            )
+        rec = rec.model_copy(update={"expires_at": expires_at})
+        self.objects.put_json(self._record_key(user, file_id), rec.model_dump())
+        return rec
+
+    def is_lost(self, rec: FileRecord) -> bool:
+        """True when neither the file's entry nor its media is in the object store (the data
+        was lost: the KV cannot be loaded nor recomputed)."""
+        if self.objects.exists(rec.media_key):
+            return False
+        return self.entries.locate(rec.entry_key) is None
 
     def media(self, user: str, file_id: str) -> bytes:
         """The original media bytes of `user`'s live file (to recompute its KV)."""

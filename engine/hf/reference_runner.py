@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,15 +137,17 @@ class ReferenceRunner:
         seed: int | None = None,
         stop_at_eos: bool = True,
         system_prompt: str | None = None,
+        pick: Callable[[torch.Tensor], int] | None = None,
     ) -> Iterator[tuple[int, Prefilled]]:
         """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
-        temperature is 0, else seeded sampling); stops after EOS or `max_new_tokens`."""
+        temperature is 0, else seeded sampling; `pick(logits [V]) -> token id` replaces both,
+        e.g. the serving layer's sampler); stops after EOS or `max_new_tokens`."""
         pre = self.prefill(parts, policy, max_new_tokens, system_prompt)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
         logits = pre.logits
         for step in range(max_new_tokens):
-            token = _pick(logits, temperature, gen)
+            token = pick(logits) if pick is not None else _pick(logits, temperature, gen)
             yield token, pre
             if (stop_at_eos and token == self.spec.eos_token_id) or step == max_new_tokens - 1:
                 return

@@ -42,7 +42,7 @@ def test_cached_file_over_http(fake_app) -> None:
     fid = r.json()["id"]
     assert r.json()["tokens"] == fake_tokens(data)
     content = [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "red cat"}]
-    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    body = {"model": "mpic", "messages": [{"role": "user", "content": content}]}
     r = c.post("/v1/chat/completions", headers=h, json=body)
     assert r.status_code == 200, r.text
     out = r.json()
