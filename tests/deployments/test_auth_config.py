@@ -120,9 +120,9 @@ def test_typed_errors_map_to_openai_bodies(code: str) -> None:
     assert (resp.headers.get("www-authenticate") == "Bearer") == (code == "401")
 
 
-def test_malformed_body_is_422() -> None:
+def test_malformed_body_is_400_naming_the_field() -> None:
     resp = _error_app().post("/body", json={"n": "x"})
-    assert resp.status_code == 422
+    assert resp.status_code == 400
     assert resp.json()["error"]["type"] == "invalid_request_error"
     assert resp.json()["error"]["param"] == "n"
 

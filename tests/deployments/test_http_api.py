@@ -186,10 +186,10 @@ def test_every_error_code(serve_app: ServeApp) -> None:
         _err(upload(serve_app, "alice-key", b"GIF89a-not-really"), 415)["code"]
         == "unsupported_media_type"
     )
-    _err(upload(serve_app, "alice-key", png(1), purpose="fine-tune"), 422)
-    _err(httpx.post(f"{url}/v1/chat/completions", headers=alice, json={"model": "m"}), 422)
+    _err(upload(serve_app, "alice-key", png(1), purpose="fine-tune"), 400)
+    _err(httpx.post(f"{url}/v1/chat/completions", headers=alice, json={"model": "m"}), 400)
     bad_part = [{"type": "video", "video": {}}]
-    _err(chat(serve_app, "alice-key", bad_part), 422)
+    _err(chat(serve_app, "alice-key", bad_part), 400)
     assert (
         _err(chat(serve_app, "alice-key", [{"type": "text", "text": "hi"}], policy="magic"), 400)[
             "param"
@@ -225,7 +225,7 @@ def test_user_isolation(serve_app: ServeApp) -> None:
 def test_sse_stream_and_metrics(serve_app: ServeApp) -> None:
     fid = upload(serve_app, "alice-key", png(51)).json()["id"]
     body = {
-        "model": "m",
+        "model": "mpic",
         "stream": True,
         "max_tokens": 4,
         "mpic": {"policy": "mpic-4"},

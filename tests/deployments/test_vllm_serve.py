@@ -83,7 +83,7 @@ def _content(texts: list[str], file_ids: list[str]) -> list[dict]:
 
 def _chat(url: str, content: list, policy: str, max_tokens: int = 6) -> dict:
     body = {
-        "model": "m",
+        "model": "mpic",
         "max_tokens": max_tokens,
         "mpic": {"policy": policy},
         "messages": [{"role": "user", "content": content}],
@@ -131,7 +131,7 @@ def test_vllm_worker_answers_like_the_reference_runner(vllm_url, files, runner) 
 async def _stream(client: httpx.AsyncClient, url: str, content: list, policy: str, n: int):
     """(text, arrival times of content chunks, end time) of one SSE chat stream."""
     body = {
-        "model": "m",
+        "model": "mpic",
         "max_tokens": n,
         "stream": True,
         "mpic": {"policy": policy},
@@ -205,7 +205,7 @@ def test_lost_entries_still_get_the_exact_answer(vllm_url, serve_app, runner) ->
     # Loaded by the worker only (a request refused after the load: too long), then deleted:
     # vLLM's worker cannot link it, the request is answered exactly (like `full`).
     body = {
-        "model": "m",
+        "model": "mpic",
         "max_tokens": 4096,
         "messages": [{"role": "user", "content": _content(texts, ids[1:])}],
     }
