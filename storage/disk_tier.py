@@ -109,6 +109,11 @@ class DiskTier:
         self._forget(key)
         self.store.delete(key)
 
+    def keys(self) -> list[str]:
+        """The resident keys, least recent first (a snapshot)."""
+        with self._lock:
+            return list(self._index)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._index

@@ -110,6 +110,11 @@ class MemoryTier:
             else:
                 self.used -= slot.nbytes
 
+    def keys(self) -> list[str]:
+        """The resident keys, least recent first (a snapshot)."""
+        with self._lock:
+            return list(self._slots)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._slots

@@ -1,0 +1,292 @@
+"""`EntryAffinityRouter` (mpic.deployments.router), driven through Serve's router interface with
+stand-in replicas (fast): the replica whose tiers hold a chat's entries ranks first, ties go to
+every holder, no holder or an overloaded holder falls back to power of two, routed requests are
+remembered until the replicas report, uploads (no entries) go to power of two; and the
+`llm_router` config puts the router class into the LLMWorker deployment options."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.router import EntryAffinityRouter, request_entry_ids, router_options
+
+DEP = DeploymentID(name="LLMWorker", app_name="t")
+
+
+@dataclass
+class FakeReplica:
+    """The RunningReplica attributes the router reads."""
+
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+    max_ongoing_requests: int = 4
+
+    def __post_init__(self) -> None:
+        self.replica_id = ReplicaID(unique_id=self.name, deployment_id=DEP)
+
+
+def prompt(*entries: str) -> PendingRequest:
+    segs = [Segment("text", text="look")] + [Segment("entry", entry_id=e) for e in entries]
+    linked = LinkedPrompt([LinkedTurn("user", segs)], policy="mpic-32", max_tokens=1)
+    meta = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate")
+    return PendingRequest(args=[linked], kwargs={}, metadata=meta, future=None)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def router(loop) -> EntryAffinityRouter:
+    async def make() -> EntryAffinityRouter:
+        r = EntryAffinityRouter(
+            deployment_id=DEP,
+            handle_source=DeploymentHandleSource.UNKNOWN,
+            use_replica_queue_len_cache=True,
+        )
+        r.initialize_state(max_queue_gap=2)
+        return r
+
+    r = loop.run_until_complete(make())
+    r.test_loop = loop
+    return r
+
+
+def choose(router, replicas, pending) -> list[list[str]]:
+    ranks = router.test_loop.run_until_complete(router.choose_replicas(replicas, pending))
+    return [[r.name for r in rank] for rank in ranks]
+
+
+def test_holder_ranks_first_then_power_of_two(router) -> None:
+    a = FakeReplica("a", {"memory": ["e1"], "disk": []})
+    b = FakeReplica("b", {"memory": ["e2", "e3"], "disk": ["e4"]})
+    c = FakeReplica("c", {})
+    ranks = choose(router, [a, b, c], prompt("e2", "e4", "e9"))
+    assert ranks[0] == ["b"] and len(ranks[1]) == 2  # b holds 2 of 3 (memory + disk)
+    ranks = choose(router, [a, b, c], prompt("e1", "e3"))
+    assert sorted(ranks[0]) == ["a", "b"]  # a tie: both, the shorter queue wins
+    assert router.decisions["affinity"] == 2
+
+
+def test_no_holder_or_no_entries_is_power_of_two(router) -> None:
+    a, b, c = FakeReplica("a", {"memory": ["e1"]}), FakeReplica("b"), FakeReplica("c")
+    (rank,) = choose(router, [a, b, c], prompt("zz"))
+    assert len(rank) == 2 and len(set(rank)) == 2
+    meta = RequestMetadata(request_id="u", internal_request_id="u", call_method="upload")
+    (rank,) = choose(
+        router, [a, b, c], PendingRequest(args=["alice"], kwargs={}, metadata=meta, future=None)
+    )
+    assert len(rank) == 2
+    assert router.decisions == {
+        "affinity": 0, "fallback_none": 1, "fallback_load": 0, "no_entries": 1
+    }  # fmt: skip
+
+
+def test_overloaded_holder_yields_to_load(router) -> None:
+    a, b = FakeReplica("a", {"memory": ["e1"]}), FakeReplica("b")
+    router._replica_queue_len_cache.update(a.replica_id, 3)
+    router._replica_queue_len_cache.update(b.replica_id, 0)
+    (rank,) = choose(router, [a, b], prompt("e1"))  # 3 - 0 > max_queue_gap=2
+    assert sorted(rank) == ["a", "b"] and router.decisions["fallback_load"] == 1
+    router._replica_queue_len_cache.update(a.replica_id, 2)
+    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]  # within the gap: affinity
+
+
+def test_routed_requests_are_remembered_until_reported(router) -> None:
+    a, b = FakeReplica("a"), FakeReplica("b")
+    pending = prompt("new")
+    router.on_request_routed(pending, b.replica_id, None)
+    assert choose(router, [a, b], prompt("new"))[0] == ["b"]
+    router.on_replica_actor_died(b.replica_id)
+    assert router.scores([a, b], ["new"]) == {a.replica_id: 0, b.replica_id: 0}
+    assert request_entry_ids(prompt("x", "y", "x")) == ["x", "y", "x"]
+
+
+def test_config_selects_the_router() -> None:
+    from mpic.deployments.app import build_app
+
+    opts = router_options("cache-aware", stats_period_s=0.5)
+    cfg = opts["request_router_config"]
+    assert cfg["request_router_class"] is EntryAffinityRouter
+    assert cfg["request_routing_stats_period_s"] == 0.5
+    assert router_options("power-of-two") == {}
+    with pytest.raises(ValueError):
+        router_options("random")
+    for name, cls in [("cache-aware", EntryAffinityRouter), ("power-of-two", None)]:
+        app = build_app(ServeAppConfig(llm_router=name))
+        workers = _find(app, "LLMWorker")
+        rc = workers._deployment_config.request_router_config
+        if cls is None:
+            assert "PowerOfTwo" in str(rc.request_router_class)
+        else:
+            assert rc.get_request_router_class() is cls
+
+
+def _find(app, name: str):
+    stack = [app]
+    while stack:
+        dep = stack.pop()._bound_deployment
+        if dep.name == name:
+            return dep
+        rc = dep._replica_config
+        stack.extend(
+            a for a in [*rc.init_args, *rc.init_kwargs.values()] if hasattr(a, "_bound_deployment")
+        )
+    raise KeyError(name)
+
+
+# --- autoscaling with the cache-aware router (slow; its own Ray instance) ---------------------
+
+
+@pytest.mark.slow
+def test_llm_workers_scale_up_under_load_and_down_when_idle(tiny_llava_dir, tmp_path) -> None:
+    """1 -> 2 LLM-worker replicas under 6 concurrent clients, back to 1 when idle, and the files
+    uploaded before still answer the same afterwards (entries from the survivor's memory tier or
+    from the store). Runs this module as a script so its Ray instance stays its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "autoscale.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.deployments.test_routing", str(tiny_llava_dir), str(out)],
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    facts = json.loads(out.read_text())
+    print(json.dumps({k: v for k, v in facts.items() if k != "timeline"}, indent=1))
+    counts = [n for _, n in facts["timeline"]]
+    assert counts[0] == 1 and max(counts) == 2 and counts[-1] == 1
+    assert facts["up_after_s"] > 0 and facts["down_after_s"] > 0
+    assert facts["after"]["answer"] == facts["before"]["answer"]
+    assert sum(facts["after"]["tier_hits"].values()) == 2 and facts["after"]["fallbacks"] == 0
+
+
+def _autoscale_run(model_dir: str, out: str) -> None:
+    import json
+    import tempfile
+    import threading
+    import time
+    from pathlib import Path
+
+    import httpx
+    from ray import serve
+
+    from mpic.deployments.local import start_local, stop_local
+    from tests.deployments.conftest import png
+    from tests.fixtures.s3 import free_port
+
+    small = {"num_cpus": 0.1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
+    cfg = ServeAppConfig.model_validate(
+        {
+            "engine": {"kind": "reference", "model": model_dir, "max_tokens_default": 4},
+            "store": {"url": Path(tempfile.mkdtemp()).as_uri(), "fsync": False},
+            "auth": {"mode": "dev"},
+            **{d: small for d in ("ingress", "encoder", "retriever", "resolver")},
+            "llm_worker": {
+                "num_cpus": 0.1,
+                "max_ongoing_requests": 8,
+                "autoscaling": {
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "target_ongoing_requests": 1,
+                    "upscale_delay_s": 0.5,
+                    "downscale_delay_s": 5,
+                    "metrics_interval_s": 0.5,
+                    "look_back_period_s": 2,
+                },
+            },
+            "llm_router": "cache-aware",
+        }
+    )
+    url = start_local(cfg, port=free_port(), num_cpus=2, log_to_driver=False)
+    facts: dict = {"timeline": []}
+    t0 = time.monotonic()
+
+    def replicas() -> int:
+        dep = serve.status().applications[cfg.name].deployments["LLMWorker"]
+        n = dep.replica_states.get("RUNNING", 0)
+        facts["timeline"].append((round(time.monotonic() - t0, 1), n))
+        return n
+
+    try:
+        http = httpx.Client(
+            base_url=url, headers={"Authorization": "Bearer mpic-dev-alice"}, timeout=300
+        )
+        ids = [
+            http.post(
+                "/v1/files",
+                files={"file": (f"{i}.png", png(300 + i), "image/png")},
+                data={"purpose": "vision"},
+            ).json()["id"]
+            for i in range(2)
+        ]
+
+        def ask() -> dict:
+            content = [{"type": "text", "text": "Compare"}] + [
+                {"type": "file", "file": {"file_id": i}} for i in ids
+            ]
+            body = {"model": "mpic", "max_tokens": 4, "mpic": {"policy": "mpic-4"}}
+            r = http.post(
+                "/v1/chat/completions",
+                json=body | {"messages": [{"role": "user", "content": content}]},
+            )
+            r.raise_for_status()
+            j = r.json()
+            return {"answer": j["choices"][0]["message"]["content"]} | {
+                k: j["mpic"][k] for k in ("tier_hits", "fallbacks")
+            }
+
+        facts["before"] = ask()
+        replicas()
+        stop = threading.Event()
+
+        def client() -> None:
+            while not stop.is_set():
+                ask()
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        start = time.monotonic()
+        while time.monotonic() - start < 150 and replicas() < 2:
+            time.sleep(1)
+        facts["up_after_s"] = round(time.monotonic() - start, 1)
+        time.sleep(3)
+        replicas()
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        start = time.monotonic()
+        while time.monotonic() - start < 150 and replicas() > 1:
+            time.sleep(1)
+        facts["down_after_s"] = round(time.monotonic() - start, 1)
+        time.sleep(2)
+        replicas()
+        facts["after"] = ask()
+    finally:
+        Path(out).write_text(json.dumps(facts, indent=1))
+        stop_local()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _autoscale_run(sys.argv[1], sys.argv[2])
