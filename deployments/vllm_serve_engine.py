@@ -17,15 +17,25 @@ read from the store only then), reported in the DoneEvent's `fallbacks`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
-from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
+from mpic.deployments.messages import (
+    DoneEvent,
+    EncodedImage,
+    LinkedPrompt,
+    Sampling,
+    TokenEvent,
+    TokenLogprob,
+)
 from mpic.deployments.prompting import (
     Detokenizer,
+    StopMatcher,
     identify_image,
     prompt_parts,
     stored_linked_tokens,
@@ -40,6 +50,8 @@ from mpic.storage.config import StorageConfig
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry, LinkPlan
+
+logger = logging.getLogger(__name__)
 
 
 class VllmServeEngine(ServeEngine):
@@ -59,7 +71,17 @@ class VllmServeEngine(ServeEngine):
             from mpic.engine.vllm.engine import VllmEngineConfig
 
             self.vllm = AsyncVllmEngine(
-                VllmEngineConfig(model=cfg.model, dtype=cfg.dtype, storage=store)
+                VllmEngineConfig(
+                    model=cfg.model,
+                    dtype=cfg.dtype,
+                    storage=store,
+                    max_model_len=cfg.max_model_len,
+                    max_num_seqs=cfg.max_num_seqs,
+                    gpu_memory_utilization=cfg.gpu_memory_utilization,
+                    tensor_parallel_size=cfg.tensor_parallel_size,
+                    enforce_eager=cfg.enforce_eager,
+                    log_stats=cfg.log_stats,
+                )
             )
 
     @property
@@ -128,30 +150,80 @@ class VllmServeEngine(ServeEngine):
 
         return plan, linked_request(plan, prompt.policy, self.spec, fallback=exact)
 
+    def _sampling(self, s: Sampling) -> dict[str, Any]:
+        """vLLM SamplingParams keywords of a request's `Sampling` (vLLM samples natively;
+        stop strings are cut by the shared `StopMatcher`, as in the other engines)."""
+        vocab = len(self.processor.tokenizer)
+        if s.logit_bias and max(s.logit_bias) >= vocab:
+            raise InvalidRequestError(
+                f"logit_bias: token id {max(s.logit_bias)} is outside the vocabulary "
+                f"({vocab} tokens)",
+                param="logit_bias",
+            )
+        return {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "logit_bias": dict(s.logit_bias) or None,
+            "logprobs": s.logprobs,
+        }
+
+    def _logprobs(self, steps: list[dict], tokens: list[int], k: int) -> list[TokenLogprob]:
+        """TokenLogprobs of `tokens` from vLLM's per-step {token id: Logprob} dicts."""
+        text = self.processor.tokenizer.decode
+        out = []
+        for step, token in zip(steps, tokens, strict=False):
+            top = sorted(step.items(), key=lambda kv: kv[1].rank)[:k]
+            out.append(
+                TokenLogprob(
+                    text([token]),
+                    float(step[token].logprob),
+                    [(text([i]), float(lp.logprob)) for i, lp in top],
+                )
+            )
+        return out
+
     async def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """Link by `prompt.policy` and stream greedy tokens from vLLM + the MPIC connector."""
+        """Link by `prompt.policy` and stream tokens sampled by vLLM (`prompt.sampling`: greedy
+        by default) from the MPIC connector's linked KV; cut at a stop string."""
         assert self.vllm is not None, "generate runs in the LLM worker"
         start = time.perf_counter()
+        sampling = self._sampling(prompt.sampling)
         plan, request = await asyncio.to_thread(self._request, prompt, entries)
-        detok = Detokenizer(self.processor.tokenizer)
-        ttft = None
-        result = None
-        async for result in self.vllm.stream(request, prompt.max_tokens):
-            new = result.token_ids[len(detok.tokens) :]
-            if new:
+        logger.debug("request %s: submitted to vLLM", prompt.request_id)
+        detok, stops = Detokenizer(self.processor.tokenizer), StopMatcher(prompt.sampling.stop)
+        ttft, result, stopped = None, None, False
+        stream = self.vllm.stream(request, prompt.max_tokens, sampling)
+        try:
+            async for result in stream:
+                new = result.token_ids[len(detok.tokens) :]
+                if not new:
+                    continue
                 ttft = ttft if ttft is not None else time.perf_counter() - start
-                yield detok.push(new)
-        if (rest := detok.flush()).text:
-            yield rest
+                logprobs = None
+                if prompt.sampling.logprobs is not None:
+                    steps = result.extra.get("logprobs") or []
+                    steps = steps[len(detok.tokens) : len(detok.tokens) + len(new)]
+                    logprobs = self._logprobs(steps, new, prompt.sampling.logprobs)
+                text, stopped = stops.push(detok.push(new).text)
+                yield TokenEvent(text, logprobs)
+                if stopped:
+                    break
+        finally:
+            await stream.aclose()  # aborts the vLLM request when cut short
+        if not stopped and (rest := stops.push(detok.flush().text)[0] + stops.flush()):
+            yield TokenEvent(rest)
         n = len(detok.tokens)
         fell_back = result is not None and result.fell_back
         yield DoneEvent(
             prompt_tokens=plan.num_tokens,
             cached_tokens=0 if fell_back else stored_linked_tokens(plan),
             completion_tokens=n,
-            finish_reason="length" if n >= prompt.max_tokens else "stop",
+            finish_reason="length" if n >= prompt.max_tokens and not stopped else "stop",
             ttft_s=ttft if ttft is not None else time.perf_counter() - start,
             fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
         )

@@ -75,10 +75,13 @@ class AsyncVllmEngine(VllmFrontEnd):
         """Run `coro` on the engine's loop and wait for it (from any thread but that loop's)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def stream(self, req: EngineRequest, max_tokens: int = 8) -> AsyncIterator[EngineResult]:
-        """Greedy-decode `req`, yielding the result so far (cumulative `token_ids`) each time vLLM
-        emits tokens; a linked request that fails to link is answered by its fallback
-        (`fell_back` set). Closing the generator aborts the vLLM request."""
+    async def stream(
+        self, req: EngineRequest, max_tokens: int = 8, sampling: dict[str, Any] | None = None
+    ) -> AsyncIterator[EngineResult]:
+        """Decode `req` (greedy, or by `sampling`: SamplingParams keywords), yielding the result
+        so far (cumulative `token_ids`; `extra["logprobs"]`: vLLM's per-token logprob dicts when
+        asked for) each time vLLM emits tokens; a linked request that fails to link is answered
+        by its fallback (`fell_back` set). Closing the generator aborts the vLLM request."""
         caller = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -87,7 +90,7 @@ class AsyncVllmEngine(VllmFrontEnd):
 
         async def pump() -> None:
             try:
-                async for res in self._generate(req, max_tokens):
+                async for res in self._generate(req, max_tokens, sampling):
                     put(res)
                 put(_END)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's loop
@@ -102,20 +105,23 @@ class AsyncVllmEngine(VllmFrontEnd):
         finally:
             task.cancel()
 
-    async def _generate(self, req: EngineRequest, max_tokens: int) -> AsyncIterator[EngineResult]:
+    async def _generate(
+        self, req: EngineRequest, max_tokens: int, params: dict[str, Any] | None = None
+    ) -> AsyncIterator[EngineResult]:
         """On the engine's loop: one vLLM request; its exact fallback if it failed to link."""
-        prompt, sampling = self._submit_form(req, max_tokens, False)
+        prompt, sampling = self._submit_form(req, max_tokens, False, params)
         async for out in self.llm.generate(prompt, sampling, request_id=uuid.uuid4().hex):
             completion = out.outputs[0]
             if self.link_failed(req, completion.finish_reason):
                 (exact,) = await asyncio.to_thread(self._fallbacks, [req])  # may read media
-                async for res in self._generate(exact, max_tokens):
+                async for res in self._generate(exact, max_tokens, params):
                     res.fell_back = True
                     yield res
                 return
             yield EngineResult(
                 token_ids=list(completion.token_ids),
                 num_cached_tokens=int(out.num_cached_tokens or 0),
+                extra={"logprobs": completion.logprobs} if completion.logprobs else {},
             )
 
     async def _run_entry(self, prompt: dict, sampling: Any) -> None:

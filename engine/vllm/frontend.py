@@ -65,6 +65,10 @@ class VllmEngineConfig(BaseModel):
     )
     log_stats: bool = Field(False, description="vLLM's Prometheus stats (preemptions, ...).")
     enforce_eager: bool = Field(True, description="No torch.compile (start-up in ~30-50 s).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (GPU only)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over.")
     seed: int = Field(0, description="Sampling seed.")
     linking: bool = Field(True, description="Load the MPIC KV connector.")
     storage: StorageConfig = Field(
@@ -112,6 +116,8 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=cfg.enforce_eager,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
         kv_transfer_config=kv_transfer,
         limit_mm_per_prompt={"image": 16},
@@ -136,7 +142,15 @@ class VllmFrontEnd:
         self.fallbacks = 0
         """Linked requests answered by exact recomputation because an entry could not load."""
 
-    def _submit_form(self, req: EngineRequest, max_tokens: int, logprobs: bool) -> tuple[dict, Any]:
+    def _submit_form(
+        self,
+        req: EngineRequest,
+        max_tokens: int,
+        logprobs: bool,
+        sampling: dict[str, Any] | None = None,
+    ) -> tuple[dict, Any]:
+        """(prompt, SamplingParams) of one request: greedy, or `sampling`'s SamplingParams
+        keywords (temperature, top_p, seed, penalties, logit_bias, logprobs) over that."""
         from vllm import SamplingParams
 
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
@@ -149,14 +163,15 @@ class VllmFrontEnd:
             extra = {"kv_transfer_params": params}
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
-        sampling = SamplingParams(
+        params: dict[str, Any] = dict(
             temperature=0.0,
             max_tokens=max_tokens,
             ignore_eos=True,
             extra_args=extra,
             logprobs=-1 if logprobs else None,
         )
-        return prompt, sampling
+        params.update(sampling or {})
+        return prompt, SamplingParams(**params)
 
     @staticmethod
     def link_failed(req: EngineRequest, finish_reason: str | None) -> bool:
@@ -201,9 +216,9 @@ class VllmFrontEnd:
         if self.spec.vision_end_id is not None:
             ids.append(self.spec.vision_end_id)
         extra: dict[str, Any] = {"context_token_ids": list(context)}
-        if self.spec.image_grid_thw is not None:
-            extra["image_grid_thw"] = list(self.spec.image_grid_thw)
-        span = (len(context), len(context) + self.spec.tokens_per_image)
+        if layout.grid_thw is not None:
+            extra["image_grid_thw"] = list(layout.grid_thw)
+        span = (len(context), len(context) + layout.num_tokens)
         return ids, {"image": image}, span, entry_id, extra
 
     def _entry_form(
