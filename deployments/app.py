@@ -7,10 +7,13 @@ RayService's serveConfigV2: Serve validates the YAML `args` into `ServeAppConfig
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from ray import serve
 from ray.serve import Application
 
-from mpic.deployments.config import ServeAppConfig, deployment_options
+from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
 from mpic.deployments.ingress import Ingress
 from mpic.deployments.resolver import Resolver
 from mpic.deployments.retriever import Retriever
@@ -18,17 +21,34 @@ from mpic.deployments.router import router_options
 from mpic.deployments.workers import Encoder, LLMWorker
 
 
-def build_app(config: ServeAppConfig) -> Application:
-    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them."""
-    encoder = serve.deployment(Encoder, **deployment_options("Encoder", config.encoder))
+def build_app(
+    config: ServeAppConfig, overrides: Mapping[str, Mapping[str, Any]] | None = None
+) -> Application:
+    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them.
+
+    `overrides`: per-deployment options in the form of a Serve config's `deployments:` section
+    (name -> `serve.deployment` options such as `num_replicas`, `autoscaling_config`,
+    `ray_actor_options`, `max_ongoing_requests`); they win over the options derived from
+    `config`, as Serve's own config file does (`mpic serve --config` applies them this way)."""
+
+    def opts(name: str, dep: DeploymentConfig) -> dict[str, Any]:
+        out = deployment_options(name, dep)
+        out["logging_config"] = {"encoding": config.log_encoding}
+        override = dict((overrides or {}).get(name, {}))
+        override.pop("name", None)
+        if "num_replicas" in override:
+            out.pop("autoscaling_config", None)
+        return {**out, **override}
+
+    encoder = serve.deployment(Encoder, **opts("Encoder", config.encoder))
     worker = serve.deployment(
         LLMWorker,
-        **deployment_options("LLMWorker", config.llm_worker),
+        **opts("LLMWorker", config.llm_worker),
         **router_options(config.llm_router),
     )
-    retriever = serve.deployment(Retriever, **deployment_options("Retriever", config.retriever))
-    resolver = serve.deployment(Resolver, **deployment_options("Resolver", config.resolver))
-    ingress = serve.deployment(Ingress, **deployment_options("Ingress", config.ingress))
+    retriever = serve.deployment(Retriever, **opts("Retriever", config.retriever))
+    resolver = serve.deployment(Resolver, **opts("Resolver", config.resolver))
+    ingress = serve.deployment(Ingress, **opts("Ingress", config.ingress))
     enc, wrk = encoder.bind(config), worker.bind(config)
     ret = retriever.bind(config, wrk)
     return ingress.bind(config, enc, resolver.bind(config, enc, ret, wrk), wrk, ret)

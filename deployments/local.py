@@ -47,15 +47,26 @@ def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfi
     return cfg.model_copy(update={"engine": engine, "store": store})
 
 
+METRICS_REPORT_INTERVAL_MS = 2000
+"""How often a local Ray cluster's processes report metrics to the node's agent (Ray's default
+is 10 s; 2 s makes `/metrics` reflect a request within a few seconds)."""
+
+
 def start_local(
     cfg: ServeAppConfig,
     port: int = 8000,
     num_cpus: int | None = None,
     timeout_s: float = 300,
     log_to_driver: bool = True,
+    host: str = "127.0.0.1",
+    address: str | None = None,
+    overrides: dict | None = None,
 ) -> str:
-    """Start Ray + Serve on 127.0.0.1:`port` with the application; returns the base URL.
-    `log_to_driver=False` keeps replica logs in Ray's log folder (tests, benchmarks)."""
+    """Start Ray + Serve's HTTP proxy on `host`:`port` with the application; returns the base
+    URL. `address`: join that running Ray cluster ("auto", "ray://host:10001", "host:6379")
+    instead of starting one; `overrides`: a Serve config's `deployments:` section
+    (`build_app`). `log_to_driver=False` keeps replica logs in Ray's log folder (tests,
+    benchmarks)."""
     import ray
     from ray import serve
 
@@ -64,16 +75,25 @@ def start_local(
     cfg = prepare_local(cfg)
     env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            runtime_env={"env_vars": env},
-            logging_level=logging.WARNING,
-            log_to_driver=log_to_driver,
-        )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
-    url = f"http://127.0.0.1:{port}"
+        if address:
+            ray.init(
+                address=address,
+                runtime_env={"env_vars": env},
+                logging_level=logging.WARNING,
+                log_to_driver=log_to_driver,
+            )
+        else:
+            ray.init(
+                num_cpus=num_cpus or os.cpu_count(),
+                include_dashboard=False,
+                runtime_env={"env_vars": env},
+                logging_level=logging.WARNING,
+                log_to_driver=log_to_driver,
+                _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+            )
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(cfg, overrides), name=cfg.name, route_prefix=cfg.route_prefix)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_healthy(url, timeout_s)
     return url
 
@@ -99,11 +119,15 @@ def is_serving(url: str) -> bool:
         return False
 
 
-def stop_local() -> None:
-    """Shut Serve and Ray down (idempotent)."""
+def stop_local(app_name: str | None = None) -> None:
+    """Shut Serve and Ray down (idempotent). `app_name`: only delete that application and
+    disconnect (a cluster this process joined, not started, keeps running)."""
     import ray
     from ray import serve
 
     if ray.is_initialized():
-        serve.shutdown()
+        if app_name is None:
+            serve.shutdown()
+        else:
+            serve.delete(app_name)
         ray.shutdown()

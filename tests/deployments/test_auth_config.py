@@ -150,7 +150,7 @@ def test_deployment_options_use_target_ongoing_requests() -> None:
 def test_load_config_variants(tmp_path: Path) -> None:
     assert load_config(None).auth.mode == "dev"
     shipped = load_config(ROOT / "deployments" / "serve_config.yaml")
-    assert shipped.llm_worker.autoscaling.max_replicas == 2
+    assert shipped.engine.kind == "reference" and shipped.sweep_interval_s == 300
     bare = tmp_path / "bare.yaml"
     bare.write_text("engine: {kind: reference, model: /m}\nauth: {mode: production}\n")
     assert load_config(bare).engine.model == "/m"
@@ -173,3 +173,24 @@ def test_serve_command_rejects_a_bad_config(tmp_path: Path) -> None:
     for path in [bad, tmp_path / "missing.yaml"]:
         result = CliRunner().invoke(app, ["serve", "--config", str(path)])
         assert result.exit_code == 2 and "bad config" in result.output
+
+
+def test_shipped_serve_config_deployments_section_is_serves_schema() -> None:
+    """The per-deployment options live in Serve's own `deployments:` section (Serve validates
+    it; `mpic serve --config` applies it over `args` through `build_app`)."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from mpic.cli.serve import serve_overrides
+    from mpic.deployments.app import build_app
+
+    path = ROOT / "deployments" / "serve_config.yaml"
+    ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    overrides = serve_overrides(str(path))
+    assert overrides["LLMWorker"]["max_ongoing_requests"] == 8
+    graph = build_app(load_config(path), overrides)
+    opts = graph._bound_deployment._deployment_config
+    assert opts.autoscaling_config.max_replicas == 2  # the Ingress override
+    assert opts.max_ongoing_requests == 16  # args default, no override given
+    pinned = build_app(load_config(path), {"Ingress": {"num_replicas": 3}})
+    assert pinned._bound_deployment._deployment_config.num_replicas == 3
