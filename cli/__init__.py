@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from mpic.benchmarks import fidelity as bench_fidelity
 from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
 from mpic.benchmarks import retriever as bench_retriever
@@ -13,6 +14,7 @@ from mpic.benchmarks import storage as bench_storage
 from mpic.cli import calibrate_vlcache, demo
 from mpic.cli import serve as serve_command
 from mpic.engine.tiny import models as tiny_models
+from mpic.engine.tiny import smollm2 as trained_models
 
 app = typer.Typer(
     no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching."
@@ -23,12 +25,14 @@ app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 
 model_app.command("make-tiny")(tiny_models.make_tiny_command)
+model_app.command("import")(trained_models.import_command)
 model_app.command("calibrate-vlcache")(calibrate_vlcache.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("storage")(bench_storage.command)
 bench_app.command("retriever")(bench_retriever.command)
 bench_app.command("routing")(bench_routing.command)
 bench_app.command("load")(bench_load.command)
+bench_app.command("fidelity")(bench_fidelity.command)
 app.command("demo")(demo.command)
 app.command("serve")(serve_command.command)
 

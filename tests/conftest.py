@@ -4,4 +4,5 @@ registered here so every test directory sees them."""
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.s3",
+    "tests.fixtures.trained",
 ]

@@ -1,12 +1,13 @@
 """Policy registry: `get_policy("mpic-32")` (linker; CLI and Serve replica parse user names).
 
-Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`,
+Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`, `boundary-<k>`,
 `vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing).
 """
 
 from __future__ import annotations
 
 from mpic.linker.policies.base import Policy
+from mpic.linker.policies.boundary import BoundaryPolicy
 from mpic.linker.policies.cacheblend import CacheBlendPolicy
 from mpic.linker.policies.full import FullPolicy
 from mpic.linker.policies.full_reuse import FullReusePolicy
@@ -20,6 +21,7 @@ POLICY_NAMES = (
     "full-reuse",
     "cacheblend-<r>",
     "mpic-<k>",
+    "boundary-<k>",
     "vlcache-<r>[:<r>...]",
 )
 """The name patterns `get_policy` accepts."""
@@ -36,6 +38,8 @@ def get_policy(name: str) -> Policy:
         family, _, arg = name.rpartition("-")
         if family == "mpic":
             return MPICPolicy(int(arg))
+        if family == "boundary":
+            return BoundaryPolicy(int(arg))
         if family == "cacheblend":
             return CacheBlendPolicy(float(arg))
         if family == "vlcache":

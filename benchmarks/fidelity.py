@@ -1,0 +1,439 @@
+"""`mpic bench fidelity` (CLI process): how close each policy's answers come to exact recomputation
+on a trained language model, with cached text documents as the items.
+
+Passages are real prose that needs no download: the docstrings of standard-library modules,
+collected at run time (`passages`), each cut at a paragraph boundary to ~`chars` characters. Every
+passage is cached alone in its canonical context (system prompt + start of a user turn, the way an
+uploaded file is), then n of them are linked into a new prompt after an introduction, with a short
+header before each and a question about them at the end; so every document sits at another
+position and after other text than when it was cached (the mismatch of MPIC section 3, and of
+CacheBlend / EPIC for RAG).
+
+Per (policy, n) the figures are means over the questions, each against `full` (every token
+recomputed = the plain prefill) on the same prompt:
+- `recomputed_fraction`: tokens recomputed (depth > 0, both steps of two-step policies) / prompt
+  tokens;
+- `kl_first`: KL(p_full || p_policy) of the first output token's distribution, nats;
+- `agreement_32`: the share of the 32 greedy output positions holding the same token (an answer
+  that ended counts as end-of-sequence from there on);
+- `exact_prefix`: how many leading greedy tokens equal the exact answer's (at most 32);
+- `rouge_l`: ROUGE-L F1 of the answer's words against the exact answer's (longest common
+  subsequence, beta 1: Elastic Cache's metric, `rouge_l_f1`);
+- `ttft_ms`: request to first token with the entries in memory (the reference runner's clock).
+
+Writes a table, JSON `{"model", "results": [{"policy", "documents", "recomputed_fraction",
+"kl_first", "agreement_32", "exact_prefix", "rouge_l", "ttft_ms", "prompt_tokens"}]}` and a PNG of
+fidelity against recomputed fraction. `--calibrate-vlcache R` first runs VLCache's per-layer
+calibration (`mpic.linker.vlcache_calibration`) on proxy prompts built from OTHER passages and
+adds the calibrated schedule to the policies. docs/fidelity.md has measured results.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.prompt_parts import PromptPart
+
+logger = logging.getLogger(__name__)
+
+GREEDY_TOKENS = 32
+KL_FLOOR = 1e-6
+DEFAULT_POLICIES = (
+    "full,prefix,full-reuse,cacheblend-15,vlcache-0.1,mpic-4,mpic-8,mpic-16,mpic-32,mpic-64"
+)
+ROW_KEYS = (
+    "policy",
+    "documents",
+    "recomputed_fraction",
+    "kl_first",
+    "agreement_32",
+    "exact_prefix",
+    "rouge_l",
+    "ttft_ms",
+)
+"""The keys every JSON result row has (plus `prompt_tokens`)."""
+
+_MODULES = (
+    "json",
+    "heapq",
+    "difflib",
+    "argparse",
+    "csv",
+    "copy",
+    "configparser",
+    "statistics",
+    "collections",
+    "fileinput",
+    "hashlib",
+    "itertools",
+    "random",
+    "sched",
+    "shelve",
+    "timeit",
+    "uuid",
+    "wave",
+    "plistlib",
+    "struct",
+    "subprocess",
+    "socketserver",
+    "cmd",
+    "tempfile",
+    "unittest",
+    "doctest",
+    "inspect",
+    "tokenize",
+    "smtplib",
+    "ftplib",
+)
+"""Standard-library modules whose docstrings are the passages, in this order (those with too
+short a docstring are skipped)."""
+
+_QUESTIONS = (
+    "What is the {name} module for? Answer in one sentence.",
+    "Summarize the document about the {name} module in two sentences.",
+    "Which functions or classes does the {name} module provide, according to the documents?",
+    "Explain to a beginner when they would use the {name} module.",
+)
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One real text passage: the module it documents and the text."""
+
+    name: str
+    text: str
+
+
+def passages(count: int, chars: int = 700, skip: int = 0) -> list[Passage]:
+    """`count` standard-library docstrings (after skipping `skip` usable ones), each cut at a
+    paragraph (else line) boundary to at most ~`chars` characters. ValueError if the running
+    Python has fewer usable ones."""
+    import importlib
+
+    out: list[Passage] = []
+    usable = 0
+    for name in _MODULES:
+        try:
+            doc = inspect.getdoc(importlib.import_module(name)) or ""
+        except ImportError:
+            continue
+        doc = doc.strip()
+        if len(doc) < chars // 2:
+            continue
+        usable += 1
+        if usable <= skip:
+            continue
+        out.append(Passage(name, _cut(doc, chars)))
+        if len(out) == count:
+            return out
+    raise ValueError(f"only {len(out)} standard-library passages available, {count} needed")
+
+
+def _cut(text: str, chars: int) -> str:
+    """The text up to the last paragraph (or line) end within `chars` characters."""
+    if len(text) <= chars:
+        return text
+    head = text[:chars]
+    for sep in ("\n\n", "\n"):
+        end = head.rfind(sep)
+        if end >= chars // 2:
+            return head[:end].rstrip()
+    return head.rstrip()
+
+
+def question_parts(docs: list[Passage], entry_ids: list[str], question: int) -> list[PromptPart]:
+    """The prompt of question `question` over `docs` (cached as `entry_ids`): an introduction,
+    "Document i (module):" before each document, the question last."""
+    from mpic.prompt_parts import DocumentRef
+
+    parts: list[PromptPart] = [
+        "Read the following documents from the Python standard library, then answer the question."
+    ]
+    for i, (doc, entry_id) in enumerate(zip(docs, entry_ids, strict=True), start=1):
+        parts.append(f"\n\nDocument {i} ({doc.name}):\n")
+        parts.append(DocumentRef(entry_id))
+    target = docs[question % len(docs)]
+    template = _QUESTIONS[question % len(_QUESTIONS)]
+    parts.append("\n\nQuestion: " + template.format(name=target.name))
+    return parts
+
+
+def rouge_l_f1(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 (beta 1) of two texts over lower-cased word tokens: LCS / len gives recall and
+    precision (Lin 2004). 1.0 for two empty texts, 0.0 if exactly one is empty."""
+    cand, ref = _words(candidate), _words(reference)
+    if not cand or not ref:
+        return float(not cand and not ref)
+    lcs = _lcs_length(cand, ref)
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(cand), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _lcs_length(a: list[str], b: list[str]) -> int:
+    """Longest common subsequence length (O(len(a) * len(b)) dynamic programme, one row)."""
+    row = [0] * (len(b) + 1)
+    for x in a:
+        prev = 0
+        for j, y in enumerate(b, start=1):
+            cur = row[j]
+            row[j] = prev + 1 if x == y else max(row[j], row[j - 1])
+            prev = cur
+    return row[-1]
+
+
+def token_agreement(tokens: list[int], ref: list[int], length: int, eos: int | None) -> float:
+    """Share of the first `length` positions with equal tokens (a sequence that stopped is padded
+    with `eos`)."""
+    a, b = _padded(tokens, length, eos), _padded(ref, length, eos)
+    return sum(x == y for x, y in zip(a, b, strict=True)) / length
+
+
+def exact_prefix(tokens: list[int], ref: list[int], length: int, eos: int | None) -> int:
+    """How many leading tokens (of at most `length`) equal the reference's."""
+    count = 0
+    for x, y in zip(_padded(tokens, length, eos), _padded(ref, length, eos), strict=True):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def _padded(tokens: list[int], length: int, eos: int | None) -> list[int]:
+    pad = -1 if eos is None else eos
+    return (list(tokens) + [pad] * length)[:length]
+
+
+def run_fidelity(
+    runner: ReferenceRunner,
+    document_counts: list[int],
+    policies: list[str],
+    questions: int,
+    chars: int = 700,
+) -> list[dict[str, Any]]:
+    """The result rows (one per policy and document count, means over `questions`)."""
+    from mpic.benchmarks.offline import kl_divergence
+
+    docs = passages(max(document_counts), chars)
+    ids = [runner.cache_document(d.text).entry_id for d in docs]
+    eos = runner.spec.eos_token_id
+    tok = getattr(runner.processor, "tokenizer", runner.processor)
+    order = ["full"] + [p for p in policies if p != "full"]
+    rows = []
+    for n in document_counts:
+        per_policy: dict[str, list[dict[str, float]]] = {p: [] for p in order}
+        prompt_tokens = 0
+        for q in range(questions):
+            parts = question_parts(docs[:n], ids[:n], q)
+            runner.prefill(parts, "full")  # warm-up (allocator, first-call costs)
+            ref = None
+            for policy in order:
+                gen = runner.generate(parts, policy, max_new_tokens=GREEDY_TOKENS)
+                pre = gen.prefilled
+                text = tok.decode(gen.tokens, skip_special_tokens=True)
+                if ref is None:
+                    ref = (pre.logits, gen.tokens, text)
+                    prompt_tokens = pre.plan.num_tokens
+                per_policy[policy].append(
+                    {
+                        "recomputed_fraction": pre.recomputed_tokens / pre.plan.num_tokens,
+                        "kl_first": kl_divergence(ref[0], pre.logits),
+                        "agreement_32": token_agreement(gen.tokens, ref[1], GREEDY_TOKENS, eos),
+                        "exact_prefix": exact_prefix(gen.tokens, ref[1], GREEDY_TOKENS, eos),
+                        "rouge_l": rouge_l_f1(text, ref[2]),
+                        "ttft_ms": pre.ttft_s * 1000,
+                    }
+                )
+                logger.info("n=%d q=%d %s: %r", n, q, policy, text)
+        for policy in order:
+            samples = per_policy[policy]
+            row: dict[str, Any] = {"policy": policy, "documents": n}
+            for key in ROW_KEYS[2:]:
+                row[key] = statistics.fmean(s[key] for s in samples)
+            row["prompt_tokens"] = prompt_tokens
+            rows.append(row)
+    return rows
+
+
+def calibrate_vlcache_on_documents(
+    runner: ReferenceRunner,
+    target: float,
+    grid: str,
+    documents: int,
+    prompts: int,
+    chars: int = 700,
+) -> str:
+    """VLCache's calibrated per-layer schedule for this model (the registry name), measured on
+    `prompts` proxy prompts of `documents` passages disjoint from the benchmark's (VLCache
+    section 4.1, `mpic.linker.vlcache_calibration.calibrate`)."""
+    from mpic.linker.vlcache_calibration import ProxyPrompt, calibrate, parse_grid
+
+    # The benchmark uses the first passages; the proxy set takes the ones after its maximum (16).
+    docs = passages(documents * prompts, chars, skip=16)
+    proxies = []
+    for p in range(prompts):
+        chunk = docs[p * documents : (p + 1) * documents]
+        ids = [runner.cache_document(d.text).entry_id for d in chunk]
+        planned = runner.plan(question_parts(chunk, ids, p))
+        proxies.append(ProxyPrompt(planned.plan, planned.entries))
+    cal = calibrate(runner.adapter, proxies, target, parse_grid(grid))
+    logger.info("calibrated %s: proxy %s", cal.policy, cal.proxy)
+    return cal.policy
+
+
+def print_table(rows: list[dict[str, Any]], model: str) -> None:
+    """The result table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Fidelity vs full recomputation ({model})")
+    for col in ("docs", "policy", "prompt", "recomputed", "KL first", "agree@32", "exact prefix"):
+        table.add_column(col, justify="right" if col != "policy" else "left", overflow="fold")
+    table.add_column("ROUGE-L", justify="right")
+    table.add_column("TTFT ms", justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["documents"]),
+            r["policy"],
+            str(r["prompt_tokens"]),
+            f"{r['recomputed_fraction']:.1%}",
+            f"{r['kl_first']:.4f}",
+            f"{r['agreement_32']:.2f}",
+            f"{r['exact_prefix']:.1f}",
+            f"{r['rouge_l']:.3f}",
+            f"{r['ttft_ms']:.0f}",
+        )
+    Console(width=160).print(table)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """KL of the first token (log scale) and ROUGE-L against recomputed fraction: one marker per
+    policy and document count, the mpic-k family joined by a line per document count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_k, ax_r) = plt.subplots(1, 2, figsize=(13, 5))
+    counts = sorted({r["documents"] for r in rows})
+    markers = "osD^v<>p*"
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for ci, n in enumerate(counts):
+        color = f"C{ci}"
+        mine = [r for r in rows if r["documents"] == n]
+        for pi, policy in enumerate(policies):
+            for r in (r for r in mine if r["policy"] == policy):
+                x = r["recomputed_fraction"]
+                kw = {"color": color, "marker": markers[pi % len(markers)], "s": 40}
+                ax_k.scatter(x, max(r["kl_first"], KL_FLOOR), **kw)
+                ax_r.scatter(x, r["rouge_l"], **kw)
+        line = sorted(
+            (r for r in mine if r["policy"].startswith("mpic-")),
+            key=lambda r: r["recomputed_fraction"],
+        )
+        if line:
+            xs = [r["recomputed_fraction"] for r in line]
+            ax_k.plot(xs, [max(r["kl_first"], KL_FLOOR) for r in line], color=color, lw=1)
+            ax_r.plot(xs, [r["rouge_l"] for r in line], color=color, lw=1, label=f"{n} docs")
+            for r in line:
+                ax_k.annotate(
+                    r["policy"][5:],
+                    (r["recomputed_fraction"], r["kl_first"]),
+                    fontsize=7,
+                    color=color,
+                )
+    handles = [
+        plt.Line2D([], [], color="grey", marker=markers[i % len(markers)], ls="", label=p)
+        for i, p in enumerate(policies)
+    ]
+    ax_k.set_yscale("log")
+    ax_k.set_xlabel("recomputed fraction of prompt tokens")
+    ax_k.set_ylabel("first-token KL vs full (nats)")
+    ax_r.set_xlabel("recomputed fraction of prompt tokens")
+    ax_r.set_ylabel("ROUGE-L F1 vs exact answer (32 tokens)")
+    ax_k.legend(handles=handles, fontsize=7, loc="lower left")
+    ax_r.legend(fontsize=8, loc="lower right", title="mpic-k line")
+    fig.suptitle("Fidelity against recomputed tokens (colour = document count)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def command(
+    model: str = typer.Option(..., "--model", help="HF model folder (e.g. mpic model import)."),
+    documents: str = typer.Option("4,8", "--documents", help="Documents per prompt, 2-16."),
+    policies: str = typer.Option(DEFAULT_POLICIES, "--policies", help="Comma-separated."),
+    questions: int = typer.Option(4, "--questions", help="Questions per document count."),
+    chars: int = typer.Option(700, "--chars", help="Characters per passage (about 4 per token)."),
+    calibrate_vlcache: float = typer.Option(
+        None, "--calibrate-vlcache", help="Also calibrate VLCache to this r_bar and include it."
+    ),
+    calibration_grid: str = typer.Option(
+        "0.05:0.3:0.05", "--calibration-grid", help="Ratio grid of the calibration."
+    ),
+    threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),
+    plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
+) -> None:
+    """Answer fidelity per policy on a trained model with cached text documents."""
+    from mpic.linker.policies import policy_names
+
+    try:
+        counts = [int(x) for x in documents.split(",") if x.strip()]
+        names = policy_names(policies)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    if not counts or any(not 2 <= n <= 16 for n in counts):
+        typer.echo("error: --documents takes counts between 2 and 16", err=True)
+        raise typer.Exit(code=2)
+    if questions < 1 or chars < 100:
+        typer.echo("error: --questions must be >= 1 and --chars >= 100", err=True)
+        raise typer.Exit(code=2)
+    if calibrate_vlcache is not None and not 0 < calibrate_vlcache <= 0.3:
+        typer.echo("error: --calibrate-vlcache takes r_bar in (0, 0.3]", err=True)
+        raise typer.Exit(code=2)
+    import torch
+
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        runner = ReferenceRunner(model)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    if calibrate_vlcache is not None:
+        name = calibrate_vlcache_on_documents(runner, calibrate_vlcache, calibration_grid, 4, 2)
+        typer.echo(f"calibrated VLCache schedule (r_bar {calibrate_vlcache:g}): {name}")
+        names.append(name)
+    rows = run_fidelity(runner, counts, names, questions, chars)
+    print_table(rows, model)
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(
+            json.dumps({"model": str(Path(model).resolve()), "results": rows}, indent=1)
+        )
+    if plot_out:
+        Path(plot_out).parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, plot_out)
+    if not math.isfinite(sum(r["kl_first"] for r in rows)):
+        typer.echo("warning: a KL is not finite", err=True)
