@@ -246,7 +246,7 @@ def command(
         "seed": seed,
     }
     results = []
-    base = start_local(first.model_copy(update={"name": "warm", "route_prefix": "/warm"}), port)
+    base = start_local(first.model_copy(update={"name": "warm"}), port, log_to_driver=False)
     try:
         serve.delete("warm")
         for router in names:
