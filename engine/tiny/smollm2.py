@@ -103,3 +103,127 @@ def import_command(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     typer.echo(f"wrote {name} to {path}")
+
+
+LLAVA_SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""SmolLM2's own ChatML template, extended to typed content parts with `<image>` per image: text
+renders exactly as in the text model, so the LLaVA model answers text prompts as SmolLM2 does."""
+
+VISION = {"hidden": 256, "layers": 4, "heads": 4, "image_size": 336, "patch_size": 28}
+"""The random CLIP tower of `make_llava_smollm2`: 336 px in 28-px patches, 144 tokens per
+image (the `small` LLaVA's)."""
+
+
+def make_llava_smollm2(out: str | Path, lm_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """A LLaVA-1.5-style folder whose language model is the trained SmolLM2-135M (weights copied
+    from `lm_dir`, an imported folder; None imports one into a temporary folder first) and whose
+    CLIP tower and projector are random (seeded). The tokenizer gains one `<image>` token
+    (id 49152; its embedding and LM-head rows copy `<unk>`'s, so it is never likely). Returns the
+    path; FileExistsError / MissingPackageError as `import_smollm2`."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        if lm_dir is None:
+            lm_dir = import_smollm2(Path(tmp) / "lm")
+        stage = Path(tmp) / "model"
+        _write_llava_smollm2(Path(lm_dir), stage, seed)
+        if out.exists():
+            out.rmdir()
+        shutil.move(str(stage), str(out))
+    return out
+
+
+def _write_llava_smollm2(lm_dir: Path, stage: Path, seed: int) -> None:
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        CLIPImageProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    lm = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
+    text = lm.config.to_dict()
+    for key in ("architectures", "dtype", "transformers_version", "_name_or_path"):
+        text.pop(key, None)
+    text.update(vocab_size=len(tokenizer), tie_word_embeddings=False)
+    side, patch = VISION["image_size"], VISION["patch_size"]
+    config = LlavaConfig(
+        text_config=text,
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": VISION["hidden"],
+            "intermediate_size": 4 * VISION["hidden"],
+            "num_hidden_layers": VISION["layers"],
+            "num_attention_heads": VISION["heads"],
+            "image_size": side,
+            "patch_size": patch,
+            "projection_dim": VISION["hidden"],
+            "hidden_act": "quick_gelu",
+        },
+        image_token_index=image_id,
+        image_seq_length=(side // patch) ** 2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    embed = lm.model.embed_tokens.weight.detach()
+    unk = embed[tokenizer.unk_token_id or 0]
+    with torch.no_grad():
+        state = {k: v for k, v in lm.model.state_dict().items() if k != "embed_tokens.weight"}
+        missing = model.model.language_model.load_state_dict(state, strict=False)
+        assert missing.missing_keys == ["embed_tokens.weight"], missing
+        model.model.language_model.embed_tokens.weight.copy_(torch.cat([embed, unk[None]]))
+        head = lm.lm_head.weight.detach()
+        model.lm_head.weight.copy_(torch.cat([head, head[tokenizer.unk_token_id or 0][None]]))
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        ),
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_SMOLLM2_TEMPLATE,
+    )
+    model.save_pretrained(stage)
+    processor.save_pretrained(stage)
+
+
+def make_with_trained_lm_command(family: str, lm: str, out: str, seed: int) -> None:
+    """`mpic model make-tiny --family llava --lm smollm2 --out DIR` (exit 2 on bad options or
+    missing packages)."""
+    if lm != "smollm2" or family != "llava":
+        typer.echo(
+            f"error: --lm {lm!r} with --family {family!r}: only --family llava --lm smollm2",
+            err=True,
+        )
+        raise typer.Exit(code=2)
+    try:
+        path = make_llava_smollm2(out, seed=seed)
+    except (MissingPackageError, FileExistsError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    typer.echo(f"wrote llava with the trained smollm2 language model to {path}")

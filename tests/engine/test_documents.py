@@ -288,3 +288,33 @@ def test_import_names_the_pip_command_when_missing(monkeypatch, tmp_path) -> Non
     res = CliRunner().invoke(app, ["model", "import", "gpt5", "--out", str(tmp_path / "m")])
     assert res.exit_code == 2 and "importable: smollm2" in res.output
     assert not (tmp_path / "m").exists()
+
+
+def test_llava_with_the_trained_language_model(llava_smollm2_dir, smollm2_runner) -> None:
+    """`make-tiny --family llava --lm smollm2`: text prompts answer exactly as SmolLM2 (same
+    weights, same template); an image and a document link together."""
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.samples import synthetic_png
+
+    vlm = ReferenceRunner(str(llava_smollm2_dir))
+    assert vlm.spec.family == "llava" and vlm.spec.takes_images
+    doc_v, doc_t = vlm.cache_document(DOC_A), smollm2_runner.cache_document(DOC_A)
+    assert doc_v.extra["token_ids"] == doc_t.extra["token_ids"]
+    for policy in ("full", "mpic-4"):
+        pv = vlm.prefill(["Read:\n", DocumentRef(doc_v.entry_id), "\nWhat is a heap?"], policy)
+        pt = smollm2_runner.prefill(
+            ["Read:\n", DocumentRef(doc_t.entry_id), "\nWhat is a heap?"], policy
+        )
+        assert torch.equal(pv.plan.token_ids, pt.plan.token_ids)
+        assert torch.allclose(pv.logits[: pt.logits.numel()], pt.logits, atol=1e-4)
+    img = vlm.cache_image(synthetic_png(0))
+    parts = ["Look:", ImageRef(img.entry_id), "and read", DocumentRef(doc_v.entry_id), "ok?"]
+    assert torch.isfinite(vlm.prefill(parts, "boundary-8").logits).all()
+
+
+def test_make_tiny_lm_option_errors(tmp_path) -> None:
+    from mpic.cli import app
+
+    for args in (["--family", "qwen2-vl", "--lm", "smollm2"], ["--family", "llava", "--lm", "x"]):
+        res = CliRunner().invoke(app, ["model", "make-tiny", *args, "--out", str(tmp_path / "m")])
+        assert res.exit_code == 2 and "only --family llava --lm smollm2" in res.output
