@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mpic.engine.hf.adapters import make_adapter
+from mpic.engine.hf.compress import PressRequest, compress_dense, observed, observer_for
 from mpic.engine.hf.entries import cache_image
 from mpic.engine.hf.loader import load_hf_model
 from mpic.linker.dense_kv import DenseLinkedKV
@@ -27,6 +28,7 @@ from mpic.linker.positions import next_position
 from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt, plan_prompt
 from mpic.linker.selective_prefill import run_layers
+from mpic.presses.cache import CompressedKV
 from mpic.types import CacheEntry, LinkPlan
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,8 @@ class Prefilled:
     """A prompt after the selective prefill: its plan, filled KV and first-token logits."""
 
     plan: LinkPlan
-    kv: DenseLinkedKV
+    kv: DenseLinkedKV | CompressedKV
+    """The KV decoding runs over: dense, or compressed by the request's press."""
     logits: torch.Tensor
     """float32 [vocab] of the last prompt token."""
     recomputed_tokens: int
@@ -45,6 +48,8 @@ class Prefilled:
     """Seconds from the request to the first token (argmax of `logits`)."""
     cpu_s: float
     """Process CPU seconds over the same span (all threads): the work, robust to a busy host."""
+    press: PressRequest | None = None
+    """The press that compressed `kv` (its generation-time step runs while decoding)."""
 
 
 @dataclass
@@ -106,8 +111,14 @@ class ReferenceRunner:
         policy: str | Policy,
         max_new_tokens: int = 0,
         system_prompt: str | None = None,
+        press: str | None = None,
+        budget: float | None = None,
     ) -> Prefilled:
-        """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved."""
+        """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved.
+        press/budget (`mpic.presses`): compress the prompt KV after the prefill, before the
+        first decode step; budget 1.0 or no press keeps the dense KV (ValueError for an unknown
+        press or a budget outside (0, 1], before any work)."""
+        req = PressRequest.make(press, budget)
         start, cpu_start = time.perf_counter(), time.process_time()
         planned = self.plan(parts, policy, max_new_tokens, system_prompt)
         plan = planned.plan
@@ -121,11 +132,18 @@ class ReferenceRunner:
             a.device,
             backend=self.attention_backend,
         )
-        out = link_and_prefill(a, planned, kv)
+        if req is None:
+            out = link_and_prefill(a, planned, kv)
+        else:
+            observer = observer_for(plan, a)
+            observed_adapter, observed_kv = observed(a, kv, observer)
+            out = link_and_prefill(observed_adapter, planned, observed_kv)
         logits = out.result.logits
         int(logits.argmax())  # the first token exists once it is picked
         ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        return Prefilled(out.plan, kv, logits, out.recomputed_tokens, ttft, cpu)
+        if req is not None:  # compress, then drop the dense KV (memory freed)
+            kv = compress_dense(req, kv, observer, out.plan, a, max_new_tokens)
+        return Prefilled(out.plan, kv, logits, out.recomputed_tokens, ttft, cpu, req)
 
     @torch.inference_mode()
     def stream(
@@ -138,11 +156,13 @@ class ReferenceRunner:
         stop_at_eos: bool = True,
         system_prompt: str | None = None,
         pick: Callable[[torch.Tensor], int] | None = None,
+        press: str | None = None,
+        budget: float | None = None,
     ) -> Iterator[tuple[int, Prefilled]]:
         """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
         temperature is 0, else seeded sampling; `pick(logits [V]) -> token id` replaces both,
         e.g. the serving layer's sampler); stops after EOS or `max_new_tokens`."""
-        pre = self.prefill(parts, policy, max_new_tokens, system_prompt)
+        pre = self.prefill(parts, policy, max_new_tokens, system_prompt, press, budget)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
         logits = pre.logits
@@ -163,6 +183,8 @@ class ReferenceRunner:
                 torch.tensor([a.num_layers]),
             )
             logits = a.logits(hidden)[0]
+            if pre.press is not None:  # Elastic Cache's fixed-point elimination
+                pre.press.press.after_decode_step(pre.kv, n + step + 1)
 
     def generate(
         self,
@@ -173,15 +195,25 @@ class ReferenceRunner:
         seed: int | None = None,
         stop_at_eos: bool = True,
         system_prompt: str | None = None,
+        press: str | None = None,
+        budget: float | None = None,
     ) -> Generation:
         """All of `stream`'s tokens at once."""
         steps = list(
             self.stream(
-                parts, policy, max_new_tokens, temperature, seed, stop_at_eos, system_prompt
+                parts,
+                policy,
+                max_new_tokens,
+                temperature,
+                seed,
+                stop_at_eos,
+                system_prompt,
+                press=press,
+                budget=budget,
             )
         )
         if not steps:  # max_new_tokens == 0: prefill only
-            return Generation([], self.prefill(parts, policy, 0, system_prompt))
+            return Generation([], self.prefill(parts, policy, 0, system_prompt, press, budget))
         return Generation([t for t, _ in steps], steps[0][1])
 
 
