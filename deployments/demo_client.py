@@ -145,7 +145,11 @@ async def _run(
 
 
 def run_demo(
-    url: str, key: str, policies: list[str], max_tokens: int, concurrency: tuple[int, ...] | list[int] = ()
+    url: str,
+    key: str,
+    policies: list[str],
+    max_tokens: int,
+    concurrency: tuple[int, ...] | list[int] = (),
 ) -> list[DemoRow] | tuple[list[DemoRow], list[WaveRow]]:
     """Upload the three images and ask with every policy (one warm-up request first); with
     `concurrency`, also the waves, returned as `(rows, waves)`."""
