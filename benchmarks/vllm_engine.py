@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from tempfile import mkdtemp
 
 from mpic.benchmarks.engines import FirstToken
-from mpic.engine.hf.vision import fit_image, load_image
+from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.linker.prompt import PromptPart
@@ -60,9 +60,7 @@ class VllmBenchEngine:
         )
         plan = planned.plan
         if policy in EXACT_POLICIES:
-            images = [
-                fit_image(load_image(self.media[r]), self.spec.image_size) for r in planned.refs
-            ]
+            images = [load_image(self.media[r]) for r in planned.refs]
             request = exact_request(plan, self.spec.image_token_id, images)
             return request, plan.num_tokens, plan.num_tokens
         request = linked_request(plan, policy, self.spec)

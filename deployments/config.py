@@ -85,7 +85,9 @@ class EngineConfig(BaseModel):
         ".mpic/models/llava-small",
         description="HF model folder; `mpic serve` writes the small random model here if missing.",
     )
-    family: Literal["llava", "qwen2-vl"] = Field("llava", description="Family of that model.")
+    family: Literal["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"] = Field(
+        "llava", description="Family of that model (the small random one written if missing)."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
     served_model_name: str = Field(
         "mpic", min_length=1, description="The model id of /v1/models; requests must name it."

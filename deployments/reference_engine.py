@@ -33,9 +33,9 @@ from mpic.deployments.prompting import (
     prompt_parts,
     stored_linked_tokens,
 )
-from mpic.engine.hf.entries import compute_entry
+from mpic.engine.hf.entries import cache_document, compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
-from mpic.engine.hf.vision import encode_images, load_image
+from mpic.engine.hf.vision import encode, load_image
 from mpic.linker.prompt import canonical_context_ids
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
@@ -52,8 +52,10 @@ class ReferenceServeEngine(ServeEngine):
         self.cfg = cfg
         self.runner = ReferenceRunner(cfg.model, device, _DTYPES[cfg.dtype], cfg.system_prompt)
         spec = self.runner.spec
-        self._context_ids = canonical_context_ids(
-            self.runner.processor, cfg.system_prompt, spec.image_token_id
+        self._context_ids = (  # a text-only model caches documents only
+            canonical_context_ids(self.runner.processor, cfg.system_prompt, spec.image_token_id)
+            if spec.takes_images
+            else []
         )
         self._lock = threading.Lock()
 
@@ -66,10 +68,12 @@ class ReferenceServeEngine(ServeEngine):
         """Decode (415 if not an image) and run vision tower + projector: [T, hidden]."""
         content_hash, media_type = identify_image(image_bytes)
         with self._lock, torch.inference_mode():
-            (embeds,) = encode_images(
+            (features,) = encode(
                 self.runner.model, self.runner.processor, [load_image(image_bytes)]
             )
-        return EncodedImage(image_bytes, content_hash, media_type, embeds.detach().cpu())
+        extra = {} if features.grid_thw is None else {"image_grid_thw": list(features.grid_thw)}
+        embeds = features.embeds.detach().cpu()
+        return EncodedImage(image_bytes, content_hash, media_type, embeds, extra)
 
     def entry_id(self, media: bytes) -> str:
         """Content address over (fingerprint, canonical context, media bytes)."""
@@ -84,6 +88,18 @@ class ReferenceServeEngine(ServeEngine):
                 self._context_ids,
                 image.input_embeds,
                 entry_id,
+                grid_thw=image.extra.get("image_grid_thw"),
+            )
+
+    def compute_document_entry(self, text: str) -> CacheEntry:
+        """KV of [canonical context + document] (`mpic.engine.hf.entries.cache_document`)."""
+        with self._lock:
+            return cache_document(
+                self.runner.processor,
+                self.runner.adapter,
+                self.runner.spec,
+                text,
+                self.cfg.system_prompt,
             )
 
     def generate(

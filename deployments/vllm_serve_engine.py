@@ -40,7 +40,7 @@ from mpic.deployments.prompting import (
     prompt_parts,
     stored_linked_tokens,
 )
-from mpic.engine.hf.vision import fit_image, load_image
+from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
@@ -143,7 +143,7 @@ class VllmServeEngine(ServeEngine):
 
         def exact() -> EngineRequest:  # the prompt with its images (pixels read only now)
             try:
-                images = [fit_image(load_image(media[r]()), self.spec.image_size) for r in refs]
+                images = [load_image(media[r]()) for r in refs]
             except ObjectNotFoundError:
                 raise InvalidRequestError("an entry and its media are gone") from None
             return exact_request(plan, self.spec.image_token_id, images)

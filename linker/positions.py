@@ -1,9 +1,12 @@
-"""Position rules of the two model families (linker, all processes).
+"""Position rules of the model families (linker, all processes).
 
-1-D RoPE (LLaVA's Llama/Mistral backbone): prompt index = position, an image advances it by T.
-M-RoPE (Qwen2-VL): text tokens get (p, p, p); an image's tokens get 3-D (t, h, w) positions
-offset by the text position p where it starts (t = p + frame, h = p + row, w = p + column of the
-merged patch grid), and the text after the image continues at max + 1 (transformers'
+1-D RoPE (LLaVA / LLaVA-NeXT's Llama/Mistral backbone, text-only models): prompt index = position,
+an item advances it by its own token count T (an entry's `num_tokens`: it differs per image with
+anyres tiles, and per document).
+M-RoPE (Qwen2-VL, Qwen2.5-VL): text tokens get (p, p, p); an image's tokens get 3-D (t, h, w)
+positions offset by the text position p where it starts (t = p + frame, h = p + row,
+w = p + column of the image's OWN merged patch grid, which depends on its size at native
+resolution), and the text after the image continues at max + 1 (transformers'
 `Qwen2VLModel.get_rope_index`). An entry stores the positions it was computed at, so linking it
 at text position p uses `entry.positions - entry.start_position + p` and advances p by
 `entry.position_extent`.
@@ -13,18 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from mpic.types import CacheEntry, ModelFamily
+from mpic.types import MROPE_FAMILIES, CacheEntry, ModelFamily
 
 
 def text_positions(family: ModelFamily, start: int, count: int) -> torch.Tensor:
     """Positions of `count` text tokens from `start`: int64 [count] or [3, count] for M-RoPE."""
     pos = torch.arange(start, start + count, dtype=torch.int64)
-    return pos.expand(3, -1).clone() if family == "qwen2-vl" else pos
+    return pos.expand(3, -1).clone() if family in MROPE_FAMILIES else pos
 
 
 def item_positions(family: ModelFamily, entry: CacheEntry, start: int) -> torch.Tensor:
     """Positions of the entry's T tokens when linked at text position `start`."""
-    if family == "qwen2-vl":
+    if family in MROPE_FAMILIES:
         rel = entry.positions.reshape(3, -1).to(torch.int64) - entry.start_position
         return rel + start
     return torch.arange(start, start + entry.num_tokens, dtype=torch.int64)
@@ -32,7 +35,7 @@ def item_positions(family: ModelFamily, entry: CacheEntry, start: int) -> torch.
 
 def item_extent(family: ModelFamily, entry: CacheEntry) -> int:
     """How far the item advances the text position (T, or max + 1 - start for M-RoPE)."""
-    return entry.position_extent if family == "qwen2-vl" else entry.num_tokens
+    return entry.position_extent if family in MROPE_FAMILIES else entry.num_tokens
 
 
 def next_position(positions: torch.Tensor) -> int:
@@ -53,7 +56,7 @@ def image_positions(
     merged grid (grid_thw before the spatial merge, as in transformers'
     `get_vision_position_ids`).
     """
-    if family != "qwen2-vl":
+    if family not in MROPE_FAMILIES:
         return torch.arange(start, start + num_tokens, dtype=torch.int64)
     assert grid_thw is not None, "M-RoPE needs the image grid"
     t, h, w = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge

@@ -1,24 +1,38 @@
 """What the linker and engines need to know about a model folder (all processes).
 
 `ModelSpec.from_pretrained(path)` reads an HF folder's config (through transformers' AutoConfig,
-which fills the defaults real checkpoints leave out and upgrades legacy layouts) and its image
-processor config, so the linker can lay out prompts (placeholder ids, tokens per image, M-RoPE
-rules) and engines can size KV. docs/models.md lists the prompt conventions.
+which fills the defaults real checkpoints leave out and upgrades legacy layouts), so the linker
+can lay out prompts (placeholder ids, M-RoPE rules) and engines can size KV. docs/models.md lists
+the prompt conventions.
+
+There is no fixed tokens-per-image: each image gets the token count and (M-RoPE) grid its model's
+own processor gives it (anyres tiles for LLaVA-NeXT, native resolution for Qwen2-VL/2.5-VL); a
+cache entry records its own (`CacheEntry.num_tokens`, `extra["image_grid_thw"]`), and
+`mpic.engine.hf.vision.image_layout(processor, image)` computes them for an image. The image
+processor's settings are part of the fingerprint, so changing them (e.g. Qwen2-VL's max_pixels)
+names every entry anew.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mpic.addressing import model_fingerprint
-from mpic.types import ModelFamily
+from mpic.types import TEXT_FAMILIES, ModelFamily
 
-_MODEL_TYPES: dict[str, ModelFamily] = {"llava": "llava", "qwen2_vl": "qwen2-vl"}
+_MODEL_TYPES: dict[str, ModelFamily] = {
+    "llava": "llava",
+    "llava_next": "llava-next",
+    "qwen2_vl": "qwen2-vl",
+    "qwen2_5_vl": "qwen2.5-vl",
+    "llama": "llama",
+    "qwen2": "qwen2",
+}
 
 
 @dataclass(frozen=True)
@@ -36,12 +50,14 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Static facts about one model. Qwen2-VL-only fields are None for LLaVA."""
+    """Static facts about one model. Qwen2-VL-only fields are None for LLaVA; a text-only model
+    (`llama`, `qwen2`) has no image fields (image_token_id None)."""
 
     family: ModelFamily
     path: str
     fingerprint: str
-    """sha256 over the config and weight files: part of every cache entry's key."""
+    """sha256 over the config, weight and image-processor config files: part of every cache
+    entry's key."""
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -50,28 +66,32 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     rope: RopeSpec
-    image_token_id: int
-    """The placeholder id every image token carries in the prompt."""
-    tokens_per_image: int
-    """T: the processor resizes every image to one fixed size, so T is a model constant."""
-    image_size: tuple[int, int]
-    """(height, width) the processor resizes images to."""
+    image_token_id: int | None
+    """The placeholder id every image token carries in the prompt (None: a text-only model)."""
+    model_type: str = ""
+    """The HF `model_type` (llava, llava_next, qwen2_vl, qwen2_5_vl, ...)."""
     vision_start_id: int | None = None
     vision_end_id: int | None = None
-    image_grid_thw: tuple[int, int, int] | None = None
-    """Qwen2-VL: the (t, h, w) patch grid before the spatial merge."""
     spatial_merge_size: int | None = None
+    """Qwen2-VL/2.5-VL: patches merged per side into one token (an image's grid (t, h, w) is
+    before the merge: T = t * h * w / merge**2)."""
     bos_token_id: int | None = None
     """Prepended to every prompt when not None (LLaVA/Llama); Qwen2-VL prompts have no BOS."""
     eos_token_id: int | None = None
     """Ends an assistant turn: `</s>` (LLaVA) or `<|im_end|>` (Qwen2-VL)."""
 
+    @property
+    def takes_images(self) -> bool:
+        """False for a text-only model (its items are documents only)."""
+        return self.image_token_id is not None
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelSpec:
-        """Read an HF model folder (LLaVA-1.5-style or Qwen2-VL).
+        """Read an HF model folder (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, or a
+        Llama/Qwen2 causal LM).
 
         Raises FileNotFoundError if the folder has no config.json and ValueError for an
-        unsupported model type or a processor that does not give a fixed image size.
+        unsupported model type.
         """
         root = Path(path).resolve()
         config = _read_json(root / "config.json")
@@ -84,14 +104,14 @@ class ModelSpec:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(root).to_dict()  # defaults filled in
-        text = config["text_config"]
+        text = config.get("text_config") or config
         heads = int(text["num_attention_heads"])
         rope = rope_spec(text)
-        image = _image_processor_config(root)
         common: dict[str, Any] = {
             "family": family,
             "path": str(root),
-            "fingerprint": model_fingerprint(root),
+            "fingerprint": _fingerprint(root),
+            "model_type": str(config["model_type"]),
             "num_layers": int(text["num_hidden_layers"]),
             "num_heads": heads,
             "num_kv_heads": int(text.get("num_key_value_heads") or heads),
@@ -102,9 +122,15 @@ class ModelSpec:
             "rope": rope,
             "eos_token_id": _first(text.get("eos_token_id")),
         }
-        if family == "llava":
-            return cls(**common, **_llava_fields(config, image))
-        return cls(**common, **_qwen2vl_fields(config, image))
+        if family in TEXT_FAMILIES:
+            return cls(
+                **common,
+                image_token_id=None,
+                bos_token_id=_first(text.get("bos_token_id")),
+            )
+        if family in ("llava", "llava-next"):
+            return cls(**common, **_llava_fields(config))
+        return cls(**common, **_qwen2vl_fields(config))
 
 
 def rope_spec(text: dict[str, Any]) -> RopeSpec:
@@ -117,59 +143,37 @@ def rope_spec(text: dict[str, Any]) -> RopeSpec:
     return RopeSpec(head_dim, theta, tuple(int(x) for x in section) if section else None)
 
 
-def _llava_fields(config: dict[str, Any], image: dict[str, Any]) -> dict[str, Any]:
-    """LLaVA-1.5: CLIP patches of the cropped square image, minus CLS for the 'default' select."""
-    vision = config["vision_config"]
-    crop = image.get("crop_size") or {}
-    side = int(crop.get("height") or vision["image_size"])
-    width = int(crop.get("width") or side)
-    patch = int(vision["patch_size"])
-    tokens = (side // patch) * (width // patch)
-    if config.get("vision_feature_select_strategy", "default") == "full":
-        tokens += 1
+def _llava_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-1.5 / LLaVA-NeXT: one placeholder id, BOS from the text config."""
     return {
         "image_token_id": int(
             config["image_token_index"]
             if config.get("image_token_index") is not None
             else config["image_token_id"]
         ),
-        "tokens_per_image": tokens,
-        "image_size": (side, width),
         "bos_token_id": _first(config["text_config"].get("bos_token_id")),
     }
 
 
-def _qwen2vl_fields(config: dict[str, Any], image: dict[str, Any]) -> dict[str, Any]:
-    """Qwen2-VL: a square image of the largest side with side**2 <= max_pixels that is a multiple
-    of patch * merge (docs/models.md: callers resize with `vision.fit_image` first)."""
-    vision = config["vision_config"]
-    patch = int(image.get("patch_size") or vision["patch_size"])
-    merge = int(image.get("merge_size") or vision["spatial_merge_size"])
-    size = image.get("size") or {}
-    max_pixels = int(image.get("max_pixels") or size.get("longest_edge") or 0)
-    if max_pixels <= 0:
-        raise ValueError("Qwen2-VL processor config has no max_pixels / size.longest_edge")
-    side = qwen2vl_side(max_pixels, patch, merge)
-    grid = (1, side // patch, side // patch)
+def _qwen2vl_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-VL / Qwen2.5-VL: placeholder, vision start/end ids and the spatial merge."""
     return {
         "image_token_id": int(config["image_token_id"]),
-        "tokens_per_image": grid[1] * grid[2] // (merge * merge),
-        "image_size": (side, side),
         "vision_start_id": int(config["vision_start_token_id"]),
         "vision_end_id": int(config["vision_end_token_id"]),
-        "image_grid_thw": grid,
-        "spatial_merge_size": merge,
+        "spatial_merge_size": int(config["vision_config"]["spatial_merge_size"]),
     }
 
 
-def qwen2vl_side(max_pixels: int, patch: int, merge: int) -> int:
-    """The fixed square side for Qwen2-VL: the largest multiple of patch*merge with
-    side**2 <= max_pixels (the processor's smart_resize leaves such an image unchanged)."""
-    unit = patch * merge
-    side = math.isqrt(max_pixels) // unit * unit
-    if side == 0:
-        raise ValueError(f"max_pixels={max_pixels} is below one merged patch ({unit}x{unit})")
-    return side
+def _fingerprint(root: Path) -> str:
+    """The checkpoint's fingerprint (`model_fingerprint`), extended by the image processor's
+    config when the folder has one: the processed pixels, hence every entry, depend on it."""
+    base = model_fingerprint(root)
+    image = _image_processor_config(root)
+    if not image:
+        return base
+    canon = json.dumps(image, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"{base}\0{canon}".encode()).hexdigest()
 
 
 def _first(value: Any) -> int | None:

@@ -16,8 +16,15 @@ from typing import Any, Literal
 
 import torch
 
-ModelFamily = Literal["llava", "qwen2-vl"]
-"""1-D RoPE (LLaVA / Llama / Mistral backbones) or M-RoPE (Qwen2-VL, 3-D positions)."""
+ModelFamily = Literal["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "llama", "qwen2"]
+"""1-D RoPE (LLaVA / Llama / Mistral backbones) or M-RoPE (Qwen2-VL, 3-D positions); `llama` and
+`qwen2` are text-only causal LMs (1-D RoPE) whose cached items are text documents."""
+
+MROPE_FAMILIES: tuple[str, ...] = ("qwen2-vl", "qwen2.5-vl")
+"""Families with M-RoPE (3-D positions [3, N]); the others use 1-D RoPE."""
+
+TEXT_FAMILIES: tuple[str, ...] = ("llama", "qwen2")
+"""Families without a vision tower: their prompts hold text and documents only."""
 
 
 @dataclass
@@ -40,6 +47,7 @@ class CacheEntry:
     """[T, hidden]: the item's input embeddings (vision tower + projector), used to recompute any
     of its tokens without running the vision tower again."""
     media_type: str = "image"
+    """"image", or "text" for a document (its token ids in `extra["token_ids"]`)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Family-specific metadata, e.g. {"image_grid_thw": [t, h, w]} for Qwen2-VL."""
 
@@ -72,7 +80,8 @@ class LinkPlan:
     """
 
     token_ids: torch.Tensor
-    """int64 [N]; item tokens carry the model's media placeholder id."""
+    """int64 [N]; image tokens carry the model's image placeholder id, document tokens their own
+    token ids (`CacheEntry.extra["token_ids"]`)."""
     positions: torch.Tensor
     """int64 [N] (1-D RoPE) or [3, N] (M-RoPE): the positions in THIS prompt."""
     source_entry: torch.Tensor

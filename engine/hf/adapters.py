@@ -1,13 +1,15 @@
 """`LayerAdapter` over the HF transformers modules of a loaded model (reference runner process,
 GPU benchmarks, tests).
 
-Both families share the Llama/Qwen2 decoder layer layout
-`input_layernorm -> self_attn(q/k/v_proj, RoPE, o_proj) -> post_attention_layernorm -> mlp`,
-so one class serves both; only the RoPE differs. 1-D RoPE (LLaVA's Llama backbone) takes positions
-[S]; Qwen2-VL's M-RoPE (Qwen2-VL paper section 2.1) takes [3, S] (temporal, height, width). The
-cos/sin come from the model's own `rotary_emb` (which, for Qwen2-VL, interleaves the three
-position streams by `mrope_section`) and are applied with the model module's own
-`apply_rotary_pos_emb`, so K/V equal what the HF forward computes.
+LLaVA, LLaVA-NeXT (Mistral/Llama backbone), Qwen2-VL, Qwen2.5-VL and the text-only Llama/Qwen2
+causal LMs share the Llama/Qwen2 decoder layer layout `input_layernorm -> self_attn(q/k/v_proj,
+RoPE, o_proj) -> post_attention_layernorm -> mlp`, so one class serves all; only the RoPE and
+where the decoder sits differ (`model.model.language_model` for the VLMs, `model.model` for a
+causal LM). 1-D RoPE (LLaVA's Llama backbone) takes positions [S]; Qwen2-VL's M-RoPE (Qwen2-VL
+paper section 2.1) takes [3, S] (temporal, height, width). The cos/sin come from the model's own
+`rotary_emb` (which, for Qwen2-VL / Qwen2.5-VL, interleaves the three position streams by
+`mrope_section`) and are applied with the model module's own `apply_rotary_pos_emb`, so K/V
+equal what the HF forward computes.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from mpic.model_spec import RopeSpec, rope_spec
 
 
 class HFLayerAdapter:
-    """A LLaVA or Qwen2-VL HF model seen layer by layer (implements `LayerAdapter`)."""
+    """A LLaVA, Qwen2-VL, Llama or Qwen2 HF model seen layer by layer (implements
+    `LayerAdapter`)."""
 
     def __init__(self, model: Any) -> None:
-        text_config = model.config.text_config
-        self._lm = model.model.language_model
+        text_config = model.config.get_text_config()
+        self._lm = getattr(model.model, "language_model", model.model)
         self._lm_head = model.lm_head
         self._layers = self._lm.layers
         attn = self._layers[0].self_attn
@@ -83,12 +86,17 @@ class HFLayerAdapter:
         return self._lm_head(self._lm.norm(hidden)).float()
 
 
+ADAPTED_MODEL_TYPES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2")
+
+
 def make_adapter(model: Any) -> LayerAdapter:
-    """The layer adapter of an HF `LlavaForConditionalGeneration` or
-    `Qwen2VLForConditionalGeneration`; ValueError for other models."""
+    """The layer adapter of an HF `LlavaForConditionalGeneration`,
+    `Qwen2VLForConditionalGeneration`, `LlamaForCausalLM` or `Qwen2ForCausalLM`; ValueError for
+    other models."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in ("llava", "qwen2_vl"):
+    if model_type not in ADAPTED_MODEL_TYPES:
         raise ValueError(
-            f"no HF layer adapter for model_type {model_type!r}; supported: llava, qwen2_vl"
+            f"no HF layer adapter for model_type {model_type!r}; "
+            f"supported: {', '.join(ADAPTED_MODEL_TYPES)}"
         )
     return HFLayerAdapter(model)

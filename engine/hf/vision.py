@@ -1,23 +1,58 @@
-"""Image -> input embeddings with the HF model's own vision tower and projector (encoder process:
-the Serve encoder replica, the reference runner, tests).
+"""Image -> input embeddings with the HF model's own image processor, vision tower and projector
+(encoder process: the Serve encoder replica, the reference runner, tests).
+
+Images are NOT resized by this project: the model folder's own image processor
+(`AutoProcessor(...).image_processor`, i.e. the class and settings of its
+`preprocessor_config.json`) does it, so every image gets exactly the pixels, token count and grid
+transformers gives it, whatever its size:
+
+- LLaVA-1.5 (`llava`): CLIP resize of the shortest edge + center crop: a fixed T.
+- LLaVA-NeXT / 1.6 (`llava_next`): "anyres": the image is fitted to the best of the config's
+  `image_grid_pinpoints`, cut into tiles of the tower's size plus one resized base image; the
+  tiles' features are unpadded to the image's aspect ratio and each row of them ends with the
+  learned `image_newline` embedding. T = base tokens + unpadded rows x (columns + 1): it depends on
+  the image's size.
+- Qwen2-VL / Qwen2.5-VL: native resolution: `smart_resize` rounds height and width to multiples
+  of patch x merge within [min_pixels, max_pixels] of the processor config; the grid (1, h, w)
+  (in 14-px patches, before the 2x2 merge) gives T = h * w / 4 tokens and the M-RoPE layout.
+  Qwen2.5-VL's tower uses window attention (the model's own module runs it).
 
 `encode_images` returns, per image, exactly the T rows the HF model writes into its input
-embeddings at the image's placeholder tokens: LLaVA-1.5 runs CLIP, takes the hidden state of
-`vision_feature_layer` (-2), drops CLS for the "default" select strategy and applies the 2-layer
-MLP projector; Qwen2-VL runs its ViT with 2-D RoPE and the 2x2 patch merger. Every image is first
-resized to the model's ONE fixed size (`fit_image`) so T is a model constant (docs/models.md).
+embeddings at the image's placeholder tokens (tests capture them from the HF forward), with the
+image's grid; `image_layout` gives T and the grid of an image without running the tower.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from mpic.errors import UnreadableMediaError
-from mpic.model_spec import qwen2vl_side
+
+_QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("llava", "llava_next", *_QWEN_TYPES)
+"""HF `model_type`s whose vision towers this module drives."""
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How many prompt tokens an image takes, and its M-RoPE grid (None for 1-D RoPE models)."""
+
+    num_tokens: int
+    grid_thw: tuple[int, int, int] | None = None
+    """(t, h, w) in patches before the spatial merge (Qwen2-VL / Qwen2.5-VL)."""
+
+
+@dataclass
+class ImageFeatures:
+    """One image's input embeddings [T, hidden] and its grid (Qwen: (t, h, w); else None)."""
+
+    embeds: torch.Tensor
+    grid_thw: tuple[int, int, int] | None = None
 
 
 def load_image(data: bytes) -> Image.Image:
@@ -38,56 +73,63 @@ def load_image(data: bytes) -> Image.Image:
         raise UnreadableMediaError(f"the bytes are not a decodable image: {exc}") from exc
 
 
-def fixed_image_size(processor: Any) -> tuple[int, int]:
-    """(height, width) every image is resized to, read from an HF LLaVA or Qwen2-VL processor."""
-    images = processor.image_processor
-    crop = getattr(images, "crop_size", None)
-    if crop is not None and getattr(images, "do_center_crop", False):  # CLIP (LLaVA-1.5)
-        return int(crop["height"]), int(crop["width"])
-    size = getattr(images, "size", None) or {}
-    max_pixels = getattr(images, "max_pixels", None) or size.get("longest_edge")
-    if max_pixels is None:
-        raise ValueError(f"{type(images).__name__} gives no fixed image size")
-    side = qwen2vl_side(int(max_pixels), int(images.patch_size), int(images.merge_size))
-    return side, side
+def _is_qwen(processor: Any) -> bool:
+    return hasattr(processor.image_processor, "merge_size")
 
 
-def fit_image(image: Image.Image, size: tuple[int, int]) -> Image.Image:
-    """RGB `image` resized (bicubic, aspect not kept) to `size` = (height, width).
-
-    Apply this wherever an image enters the system (upload, vLLM requests): the processors then
-    leave the size unchanged and every image has the same token count T.
-    """
+def image_layout(processor: Any, image: Image.Image) -> ImageLayout:
+    """T and grid of `image` as the model's own processor lays it out (`processor` is the
+    folder's `AutoProcessor`): Qwen2-VL/2.5-VL from the image processor's grid; LLaVA and
+    LLaVA-NeXT from the processor's own token-count rule (`_get_num_multimodal_tokens`, the one
+    its `__call__` and vLLM use)."""
     image = image.convert("RGB")
-    height, width = size
-    if image.size == (width, height):
-        return image
-    return image.resize((width, height), Image.Resampling.BICUBIC)
+    if _is_qwen(processor):
+        images = processor.image_processor
+        grid = images(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+        t, h, w = (int(x) for x in grid)
+        return ImageLayout(t * h * w // int(images.merge_size) ** 2, (t, h, w))
+    data = processor._get_num_multimodal_tokens(image_sizes=[[image.height, image.width]])
+    return ImageLayout(int(data.num_image_tokens[0]))
 
 
 @torch.inference_mode()
-def encode_images(model: Any, processor: Any, images: list[Image.Image]) -> list[torch.Tensor]:
-    """Input embeddings of each image: a list of [T, hidden] tensors in the model's dtype.
-
-    `model` is an HF `LlavaForConditionalGeneration` or `Qwen2VLForConditionalGeneration`,
-    `processor` its `AutoProcessor`. Images are fitted to the fixed size first.
-    """
+def encode(model: Any, processor: Any, images: list[Image.Image]) -> list[ImageFeatures]:
+    """Input embeddings and grid of each image (`model`: an HF LLaVA, LLaVA-NeXT, Qwen2-VL or
+    Qwen2.5-VL `...ForConditionalGeneration`; `processor`: its `AutoProcessor`)."""
     if not images:
         return []
-    size = fixed_image_size(processor)
-    fitted = [fit_image(img, size) for img in images]
-    inputs = processor.image_processor(images=fitted, return_tensors="pt")
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {config.model_type!r} is not supported")
+    rgb = [img.convert("RGB") for img in images]
+    inputs = processor.image_processor(images=rgb, return_tensors="pt")
     device, dtype = model.device, model.dtype
     pixels = inputs["pixel_values"].to(device=device, dtype=dtype)
-    config = model.config
+    grids: list[tuple[int, int, int] | None] = [None] * len(images)
     if config.model_type == "llava":
         out = model.model.get_image_features(
             pixel_values=pixels,
             vision_feature_layer=config.vision_feature_layer,
             vision_feature_select_strategy=config.vision_feature_select_strategy,
         )
-    elif config.model_type == "qwen2_vl":
-        out = model.model.get_image_features(pixels, inputs["image_grid_thw"].to(device))
+    elif config.model_type == "llava_next":
+        out = model.model.get_image_features(
+            pixel_values=pixels,
+            image_sizes=inputs["image_sizes"].to(device),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+        )
     else:
-        raise ValueError(f"model_type {config.model_type!r} is not supported")
-    return [feats.reshape(-1, feats.shape[-1]) for feats in out.pooler_output]
+        grid = inputs["image_grid_thw"]
+        out = model.model.get_image_features(pixels, grid.to(device))
+        grids = [tuple(int(x) for x in row) for row in grid.tolist()]  # type: ignore[misc]
+    return [
+        ImageFeatures(feats.reshape(-1, feats.shape[-1]), grid)
+        for feats, grid in zip(out.pooler_output, grids, strict=True)
+    ]
+
+
+def encode_images(model: Any, processor: Any, images: list[Image.Image]) -> list[torch.Tensor]:
+    """Input embeddings of each image: a list of [T_i, hidden] tensors in the model's dtype
+    (T_i differs per image for LLaVA-NeXT and Qwen2-VL/2.5-VL; `encode` also gives the grid)."""
+    return [f.embeds for f in encode(model, processor, images)]

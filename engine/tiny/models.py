@@ -26,8 +26,10 @@ from mpic.engine.tiny.configs import (
     SHAPES,
     SIZES,
     llava_config,
+    llava_next_config,
     processor,
     qwen2vl_config,
+    qwen25vl_config,
 )
 from mpic.types import ModelFamily
 
@@ -51,7 +53,7 @@ def _init_weights(model, seed: int, std: float) -> None:
         for name, param in sorted(model.named_parameters()):
             if name.endswith("bias"):
                 param.zero_()
-            elif param.ndim >= 2 or name.endswith("class_embedding"):
+            elif param.ndim >= 2 or name.endswith(("class_embedding", "image_newline")):
                 module = name.split(".")[-2]
                 text = "language_model" in name or module == "lm_head"
                 gain = _GAINS.get(module, 1.0) if text else 1.0
@@ -71,7 +73,7 @@ def _write_weights(model, family: str, out: Path) -> None:
 
     tensors = {}
     for name, tensor in model.state_dict().items():
-        if family == "llava" and name.startswith("model.vision_tower."):
+        if family in ("llava", "llava-next") and name.startswith("model.vision_tower."):
             name = "model.vision_tower.vision_model." + name[len("model.vision_tower.") :]
         tensors[name] = tensor.contiguous().cpu()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -109,7 +111,12 @@ def make_tiny(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"unknown dtype {dtype!r}: float32 or bfloat16")
     import torch
-    from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        LlavaForConditionalGeneration,
+        LlavaNextForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
 
     device = device or default_device(size)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -124,13 +131,13 @@ def make_tiny(
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(family, shape.vocab, seed=seed)
     vocab = tokenizer.get_vocab()
-    model_cls: Any
-    if family == "llava":
-        config = llava_config(shape, vocab)
-        model_cls = LlavaForConditionalGeneration
-    else:
-        config = qwen2vl_config(shape, vocab)
-        model_cls = Qwen2VLForConditionalGeneration
+    build, model_cls = {
+        "llava": (llava_config, LlavaForConditionalGeneration),
+        "llava-next": (llava_next_config, LlavaNextForConditionalGeneration),
+        "qwen2-vl": (qwen2vl_config, Qwen2VLForConditionalGeneration),
+        "qwen2.5-vl": (qwen25vl_config, Qwen2_5_VLForConditionalGeneration),
+    }[family]
+    config: Any = build(shape, vocab)
     config.dtype = dtype
     config.architectures = [model_cls.__name__]
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
@@ -141,7 +148,7 @@ def make_tiny(
         _init_weights(model, seed, std=shape.hidden**-0.5)
         config.save_pretrained(stage)
         _write_weights(model, family, stage)
-        processor(family, shape, tokenizer).save_pretrained(stage)
+        processor(family, shape, tokenizer, size).save_pretrained(stage)
         (stage / "mpic_tiny.json").write_text(
             json.dumps(
                 {"family": family, "size": size, "seed": seed, "dtype": dtype, "device": device},
@@ -156,7 +163,7 @@ def make_tiny(
 
 
 def make_tiny_command(
-    family: str = typer.Option(..., "--family", help="llava | qwen2-vl"),
+    family: str = typer.Option(..., "--family", help="llava | llava-next | qwen2-vl | qwen2.5-vl"),
     size: str = typer.Option(
         "tiny", "--size", help="tiny (unit tests) | small (CPU benchmarks) | 7b (GPU benchmarks)"
     ),
@@ -168,8 +175,16 @@ def make_tiny_command(
     dtype: str = typer.Option(
         None, "--dtype", help="float32 | bfloat16 (default: bfloat16 for 7b, else float32)"
     ),
+    lm: str = typer.Option(
+        None, "--lm", help="smollm2: the trained SmolLM2-135M as the language model (llava)"
+    ),
 ) -> None:
     """Write a random-weight HF model folder (config, weights, tokenizer, processor)."""
+    if lm is not None:  # a trained language model behind a random vision tower
+        from mpic.engine.tiny.smollm2 import make_with_trained_lm_command
+
+        make_with_trained_lm_command(family, lm, out, seed)
+        return
     if family not in FAMILIES:
         choices = ", ".join(FAMILIES)
         typer.echo(f"error: unknown --family {family!r}; choose one of {choices}", err=True)

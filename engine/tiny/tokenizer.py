@@ -82,6 +82,13 @@ QWEN2VL_CHAT_TEMPLATE = (
 
 CHAT_TEMPLATES: dict[str, str] = {"llava": LLAVA_CHAT_TEMPLATE, "qwen2-vl": QWEN2VL_CHAT_TEMPLATE}
 
+# LLaVA-NeXT and Qwen2.5-VL use the tokens of LLaVA and Qwen2-VL; the tiny LLaVA-NeXT keeps the
+# LLaVA-1.5 conversation format (a real checkpoint brings its own template).
+SPECIAL_TOKENS["llava-next"] = SPECIAL_TOKENS["llava"]
+SPECIAL_TOKENS["qwen2.5-vl"] = SPECIAL_TOKENS["qwen2-vl"]
+CHAT_TEMPLATES["llava-next"] = LLAVA_CHAT_TEMPLATE
+CHAT_TEMPLATES["qwen2.5-vl"] = QWEN2VL_CHAT_TEMPLATE
+
 
 def _corpus(seed: int, num_words: int) -> Iterator[str]:
     """The training corpus: the passage, then seeded pseudo-words in lines of 16."""
@@ -109,7 +116,7 @@ def build_tokenizer(family: ModelFamily, vocab_size: int, seed: int = 0) -> PreT
     tok.train_from_iterator(_corpus(seed, num_words=max(4 * vocab_size, 2000)), trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the BPE trainer reached {tok.get_vocab_size()} ids, not {vocab_size}")
-    if family == "llava":
+    if family in ("llava", "llava-next"):
         return PreTrainedTokenizerFast(
             tokenizer_object=tok,
             bos_token="<s>",

@@ -24,7 +24,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.addressing import entry_address
-from mpic.engine.hf.vision import fit_image, load_image
+from mpic.engine.hf.loader import resolve_model_dir
+from mpic.engine.hf.vision import image_layout, load_image
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
@@ -109,7 +110,7 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
     }
     return dict(
-        model=cfg.model,
+        model=resolve_model_dir(cfg.model),  # a local folder, or the local copy of an S3 prefix
         dtype=cfg.dtype,
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len,
@@ -135,7 +136,7 @@ class VllmFrontEnd:
     def __init__(self, cfg: VllmEngineConfig) -> None:
         prepare_environment(cfg)
         self.cfg = cfg
-        self.spec = ModelSpec.from_pretrained(cfg.model)
+        self.spec = ModelSpec.from_pretrained(resolve_model_dir(cfg.model))
         self._processor: Any = None
         self.store = EntryStore.from_config(cfg.storage)
         """The entry store (the worker opens the same durable store from `cfg.storage`)."""
@@ -200,16 +201,18 @@ class VllmFrontEnd:
         if self._processor is None:
             from transformers import AutoProcessor
 
-            self._processor = AutoProcessor.from_pretrained(self.cfg.model)
+            self._processor = AutoProcessor.from_pretrained(self.spec.path)
         return self._processor
 
     def _upload_form(
         self, media: bytes, system_prompt: str | None
     ) -> tuple[list[int], dict[str, Any], tuple[int, int], str, dict[str, Any]]:
         """(ids, multi-modal data, span, entry id, extra) of an image's canonical upload prompt:
-        same canonical context, fitted image size and content address as the reference runner
-        (`mpic.engine.hf.entries.cache_image`), so both engines name an image's entry alike."""
-        image = fit_image(load_image(media), self.spec.image_size)
+        same canonical context, processor-exact image and content address as the reference runner
+        (`mpic.engine.hf.entries.cache_image`), so both engines name an image's entry alike; the
+        span and grid are the image's own (`vision.image_layout`)."""
+        image = load_image(media)
+        layout = image_layout(self.processor, image)
         context = canonical_context_ids(self.processor, system_prompt, self.spec.image_token_id)
         entry_id = entry_address(self.spec.fingerprint, context, media)
         ids = context + [self.spec.image_token_id]

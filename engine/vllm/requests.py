@@ -5,8 +5,11 @@ benchmark, Serve).
 vLLM's processor expands every image placeholder into the image's T tokens, even a run that is
 already expanded, so exact prompts and Qwen2-VL linked prompts carry ONE placeholder per image.
 A LLaVA linked prompt is the plan's expanded token ids with no multimodal data (its 1-D
-positions need none); a Qwen2-VL one carries `image_grid_thw` per image and no pixels, which
-lets vLLM expand the placeholders and give the last token its M-RoPE position (docs/design.md "Platform notes").
+positions need none); a Qwen2-VL / Qwen2.5-VL one carries `image_grid_thw` per image and no
+pixels, which lets vLLM expand the placeholders and give the last token its M-RoPE position
+(docs/design.md "Platform notes"). Images differ in size, so each image's grid is its own: it is
+read back from the plan's positions (an image linked at p spans rows p..p+gh-1 and columns
+p..p+gw-1 of its merged grid), the same grid its entry was computed with.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 
 from mpic.model_spec import ModelSpec
-from mpic.types import LinkPlan
+from mpic.types import MROPE_FAMILIES, LinkPlan
 
 
 @dataclass
@@ -73,18 +76,38 @@ def exact_request(plan: LinkPlan, image_token_id: int, images: list[Any]) -> Eng
     return EngineRequest(prompt_token_ids=ids, multi_modal_data=mm)
 
 
+def image_grids(plan: LinkPlan, image_token_id: int, merge: int) -> list[list[int]]:
+    """[t, h, w] (before the merge) of each image occurrence of an M-RoPE plan, in prompt order,
+    from the positions [3, N] of its tokens (an occurrence is a run of image tokens whose
+    `source_offset` counts up from 0)."""
+    image = (plan.token_ids == image_token_id).tolist()
+    offset = plan.source_offset.tolist()
+    grids, i, n = [], 0, plan.num_tokens
+    while i < n:
+        if not image[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and image[j] and offset[j] == offset[j - 1] + 1:
+            j += 1
+        pos = plan.positions[:, i:j]
+        t, h, w = (int(row.max() - row.min()) + 1 for row in pos)
+        grids.append([t, h * merge, w * merge])
+        i = j
+    return grids
+
+
 def linked_request(
     plan: LinkPlan, policy: str, spec: ModelSpec, fallback: EngineRequest | None = None
 ) -> EngineRequest:
     """An `EngineRequest` for a linked prompt (plan depths already set by `policy`)."""
     ids = plan.token_ids.tolist()
     mm = None
-    if spec.family == "qwen2-vl":
+    if spec.family in MROPE_FAMILIES:
         ids = collapse_placeholders(ids, spec.image_token_id)
-        n_images = sum(1 for t in ids if t == spec.image_token_id)
-        if n_images:
-            grid = torch.tensor([list(spec.image_grid_thw or ())] * n_images, dtype=torch.int64)
-            mm = {"image": {"image_grid_thw": grid}}
+        grids = image_grids(plan, spec.image_token_id, spec.spatial_merge_size or 1)
+        if grids:
+            mm = {"image": {"image_grid_thw": torch.tensor(grids, dtype=torch.int64)}}
     return EngineRequest(
         prompt_token_ids=ids, multi_modal_data=mm, plan=plan, policy=policy, fallback=fallback
     )

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from mpic.engine.hf.reference_runner import ReferenceRunner
+from mpic.engine.hf.vision import image_layout
 from mpic.errors import CorruptEntryError, UnreadableMediaError
 from mpic.storage.entry_codec import decode, encode
+from mpic.types import MROPE_FAMILIES
 
 
 def _png(image) -> bytes:
@@ -26,14 +28,15 @@ def test_entry_layout_and_content_address(runner, sample_images):
     spec = runner.spec
     data = _png(sample_images[1])
     entry = runner.cache_image(data)
-    t = spec.tokens_per_image
+    t = image_layout(runner.processor, sample_images[1]).num_tokens
     assert entry.keys.shape == (spec.num_layers, t, spec.num_kv_heads, spec.head_dim)
     assert entry.values.shape == entry.keys.shape
     assert entry.input_embeds.shape == (t, spec.hidden_size)
     c = len(entry.extra["context_token_ids"])
-    if spec.family == "qwen2-vl":
+    if spec.family in MROPE_FAMILIES:
         assert entry.positions.shape == (3, t)
-        assert entry.extra["image_grid_thw"] == list(spec.image_grid_thw)
+        grid = image_layout(runner.processor, sample_images[1]).grid_thw
+        assert entry.extra["image_grid_thw"] == list(grid)
         assert int(entry.positions[0].max()) == c  # one frame: t = start
     else:
         assert torch.equal(entry.positions, torch.arange(c, c + t))

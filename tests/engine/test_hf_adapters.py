@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from mpic.engine.hf.adapters import make_adapter
-from mpic.engine.hf.vision import encode_images, fit_image
+from mpic.engine.hf.vision import encode_images, image_layout
+from mpic.types import MROPE_FAMILIES
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -32,14 +33,13 @@ def _prompt(processor, spec, images):
     text = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
     )
-    fitted = [fit_image(img, spec.image_size) for img in images]
-    return processor(text=text, images=fitted, return_tensors="pt")
+    return processor(text=text, images=images, return_tensors="pt")
 
 
 def _hf_positions(model, spec, inputs) -> torch.Tensor:
     """The positions the HF forward uses: [S] (1-D) or [3, S] from Qwen2-VL's get_rope_index."""
     ids = inputs["input_ids"]
-    if spec.family == "llava":
+    if spec.family not in MROPE_FAMILIES:
         return torch.arange(ids.shape[1], device=ids.device)
     positions, _ = model.model.get_rope_index(
         ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"]
@@ -55,11 +55,11 @@ def _check_adapter_oracle(model, processor, spec, images) -> None:
     adapter = make_adapter(model)
     ids = inputs["input_ids"][0]
     image_rows = ids == spec.image_token_id
-    assert int(image_rows.sum()) == len(images) * spec.tokens_per_image
+    assert int(image_rows.sum()) == sum(image_layout(processor, i).num_tokens for i in images)
     hidden = adapter.embed_tokens(ids).clone()
     hidden[image_rows] = torch.cat(encode_images(model, processor, images))
     positions = _hf_positions(model, spec, inputs)
-    if spec.family == "qwen2-vl":  # M-RoPE: image tokens are NOT at consecutive text positions
+    if spec.family in MROPE_FAMILIES:  # M-RoPE: image tokens are NOT at consecutive text positions
         assert not torch.equal(positions[0], positions[1])
     for layer in range(adapter.num_layers):
         q, k, v = adapter.attention_inputs(layer, hidden, positions)

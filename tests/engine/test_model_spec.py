@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpic.model_spec import ModelSpec, qwen2vl_side
+from mpic.model_spec import ModelSpec
 
 # llava-hf/llava-1.5-7b-hf: text_config omits Llama defaults (hidden 4096, 32 layers/heads).
 LLAVA_15_7B = {
@@ -94,9 +94,9 @@ def test_llava_15_7b_config(tmp_path: Path):
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (32, 32, 32, 128)
     assert (spec.hidden_size, spec.vocab_size, spec.max_model_len) == (4096, 32064, 4096)
     assert spec.rope.theta == 10000.0 and spec.rope.mrope_section is None
-    assert (spec.image_token_id, spec.tokens_per_image, spec.image_size) == (32000, 576, (336, 336))
+    assert spec.image_token_id == 32000 and spec.model_type == "llava"
     assert (spec.bos_token_id, spec.eos_token_id) == (1, 2)
-    assert spec.image_grid_thw is None and spec.vision_start_id is None
+    assert spec.spatial_merge_size is None and spec.vision_start_id is None
 
 
 def test_qwen2vl_7b_config_with_a_fixed_448_image(tmp_path: Path):
@@ -104,8 +104,7 @@ def test_qwen2vl_7b_config_with_a_fixed_448_image(tmp_path: Path):
     assert spec.family == "qwen2-vl"
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (28, 28, 4, 128)
     assert spec.rope.theta == 1e6 and spec.rope.mrope_section == (16, 24, 24)
-    assert spec.image_grid_thw == (1, 32, 32) and spec.spatial_merge_size == 2
-    assert (spec.tokens_per_image, spec.image_size) == (256, (448, 448))
+    assert spec.spatial_merge_size == 2 and spec.model_type == "qwen2_vl"
     assert (spec.vision_start_id, spec.image_token_id, spec.vision_end_id) == (
         151652,
         151655,
@@ -120,11 +119,3 @@ def test_spec_rejects_non_models(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="not supported"):
         ModelSpec.from_pretrained(tmp_path)
-
-
-def test_qwen2vl_side_is_the_largest_fitting_multiple():
-    assert qwen2vl_side(336 * 336, 14, 2) == 336
-    assert qwen2vl_side(336 * 336 - 1, 14, 2) == 308
-    assert qwen2vl_side(400 * 400, 14, 2) == 392
-    with pytest.raises(ValueError, match="below one merged patch"):
-        qwen2vl_side(27 * 27, 14, 2)

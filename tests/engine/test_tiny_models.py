@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from mpic.addressing import model_fingerprint as fingerprint
 from mpic.cli import app
-from mpic.engine.hf.vision import fit_image
+from mpic.engine.hf.vision import image_layout
 from mpic.engine.tiny.configs import SHAPES
 from mpic.engine.tiny.models import make_tiny
 from mpic.model_spec import ModelSpec
+from mpic.types import MROPE_FAMILIES
 
 
 def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):
@@ -24,7 +25,9 @@ def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):
     config = AutoConfig.from_pretrained(tiny_model_dir)
     assert config.architectures[0] in (
         "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
         "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(tokenizer) == config.text_config.vocab_size
@@ -32,7 +35,7 @@ def test_folder_loads_in_transformers(tiny_model_dir: Path, model_family: str):
     assert processor.chat_template
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as handle:
         keys = list(handle.keys())
-    if model_family == "llava":  # the layout vLLM expects (transformers maps it back)
+    if model_family in ("llava", "llava-next"):  # vLLM's layout (transformers maps it back)
         assert any(k.startswith("model.vision_tower.vision_model.embeddings.") for k in keys)
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -61,11 +64,18 @@ def test_hf_model_loads_every_weight(tiny_model_dir: Path):
     from transformers import (
         AutoConfig,
         LlavaForConditionalGeneration,
+        LlavaNextForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
     )
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
-    cls = {"llava": LlavaForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}
+    cls = {
+        "llava": LlavaForConditionalGeneration,
+        "llava_next": LlavaNextForConditionalGeneration,
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    }
     _, info = cls[config.model_type].from_pretrained(tiny_model_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert not info["mismatched_keys"]
@@ -78,16 +88,15 @@ def test_spec_matches_what_the_processor_does(tiny_hf, sample_images):
         add_generation_prompt=True,
     )
     for image in sample_images:
-        inputs = processor(
-            text=text, images=[fit_image(image, spec.image_size)], return_tensors="pt"
-        )
+        inputs = processor(text=text, images=[image], return_tensors="pt")
         ids = inputs["input_ids"][0]
-        assert int((ids == spec.image_token_id).sum()) == spec.tokens_per_image
-        if spec.family == "qwen2-vl":
-            assert tuple(inputs["image_grid_thw"][0].tolist()) == spec.image_grid_thw
+        layout = image_layout(processor, image)
+        assert int((ids == spec.image_token_id).sum()) == layout.num_tokens
+        if spec.family in MROPE_FAMILIES:
+            assert tuple(inputs["image_grid_thw"][0].tolist()) == layout.grid_thw
             image_at = int((ids == spec.image_token_id).nonzero()[0])
             assert ids[image_at - 1] == spec.vision_start_id
-            assert ids[image_at + spec.tokens_per_image] == spec.vision_end_id
+            assert ids[image_at + layout.num_tokens] == spec.vision_end_id
         else:
             assert ids[0] == spec.bos_token_id
     text_config = model.config.text_config
@@ -96,7 +105,7 @@ def test_spec_matches_what_the_processor_does(tiny_hf, sample_images):
     assert spec.hidden_size == model.lm_head.in_features
     assert spec.vocab_size == model.lm_head.out_features
     assert spec.image_token_id == model.config.image_token_id
-    if spec.family == "qwen2-vl":
+    if spec.family in MROPE_FAMILIES:
         assert sum(spec.rope.mrope_section) == spec.head_dim // 2
 
 
@@ -105,7 +114,8 @@ def test_make_tiny_is_deterministic_and_seeded(tmp_path: Path, tiny_llava_dir: P
     other = make_tiny("llava", "tiny", tmp_path / "other", seed=1)
     assert fingerprint(again) == fingerprint(tiny_llava_dir)
     assert fingerprint(other) != fingerprint(tiny_llava_dir)
-    assert ModelSpec.from_pretrained(again).fingerprint == fingerprint(again)
+    spec_fp = ModelSpec.from_pretrained(again).fingerprint  # also covers the image processor
+    assert spec_fp == ModelSpec.from_pretrained(tiny_llava_dir).fingerprint
 
 
 def test_fingerprint_follows_the_weights(tmp_path: Path, tiny_qwen2vl_dir: Path):

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mpic.engine.hf.vision import fit_image
+from mpic.engine.hf.vision import image_layout
 
 _SCRIPT = textwrap.dedent(
     """
@@ -45,7 +45,7 @@ def test_vllm_generates_what_transformers_generates(
 ):
     pytest.importorskip("vllm")
     model, processor, spec = tiny_hf
-    image = fit_image(sample_images[1], spec.image_size)
+    image = sample_images[1]
     image.save(tmp_path / "image.png")
     content = [
         {"type": "text", "text": "Look:"},
@@ -79,5 +79,6 @@ def test_vllm_generates_what_transformers_generates(
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["prompt_ids"] == inputs["input_ids"][0].tolist()
-    assert got["prompt_ids"].count(spec.image_token_id) == spec.tokens_per_image
+    expected_t = image_layout(processor, image).num_tokens
+    assert got["prompt_ids"].count(spec.image_token_id) == expected_t
     assert got["tokens"] == expected_tokens

@@ -1,5 +1,5 @@
-"""engine/hf/vision.py: image decoding errors, fixed-size fitting, and embeddings equal to what the
-HF model inserts at the image placeholders."""
+"""engine/hf/vision.py: image decoding errors, the processor's own token counts and grids, and
+embeddings equal to what the HF model inserts at the image placeholders (images of three sizes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mpic.engine.hf.vision import encode_images, fit_image, fixed_image_size, load_image
+from mpic.engine.hf.vision import encode, encode_images, image_layout, load_image
 from mpic.errors import UnreadableMediaError
 
 
@@ -40,13 +40,21 @@ def test_load_image_rejects_truncated_image(sample_images):
         load_image(data[: len(data) // 2])
 
 
-def test_fit_image_gives_the_spec_size(tiny_hf, sample_images):
+def test_image_layout_is_the_processors(tiny_hf, sample_images):
+    """T per image = the placeholder tokens the processor's own call expands to; grids are the
+    image processor's."""
     _, processor, spec = tiny_hf
-    assert fixed_image_size(processor) == spec.image_size
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=True
+    )
     for image in sample_images:
-        fitted = fit_image(image, spec.image_size)
-        assert (fitted.height, fitted.width) == spec.image_size
-        assert fitted.mode == "RGB"
+        inputs = processor(text=text, images=[image], return_tensors="pt")
+        layout = image_layout(processor, image)
+        assert int((inputs["input_ids"][0] == spec.image_token_id).sum()) == layout.num_tokens
+        if "image_grid_thw" in inputs:
+            assert tuple(inputs["image_grid_thw"][0].tolist()) == layout.grid_thw
+        else:
+            assert layout.grid_thw is None
 
 
 def test_encode_images_equal_hf_inputs_embeds(tiny_hf, sample_images):
@@ -63,8 +71,7 @@ def test_encode_images_equal_hf_inputs_embeds(tiny_hf, sample_images):
     text = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
     )
-    fitted = [fit_image(img, spec.image_size) for img in sample_images]
-    inputs = processor(text=text, images=fitted, return_tensors="pt")
+    inputs = processor(text=text, images=sample_images, return_tensors="pt")
     captured: dict = {}
     hook = model.model.language_model.register_forward_pre_hook(
         lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True
@@ -77,7 +84,11 @@ def test_encode_images_equal_hf_inputs_embeds(tiny_hf, sample_images):
     rows = inputs["input_ids"][0] == spec.image_token_id
     inserted = captured["inputs_embeds"][0][rows]
     embeds = encode_images(model, processor, sample_images)
-    assert [tuple(e.shape) for e in embeds] == [(spec.tokens_per_image, spec.hidden_size)] * 3
+    counts = [image_layout(processor, img).num_tokens for img in sample_images]
+    assert [tuple(e.shape) for e in embeds] == [(t, spec.hidden_size) for t in counts]
+    grids = [f.grid_thw for f in encode(model, processor, sample_images)]
+    assert grids == [image_layout(processor, img).grid_thw for img in sample_images]
     torch.testing.assert_close(torch.cat(embeds), inserted, atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(embeds[0], embeds[1])  # different images, different embeddings
+    rows = min(embeds[0].shape[0], embeds[1].shape[0])  # different images, different embeddings
+    assert not torch.allclose(embeds[0][:rows], embeds[1][:rows])
     assert encode_images(model, processor, []) == []

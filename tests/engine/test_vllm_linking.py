@@ -19,7 +19,6 @@ from PIL import Image
 
 from mpic.engine.hf.entries import cache_image
 from mpic.engine.hf.reference_runner import ReferenceRunner
-from mpic.engine.hf.vision import fit_image
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.linker.plan import build_plan, unique_entries
@@ -57,7 +56,7 @@ class Setup:
 
     def exact(self, plan: LinkPlan, media: list[bytes]) -> EngineRequest:
         spec = self.engine.spec
-        images = [fit_image(Image.open(io.BytesIO(m)), spec.image_size) for m in media]
+        images = [Image.open(io.BytesIO(m)).convert("RGB") for m in media]
         return exact_request(plan, spec.image_token_id, images)
 
 

@@ -118,8 +118,6 @@ def toy_spec(adapter: ToyAdapter, max_model_len: int = 256):
         max_model_len=max_model_len,
         rope=adapter.rope,
         image_token_id=IMAGE_ID,
-        tokens_per_image=6,
-        image_size=(8, 8),
     )
 
 
