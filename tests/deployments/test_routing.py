@@ -189,32 +189,18 @@ def _autoscale_run(model_dir: str, out: str) -> None:
     import httpx
     from ray import serve
 
+    from mpic.deployments.config import AuthConfig
     from mpic.deployments.local import start_local, stop_local
-    from tests.deployments.conftest import png
+    from tests.deployments.conftest import png, serve_config
     from tests.fixtures.s3 import free_port
 
-    small = {"num_cpus": 0.1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
-    cfg = ServeAppConfig.model_validate(
-        {
-            "engine": {"kind": "reference", "model": model_dir, "max_tokens_default": 4},
-            "store": {"url": Path(tempfile.mkdtemp()).as_uri(), "fsync": False},
-            "auth": {"mode": "dev"},
-            **{d: small for d in ("ingress", "encoder", "retriever", "resolver")},
-            "llm_worker": {
-                "num_cpus": 0.1,
-                "max_ongoing_requests": 8,
-                "autoscaling": {
-                    "min_replicas": 1,
-                    "max_replicas": 2,
-                    "target_ongoing_requests": 1,
-                    "upscale_delay_s": 0.5,
-                    "downscale_delay_s": 5,
-                    "metrics_interval_s": 0.5,
-                    "look_back_period_s": 2,
-                },
-            },
-            "llm_router": "cache-aware",
-        }
+    # The session app's config (LLM worker 1..2 replicas at target_ongoing_requests=1), with dev
+    # keys, the cache-aware router and a 5 s downscale delay.
+    cfg = serve_config(Path(model_dir), Path(tempfile.mkdtemp()))
+    worker = cfg.llm_worker.model_copy(deep=True)
+    worker.autoscaling.downscale_delay_s = 5
+    cfg = cfg.model_copy(
+        update={"auth": AuthConfig(mode="dev"), "llm_worker": worker, "llm_router": "cache-aware"}
     )
     url = start_local(cfg, port=free_port(), num_cpus=2, log_to_driver=False)
     facts: dict = {"timeline": []}
