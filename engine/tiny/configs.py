@@ -119,18 +119,11 @@ REAL_PREPROCESSOR_CONFIGS: dict[str, dict[str, Any]] = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2VLProcessor",
     },
-    # Qwen/Qwen2.5-VL-7B-Instruct
-    "qwen2.5-vl": {
-        "min_pixels": 3136,
-        "max_pixels": 12845056,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-    },
+}
+# Qwen/Qwen2.5-VL-7B-Instruct: the Qwen2-VL image processor and values, its own processor class.
+REAL_PREPROCESSOR_CONFIGS["qwen2.5-vl"] = {
+    **REAL_PREPROCESSOR_CONFIGS["qwen2-vl"],
+    "processor_class": "Qwen2_5_VLProcessor",
 }
 """The public preprocessor_config.json of each family's 7B checkpoint (written by `--size 7b`)."""
 

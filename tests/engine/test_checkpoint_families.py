@@ -173,3 +173,13 @@ def test_model_folder_loads_from_an_s3_prefix(tiny_model_dir, s3_server, tmp_pat
     assert spec.path.startswith(str(tmp_path.resolve()))
     assert spec.fingerprint == ModelSpec.from_pretrained(tiny_model_dir).fingerprint
     assert resolve_model_dir(url) == spec.path  # cached: the same folder, nothing fetched
+
+
+def test_vlcache_ratio_applies_to_each_images_own_token_count(runner):
+    parts, _ = _mixed_parts(runner)
+    plan = runner.prefill(parts, "vlcache-0.5").plan
+    for index, entry_id in enumerate(plan.entry_ids):
+        t = runner.entries[entry_id].num_tokens
+        rows = plan.source_entry == index
+        occurrences = int((rows & (plan.source_offset == 0)).sum())
+        assert int((plan.recompute_depth[rows] > 0).sum()) == occurrences * (t // 2)
