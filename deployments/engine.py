@@ -22,7 +22,7 @@ from typing import Literal
 
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
-from mpic.errors import InvalidRequestError
+from mpic.errors import InvalidRequestError, UnreadableMediaError
 from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
@@ -58,6 +58,15 @@ class ServeEngine(ABC):
     @abstractmethod
     def compute_entry(self, entry_id: str, image: EncodedImage) -> CacheEntry:
         """The KV of [canonical context + image] as a CacheEntry named `entry_id`."""
+
+    def compute_document_entry(self, text: str) -> CacheEntry:
+        """The KV of [canonical context + a text document] (an uploaded .txt/.md file), named by
+        its content address. Engines that do not cache documents answer 415."""
+        raise UnreadableMediaError(
+            f"the {type(self).__name__} engine does not cache text documents; serve with the "
+            "reference engine",
+            param="file",
+        )
 
     @abstractmethod
     def generate(

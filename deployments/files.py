@@ -16,7 +16,7 @@ import threading
 from typing import Literal
 
 from mpic.deployments.schemas import FileList, FileObject
-from mpic.errors import ExpiredError, InvalidRequestError
+from mpic.errors import ExpiredError, InvalidRequestError, UnreadableMediaError
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
@@ -67,6 +67,37 @@ def file_object(rec: FileRecord, lost: bool = False) -> FileObject:
         status=status,
         status_details=LOST_MESSAGE.format(id=rec.file_id) if lost else None,
     )
+
+
+DOCUMENT_SUFFIXES = {".txt": "text/plain", ".md": "text/markdown", ".markdown": "text/markdown"}
+"""Uploads cached as text documents (purpose `user_data`) rather than images."""
+
+
+def document_media_type(name: str, content_type: str | None, purpose: str) -> str | None:
+    """The MIME type of an upload that is a text document (a .txt/.md file, or a `text/plain` /
+    `text/markdown` part, with purpose `user_data`), else None (it is an image)."""
+    if purpose != "user_data":
+        return None
+    suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    if suffix in DOCUMENT_SUFFIXES:
+        return DOCUMENT_SUFFIXES[suffix]
+    base = (content_type or "").split(";")[0].strip().lower()
+    return base if base in ("text/plain", "text/markdown") else None
+
+
+def decode_document(data: bytes) -> str:
+    """A document upload's text: UTF-8 (a BOM is dropped); 415 for other bytes."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UnreadableMediaError(
+            f"the text file is not UTF-8 ({exc.reason} at byte {exc.start})", param="file"
+        ) from None
+
+
+def is_document(media_type: str) -> bool:
+    """True for a file record of a text document."""
+    return media_type.startswith("text/")
 
 
 class FileCatalog:
@@ -133,6 +164,11 @@ class FileCatalog:
         if self.library.is_lost(rec):
             raise FileLostError(LOST_MESSAGE.format(id=file_id), param="file_id")
         return rec.entry_key, rec.content_hash
+
+    def resolve_item(self, user: str, file_id: str) -> tuple[str, str, bool]:
+        """`resolve` plus whether the file is a text document (linked as a `DocumentRef`)."""
+        entry_id, sha = self.resolve(user, file_id)
+        return entry_id, sha, is_document(self.library.get(user, file_id).media_type)
 
 
 class Sweeper:

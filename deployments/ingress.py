@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.auth import KeyRing, Principal
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.files import FileCatalog
+from mpic.deployments.files import FileCatalog, document_media_type
 from mpic.deployments.http_errors import (
     ModelNotFoundError,
     error_body,
@@ -248,7 +248,8 @@ class Ingress:
         ] = None,
         authorization: Annotated[str | None, Header()] = None,
     ) -> FileObject:
-        """Upload an image: encode it, cache its KV, register it in the caller's namespace.
+        """Upload an image (or, with purpose user_data, a .txt/.md text document): cache its KV,
+        register it in the caller's namespace.
         The TTL is `ttl_seconds` or OpenAI's `expires_after` (anchor `created_at`)."""
         who = self._auth(authorization)
         ttl_seconds = ttl_seconds or expires_seconds
@@ -256,8 +257,15 @@ class Ingress:
         data = await file.read(limit + 1)
         if len(data) > limit:
             raise PayloadTooLargeError(f"upload over the {limit}-byte limit", param="file")
-        encoded = self.encoder.encode.remote(data)  # ObjectRef-backed; not materialised here
         name = file.filename or ""
+        doc_type = document_media_type(name, file.content_type, purpose)
+        if doc_type is not None:  # a .txt/.md file: cached as a text document, no encoder
+            record = await self.worker.upload_document.remote(
+                who.user, name, data, doc_type, ttl_seconds, purpose
+            )
+            _metrics().uploads.inc()
+            return record
+        encoded = self.encoder.encode.remote(data)  # ObjectRef-backed; not materialised here
         record = await self.worker.upload.remote(who.user, name, encoded, ttl_seconds, purpose)
         _metrics().uploads.inc()
         return record

@@ -27,6 +27,8 @@ class Segment:
     """`entry` only: sha256 of the media, to recompute the entry if it is lost (a fallback)."""
     file_id: str = ""
     """`entry` from a file part: the caller's file id (logged when the entry falls back)."""
+    document: bool = False
+    """`entry` only: the item is a text document (an uploaded .txt/.md file), not an image."""
     embeds: Any = None
     """`inline` only: the `EncodedImage` (a Ray ObjectRef in transit)."""
 

@@ -22,7 +22,7 @@ from mpic.deployments.messages import (
 )
 from mpic.engine.hf.vision import load_image
 from mpic.errors import InvalidRequestError
-from mpic.prompt_parts import ImageRef, PromptPart, Turn
+from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart, Turn
 from mpic.types import LinkPlan
 
 INLINE_PREFIX = "inline-"
@@ -59,6 +59,8 @@ def prompt_parts(
                 parts.append(seg.text)
             elif seg.kind == "inline":
                 parts.append(ImageRef(inline_entry(seg.embeds)))
+            elif seg.document:
+                parts.append(DocumentRef(seg.entry_id))
             else:
                 parts.append(ImageRef(seg.entry_id))
     if parts and parts[0] == Turn("user") and not any(isinstance(p, Turn) for p in parts[1:]):

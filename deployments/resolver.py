@@ -75,9 +75,15 @@ class Resolver:
             if isinstance(part, TextPart):
                 segments.append(Segment("text", text=part.text))
             elif isinstance(part, FilePart):
-                entry_id, sha = self.files.resolve(user, part.file.file_id)
+                entry_id, sha, document = self.files.resolve_item(user, part.file.file_id)
                 segments.append(
-                    Segment("entry", entry_id=entry_id, content_hash=sha, file_id=part.file.file_id)
+                    Segment(
+                        "entry",
+                        entry_id=entry_id,
+                        content_hash=sha,
+                        file_id=part.file.file_id,
+                        document=document,
+                    )
                 )
             elif isinstance(part, ImagePart):
                 segments.append(await self._inline(part, i))

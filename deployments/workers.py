@@ -22,7 +22,13 @@ import ray
 
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engine import build_engine
-from mpic.deployments.files import FileLostError, Sweeper, file_object, open_library
+from mpic.deployments.files import (
+    FileLostError,
+    Sweeper,
+    decode_document,
+    file_object,
+    open_library,
+)
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.metrics import StoreMetricsExporter
 from mpic.deployments.schemas import FileObject
@@ -81,6 +87,30 @@ class LLMWorker:
             ttl_s=ttl_s,
             purpose=purpose,
             entry_stored=self.engine.stores_entries,
+        )
+        self.store_metrics.export()
+        return file_object(rec)
+
+    def upload_document(
+        self,
+        user: str,
+        name: str,
+        data: bytes,
+        media_type: str,
+        ttl_s: float | None,
+        purpose: Literal["vision", "user_data"] = "user_data",
+    ) -> FileObject:
+        """Compute a text document's canonical KV (415 unless UTF-8; 400 if empty) and register
+        the file in `user`'s namespace: same isolation, TTL and storage as an image."""
+        entry = self.engine.compute_document_entry(decode_document(data))
+        rec = self.library.add_file(
+            user,
+            name=name,
+            media_type=media_type,
+            media=data,
+            entry=entry,
+            ttl_s=ttl_s,
+            purpose=purpose,
         )
         self.store_metrics.export()
         return file_object(rec)
@@ -160,4 +190,6 @@ class LLMWorker:
                 f"the cached data and the media of entry {seg.entry_id} are lost; upload the "
                 "image again"
             ) from None
+        if seg.document:
+            return self.engine.compute_document_entry(decode_document(media))
         return self.engine.compute_entry(seg.entry_id, self.engine.encode_image(media))

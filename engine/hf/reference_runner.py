@@ -19,7 +19,7 @@ import torch
 
 from mpic.engine.hf.adapters import make_adapter
 from mpic.engine.hf.compress import PressRequest, compress_dense, observed, observer_for
-from mpic.engine.hf.entries import cache_image
+from mpic.engine.hf.entries import cache_document, cache_image
 from mpic.engine.hf.loader import load_hf_model
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
@@ -84,6 +84,11 @@ class ReferenceRunner:
         entry = cache_image(
             self.model, self.processor, self.adapter, self.spec, media, self.system_prompt
         )
+        return self.entries.setdefault(entry.entry_id, entry)
+
+    def cache_document(self, text: str) -> CacheEntry:
+        """Compute (or reuse) the entry of a text document and keep it in memory."""
+        entry = cache_document(self.processor, self.adapter, self.spec, text, self.system_prompt)
         return self.entries.setdefault(entry.entry_id, entry)
 
     def add_entry(self, entry: CacheEntry) -> None:
