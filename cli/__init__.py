@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from mpic.benchmarks import compress as bench_compress
 from mpic.benchmarks import fidelity as bench_fidelity
 from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
@@ -33,6 +34,7 @@ bench_app.command("retriever")(bench_retriever.command)
 bench_app.command("routing")(bench_routing.command)
 bench_app.command("load")(bench_load.command)
 bench_app.command("fidelity")(bench_fidelity.command)
+bench_app.command("compress")(bench_compress.command)
 app.command("demo")(demo.command)
 app.command("serve")(serve_command.command)
 

@@ -135,6 +135,13 @@ class ServeAppConfig(BaseModel):
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     default_policy: str = Field("mpic-32", description="Policy when `mpic.policy` is absent.")
+    default_press: str | None = Field(
+        None,
+        description="KV press when `mpic.press` is absent (docs/presses.md; reference engine).",
+    )
+    default_budget: float = Field(
+        1.0, gt=0, le=1, description="Press budget when `mpic.budget` is absent (1.0: none)."
+    )
     sweep_interval_s: float = Field(
         300.0,
         ge=0,

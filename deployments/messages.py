@@ -71,6 +71,10 @@ class LinkedPrompt:
     sampling: Sampling = field(default_factory=Sampling)
     request_id: str = ""
     """The ingress's request id (logged by every deployment that handles the request)."""
+    press: str | None = None
+    """KV press applied after the prefill (`mpic.presses`), None for none."""
+    budget: float | None = None
+    """The press's budget, a fraction of the prompt's KV in (0, 1]."""
 
     @property
     def entry_ids(self) -> list[str]:

@@ -136,7 +136,13 @@ class ReferenceServeEngine(ServeEngine):
                 self.runner.entries = table
                 try:
                     for token, pre in self.runner.stream(
-                        parts, prompt.policy, prompt.max_tokens, system_prompt=system, pick=sampler
+                        parts,
+                        prompt.policy,
+                        prompt.max_tokens,
+                        system_prompt=system,
+                        pick=sampler,
+                        press=prompt.press,
+                        budget=prompt.budget,
                     ):
                         out.put((token, pre, sampler.take()))
                         if cancel.is_set():

@@ -24,6 +24,7 @@ from mpic.deployments.schemas import (
     ChatMessage,
     FilePart,
     ImagePart,
+    MPICOptions,
     TextPart,
 )
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
@@ -52,6 +53,7 @@ class Resolver:
         policy = opts.policy if opts and "policy" in opts.model_fields_set else None
         policy = policy or self.cfg.default_policy
         await self.worker.check_policy.remote(policy)
+        press, budget = self._press(opts)
         turns = [await self._turn(user, m) for m in req.messages]
         retrieved: list[str] = []
         if opts is not None and opts.retrieval is not None:
@@ -65,7 +67,27 @@ class Resolver:
             policy=policy,
             retrieved=retrieved,
             max_tokens=max_tokens or self.cfg.engine.max_tokens_default,
+            press=press,
+            budget=budget,
         )
+
+    def _press(self, opts: MPICOptions | None) -> tuple[str | None, float | None]:
+        """The request's press and budget, else the server's defaults; a press other than at
+        budget 1.0 needs the reference engine (the vLLM path is planned, docs/presses.md)."""
+        fields = opts.model_fields_set if opts is not None else set()
+        press = opts.press if "press" in fields else self.cfg.default_press
+        budget = opts.budget if "budget" in fields else None
+        if budget is None:
+            budget = self.cfg.default_budget
+        if press is None or budget >= 1.0:
+            return None, None
+        if self.cfg.engine.kind != "reference":
+            raise InvalidRequestError(
+                f"mpic.press: the {self.cfg.engine.kind} engine does not compress KV; serve "
+                "with the reference engine (engine.kind: reference)",
+                param="mpic.press",
+            )
+        return press, budget
 
     async def _turn(self, user: str, msg: ChatMessage) -> LinkedTurn:
         if isinstance(msg.content, str):

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
+from mpic.presses import PRESS_NAMES
 from mpic.retriever.spec import RetrievalSpec
 
 
@@ -147,6 +148,22 @@ class MPICOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     policy: str = Field("mpic-32", description="Token-selection policy (linker registry name).")
+    press: str | None = Field(
+        None,
+        description="KV press applied after the linked prefill, before decoding "
+        "(docs/presses.md): " + ", ".join(PRESS_NAMES) + "; absent: the server's default_press.",
+    )
+    budget: float | None = Field(
+        None, gt=0, le=1, description="Fraction of the prompt's KV the press keeps, in (0, 1]."
+    )
+
+    @field_validator("press")
+    @classmethod
+    def _known_press(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESS_NAMES:
+            raise ValueError(f"unknown press {value!r}; known: {', '.join(PRESS_NAMES)}")
+        return value
+
     retrieval: RetrievalSpec | Literal["auto"] | None = Field(
         None,
         description="MRAG over a dynamic-library collection (mpic.retriever.query), or "

@@ -68,14 +68,13 @@ class CompressedKV:
         The last S live entries are the queries' own tokens: causal among themselves."""
         n, s = self.lengths[layer], q.shape[0]
         k, v = self.keys[layer][:, :n], self.values[layer][:, :n]
-        group = q.shape[1] // k.shape[0]
-        k = k.repeat_interleave(group, dim=0)  # [H, n, D]
-        v = v.repeat_interleave(group, dim=0)
-        mask = torch.ones(s, n, dtype=torch.bool, device=q.device)
+        mask = None  # one query (decoding) sees every live entry
         if s > 1:
+            mask = torch.ones(s, n, dtype=torch.bool, device=q.device)
             mask[:, n - s :] = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            mask = mask[None]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(k.dtype), k, v, attn_mask=mask[None]
+            q.transpose(0, 1).to(k.dtype), k, v, attn_mask=mask, enable_gqa=True
         )
         return out.transpose(0, 1).to(q.dtype)
 

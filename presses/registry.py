@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mpic.presses import PRESS_NAMES
 from mpic.presses.base import BasePress
 from mpic.presses.elastic_cache import ElasticCachePress
 from mpic.presses.meda import MEDAPress
@@ -19,6 +20,7 @@ PRESSES: dict[str, Callable[[], BasePress]] = {
     "snapkv": SnapKVPress,
 }
 """The seed papers' presses, then the two baselines."""
+assert tuple(PRESSES) == PRESS_NAMES
 
 
 def get_press(name: str) -> BasePress:
