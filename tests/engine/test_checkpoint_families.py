@@ -183,3 +183,24 @@ def test_vlcache_ratio_applies_to_each_images_own_token_count(runner):
         rows = plan.source_entry == index
         occurrences = int((rows & (plan.source_offset == 0)).sum())
         assert int((plan.recompute_depth[rows] > 0).sum()) == occurrences * (t // 2)
+
+
+def test_linked_request_ships_each_images_own_grid(runner):
+    """vLLM linked requests (M-RoPE) carry one grid per image occurrence, each its own."""
+    from mpic.engine.vllm.requests import image_grids, linked_request
+    from mpic.types import MROPE_FAMILIES
+
+    parts, _ = _mixed_parts(runner)
+    plan = runner.prefill(parts, "mpic-3").plan
+    request = linked_request(plan, "mpic-3", runner.spec)
+    spec = runner.spec
+    if spec.family not in MROPE_FAMILIES:
+        assert request.multi_modal_data is None
+        assert request.prompt_token_ids == plan.token_ids.tolist()
+        return
+    order = [0, 1, 2, 3, 1]
+    expected = [runner.entries[runner.test_ids[i]].extra["image_grid_thw"] for i in order]
+    assert image_grids(plan, spec.image_token_id, spec.spatial_merge_size) == expected
+    grid = request.multi_modal_data["image"]["image_grid_thw"]
+    assert grid.tolist() == expected
+    assert request.prompt_token_ids.count(spec.image_token_id) == len(order)
