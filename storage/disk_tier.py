@@ -9,7 +9,8 @@ entry lives (at most memory_bytes / 8 MiB of them in the memory tier); `torch.fr
 none but measured 20-25% slower on cold reads. Small files are read
 with one read() (mapping them would cost a page-fault round trip per readahead window). The LRU
 index is rebuilt from file mtimes at start-up. A corrupt file is deleted on sight; the next tier
-then serves the entry.
+then serves the entry. A failed write (disk full) is dropped, never raised: the tier degrades to
+the object store and leaves no partial file behind.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class DiskTier:
             self._index[info.key] = info.size
         self.used = sum(self._index.values())
         self.evicted = 0
+        self.write_errors = 0
         self.store.clean_tmp(older_than_s=0.0)
 
     def get(self, key: str) -> tuple[CacheEntry, int] | None:
@@ -83,11 +85,22 @@ class DiskTier:
         finally:
             stream.close()
 
-    def put(self, key: str, blob: bytes) -> None:
-        """Store `blob` (atomic), then evict LRU files until the tier fits."""
+    def put(self, key: str, blob: bytes) -> bool:
+        """Store `blob` (atomic), then evict LRU files until the tier fits. False when the tier
+        cannot take it (larger than the tier, or the disk is full / failing: the write is dropped,
+        its temp file removed, and callers keep serving from the object store)."""
         if len(blob) > self.capacity:
-            return
-        self.store.put(key, blob)
+            return False
+        try:
+            self.store.put(key, blob)
+        except OSError as exc:  # ENOSPC, EDQUOT, EIO: degrade, never fail the caller
+            self.write_errors += 1
+            log.warning(
+                "disk tier: cannot write %s (%s); serving from the object store",
+                key,
+                exc.strerror or type(exc).__name__,
+            )
+            return False
         with self._lock:
             self.used += len(blob) - self._index.pop(key, 0)
             self._index[key] = len(blob)
@@ -99,6 +112,7 @@ class DiskTier:
         for victim in victims:
             self.store.delete(victim)
             self.evicted += 1
+        return True
 
     def _forget(self, key: str) -> None:
         with self._lock:

@@ -80,8 +80,7 @@ class EntryStore:
         self.objects.put(entry_object_key(key), blob)
         self.metrics.bytes_written.labels("object").inc(len(blob))
         if self.disk is not None:
-            self.disk.put(key, blob)
-            self.metrics.bytes_written.labels("disk").inc(len(blob))
+            self._disk_put(key, blob)
         self.memory.put(key, entry, pin=pin)
         self._update_resident()
         return key
@@ -136,8 +135,16 @@ class EntryStore:
             raise CorruptEntryError(f"object {key} holds entry {entry.entry_id}")
         self._record_load("object", len(blob), t0)
         if self.disk is not None:
-            self.disk.put(key, blob)
+            self._disk_put(key, blob)
         return self._promote(key, entry, pin), "object"
+
+    def _disk_put(self, key: str, blob: bytes) -> None:
+        """Write through to the disk tier; a full or failing disk only counts a fallback
+        (`disk_write_failed`): the entry stays durable in the object store."""
+        if self.disk.put(key, blob):
+            self.metrics.bytes_written.labels("disk").inc(len(blob))
+        elif len(blob) <= self.disk.capacity:
+            self.metrics.fallbacks.labels("disk_write_failed").inc()
 
     def _record_load(self, tier: Tier, size: int, t0: float) -> None:
         self.metrics.hits.labels(tier).inc()
