@@ -2,15 +2,18 @@
 
 Keys come from `MPIC_API_KEYS` (JSON object key -> user id), `MPIC_ADMIN_KEYS` (JSON list of keys,
 which must also be in the key map or are mapped to user "admin"), and an optional keys file
-(`{"api_keys": {...}, "admin_keys": [...]}`, YAML or JSON). Production mode has no built-in keys;
-dev mode (the embedded default started by `mpic serve` with no config) adds the documented
-`DEV_KEYS` so `mpic demo` and local experiments work out of the box.
+(`{"api_keys": {...}, "admin_keys": [...]}`, YAML or JSON). Closed by default: production mode has
+no built-in keys (no key configured: every request 401); dev mode (the embedded default started by
+`mpic serve` with no config) adds the documented `DEV_KEYS` ONLY when no key is configured at all,
+with a loud WARNING at start, so `mpic demo` works out of the box but a server given real keys
+never accepts the public ones.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ import yaml
 
 from mpic.deployments.config import AuthConfig
 from mpic.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+
+logger = logging.getLogger(__name__)
 
 DEV_KEYS: dict[str, str] = {"mpic-dev-alice": "alice", "mpic-dev-bob": "bob"}
 """Dev-mode user keys (documented in docs/serving.md; never active in production mode)."""
@@ -50,9 +55,6 @@ class KeyRing:
         env = os.environ if env is None else env
         keys: dict[str, str] = {}
         admin: set[str] = set()
-        if cfg.mode == "dev":
-            keys.update(DEV_KEYS)
-            admin.add(DEV_ADMIN_KEY)
         if cfg.keys_file:
             data = _load_keys_file(Path(cfg.keys_file))
             keys.update(_as_key_map(data.get("api_keys", {}), "keys file api_keys"))
@@ -62,6 +64,21 @@ class KeyRing:
         if env.get("MPIC_ADMIN_KEYS"):
             raw = _json(env["MPIC_ADMIN_KEYS"], "MPIC_ADMIN_KEYS")
             admin.update(_as_key_list(raw, "MPIC_ADMIN_KEYS"))
+        if cfg.mode == "dev":
+            if keys or admin:
+                logger.warning(
+                    "auth: API keys are configured, so the public dev keys are DISABLED "
+                    "(auth.mode dev only applies when no key is configured)"
+                )
+            else:
+                logger.warning(
+                    "auth: NO API KEYS CONFIGURED - the PUBLIC dev keys %s and the dev ADMIN key "
+                    "are active. Anyone who can reach this server can use them. Set "
+                    "MPIC_API_KEYS / MPIC_ADMIN_KEYS or auth.keys_file before exposing it.",
+                    ", ".join(sorted(DEV_KEYS)),
+                )
+                keys.update(DEV_KEYS)
+                admin.add(DEV_ADMIN_KEY)
         return cls(keys, admin)
 
     def __len__(self) -> int:

@@ -45,6 +45,12 @@ class DeploymentConfig(BaseModel):
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per replica (fractions ok).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (LLM worker on GPU nodes).")
     max_ongoing_requests: int = Field(16, ge=1, description="Concurrent requests per replica.")
+    max_queued_requests: int = Field(
+        64,
+        ge=-1,
+        description="Requests a caller may queue for this deployment beyond max_ongoing_requests "
+        "(Serve's bound; past it HTTP 503 with Retry-After); -1: unbounded.",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources per replica (pins replicas to nodes that offer them).",
@@ -118,7 +124,37 @@ class LimitsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_upload_bytes: int = Field(8 << 20, ge=1, description="Larger uploads get HTTP 413.")
+    max_upload_bytes: int = Field(
+        8 << 20, ge=1, description="Larger uploads get HTTP 413 (counted while reading)."
+    )
+    max_body_bytes: int = Field(
+        16 << 20,
+        ge=1,
+        description="Larger request bodies (JSON routes, inline images included) get HTTP 413, "
+        "counted while reading.",
+    )
+    max_messages: int = Field(256, ge=1, description="Messages per chat request (else 400).")
+    max_content_parts: int = Field(64, ge=1, description="Content parts per message (else 400).")
+    max_text_chars: int = Field(
+        262144,
+        ge=1,
+        description="Characters of text per chat request (else 400, before any tokenization).",
+    )
+    max_image_pixels: int = Field(
+        16 << 20,
+        ge=1,
+        description="Pixels per image, read from its header before decoding (else HTTP 413).",
+    )
+    max_requests_in_flight: int = Field(
+        32, ge=1, description="Generations one LLM-worker replica runs at once (else HTTP 429)."
+    )
+    max_tokens_in_flight: int = Field(
+        65536,
+        ge=1,
+        description="Estimated prompt + max_tokens of the generations one LLM-worker replica "
+        "runs at once (else HTTP 429).",
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 from the budget.")
 
 
 class ServeAppConfig(BaseModel):
@@ -155,6 +191,13 @@ class ServeAppConfig(BaseModel):
     default_collection: str = Field(
         "default", description='Collection `"retrieval": "auto"` searches.'
     )
+    admin_sources: list[str] = Field(
+        default_factory=list,
+        description="Roots an admin refresh may read from: local folders and "
+        "s3://bucket/prefix[?endpoint=host:port&secure=false] prefixes. A refresh source or "
+        "captions file outside them is refused (400) before anything is opened; empty: every "
+        "refresh over HTTP is refused.",
+    )
     ingress: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Ingress.")
     encoder: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Encoder.")
     retriever: DeploymentConfig = Field(
@@ -189,6 +232,7 @@ def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
         "name": name,
         "ray_actor_options": actor,
         "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_queued_requests": cfg.max_queued_requests,
         "autoscaling_config": {**a.model_dump(), "initial_replicas": max(a.min_replicas, 1)},
     }
 

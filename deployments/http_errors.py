@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mpic.deployments.admission import as_backpressure
 from mpic.deployments.schemas import ErrorBody, ErrorDetail
 from mpic.errors import MPICError, NotFoundError
 
@@ -61,17 +62,25 @@ def error_body(exc: BaseException) -> ErrorBody:
 
 
 def error_response(
-    status: int, message: str, type_: str, code: str | None, param: str | None = None
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None,
+    param: str | None = None,
+    retry_after: int | None = None,
 ) -> JSONResponse:
     """One OpenAI error body with `status`."""
     body = ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=code))
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
 
 
 def mpic_error_response(exc: MPICError) -> JSONResponse:
-    """The response for a typed error."""
-    return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
+    """The response for a typed error (429/503 ones carry `Retry-After`)."""
+    retry = getattr(exc, "retry_after", None)
+    return error_response(exc.status, exc.message, exc.type, exc.code, exc.param, retry)
 
 
 def validation_param(error: dict) -> str | None:
@@ -111,5 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
         inner = _unwrap(exc)
         if isinstance(inner, MPICError):  # a replica's typed error, wrapped by Ray
             return mpic_error_response(inner)
+        if (busy := as_backpressure(exc)) is not None:  # Serve's queue bound: 503 Retry-After
+            return mpic_error_response(busy)
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None)

@@ -33,6 +33,7 @@ from mpic.deployments.http_errors import (
     install_error_handlers,
     status_of,
 )
+from mpic.deployments.limits import RequestGuard, check_chat_shape, configure_guard
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.metrics import ServeMetrics, gather_cluster_metrics
 from mpic.deployments.schemas import (
@@ -58,11 +59,13 @@ from mpic.deployments.schemas import (
     Usage,
 )
 from mpic.errors import PayloadTooLargeError
+from mpic.retriever.sources import allowed_source
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="MPIC serve", version="0.1.0")
 install_error_handlers(app)
+app.add_middleware(RequestGuard)  # auth + body limits from the headers, before any body read
 
 _METRICS: list[ServeMetrics] = []
 
@@ -188,6 +191,7 @@ class Ingress:
     ) -> None:
         self.cfg = config
         self.keys = KeyRing.from_config(config.auth)
+        configure_guard(self.keys, config.limits)
         if not len(self.keys):
             logger.warning("no API keys configured: every request will get 401")
         self.files = FileCatalog(config.store)
@@ -333,6 +337,7 @@ class Ingress:
         """OpenAI chat completion with cached-file links; SSE when `stream` is true."""
         who = self._auth(authorization)
         self._check_model(body.model)
+        check_chat_shape(body, self.cfg.limits)
         t0 = time.perf_counter()
         rid = request.state.request_id
         logger.info(
@@ -450,7 +455,10 @@ class Ingress:
     ):
         """Admin: build a new version from a source folder/prefix and swap it in atomically."""
         KeyRing.require_admin(self._auth(authorization))
-        return await self.retriever.refresh.remote(name, body.source, body.captions)
+        roots = self.cfg.admin_sources
+        source = allowed_source(body.source, roots)
+        captions = allowed_source(body.captions, roots, "captions") if body.captions else None
+        return await self.retriever.refresh.remote(name, source, captions)
 
     @app.post("/v1/admin/collections/{name}/rollback")
     async def admin_rollback(

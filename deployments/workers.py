@@ -20,6 +20,7 @@ from typing import Literal
 
 import ray
 
+from mpic.deployments.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engine import build_engine
 from mpic.deployments.files import (
@@ -29,6 +30,7 @@ from mpic.deployments.files import (
     file_object,
     open_library,
 )
+from mpic.deployments.limits import check_image_pixels
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.metrics import StoreMetricsExporter
 from mpic.deployments.schemas import FileObject
@@ -47,9 +49,12 @@ class Encoder:
 
     def __init__(self, config: ServeAppConfig) -> None:
         self.engine = build_engine(config.engine, config.store, "encoder")
+        self.max_pixels = config.limits.max_image_pixels
 
     def encode(self, image_bytes: bytes) -> EncodedImage:
-        """Decode (415 if not an image) and encode one image."""
+        """Decode (415 if not an image) and encode one image; 413 before decoding when its
+        header declares more than `limits.max_image_pixels` pixels (decompression bombs)."""
+        check_image_pixels(image_bytes, self.max_pixels)
         return self.engine.encode_image(image_bytes)
 
 
@@ -63,6 +68,16 @@ class LLMWorker:
         self.library = open_library(config.store, self.entries)
         self.sweeper = Sweeper(self.library, config.sweep_interval_s)
         self.store_metrics = StoreMetricsExporter(self.entries.metrics)
+        lim = config.limits
+        self.budget = EngineBudget(
+            lim.max_requests_in_flight, lim.max_tokens_in_flight, lim.retry_after_s
+        )
+        self.health = EngineHealth(self.engine)
+
+    def check_health(self) -> None:
+        """Serve's health check (every `health_check_period_s`): fails once the engine died, so
+        Serve replaces this replica (requests meanwhile get 503 with Retry-After)."""
+        self.health.check()
 
     def sweep(self) -> dict:
         """Run the file sweeper now (admin route); its report."""
@@ -136,13 +151,40 @@ class LLMWorker:
         return {"memory": self.entries.memory.keys(), "disk": disk.keys() if disk else []}
 
     def engine_stats(self) -> dict[str, int]:
-        """The engine's own counters (vLLM: `peak_running`, `fallbacks`)."""
-        return self.engine.engine_stats()
+        """The engine's own counters (vLLM: `peak_running`, `fallbacks`) and the admission
+        budget's (`requests_in_flight`, `tokens_in_flight`, `budget_rejected`)."""
+        return {**self.engine.engine_stats(), **self.budget.stats()}
+
+    @staticmethod
+    def cost(prompt: LinkedPrompt) -> int:
+        """Tokens a prompt will hold at most, estimated before any entry loads: max_tokens +
+        one per 2 characters of text + 1024 per inline image (linked entries are already
+        computed; their KV is counted by the memory tier)."""
+        tokens = prompt.max_tokens
+        for turn in prompt.turns:
+            for seg in turn.segments:
+                if seg.kind == "text":
+                    tokens += len(seg.text or "") // 2 + 1
+                elif seg.kind != "entry":
+                    tokens += 1024
+        return tokens
 
     async def generate(self, prompt: LinkedPrompt) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Stream the answer to `prompt`. Inline images arrive as ObjectRefs; linked entries
         load in parallel from the fastest tier (on a thread), lost ones are recomputed from their
-        media. No lock: concurrent calls reach the engine together (vLLM batches them)."""
+        media. No lock: concurrent calls reach the engine together (vLLM batches them).
+
+        Admission: 503 while the engine is dead, 429 past the replica's budget (before any
+        entry loads). Cancellation: when the caller goes away (client disconnect: Serve cancels
+        this generator), the engine's generator is closed at once, which aborts the request in
+        the engine (vLLM's abort; the reference engine's decode thread stops) and frees its KV."""
+        if self.health.dead():
+            raise self.health.unavailable()
+        with self.budget.admit(self.cost(prompt)):
+            async for ev in self._generate(prompt):
+                yield ev
+
+    async def _generate(self, prompt: LinkedPrompt) -> AsyncIterator[TokenEvent | DoneEvent]:
         for turn in prompt.turns:
             for seg in turn.segments:
                 if isinstance(seg.embeds, ray.ObjectRef):
@@ -168,10 +210,25 @@ class LLMWorker:
         with got:
             tiers = Counter(src for src in got.sources if src != "computed")
             entries = dict(zip(keys, got.entries, strict=True))
-            async for ev in self.engine.generate(prompt, entries):
-                if isinstance(ev, DoneEvent):
-                    ev.tier_hits, ev.fallbacks = dict(tiers), ev.fallbacks + len(got.fallbacks)
-                yield ev
+            events = self.engine.generate(prompt, entries)
+            try:
+                async for ev in events:
+                    if isinstance(ev, DoneEvent):
+                        ev.tier_hits = dict(tiers)
+                        ev.fallbacks += len(got.fallbacks)
+                    yield ev
+            except MPICError:
+                raise
+            except Exception as exc:
+                if not is_engine_death(exc):
+                    raise
+                self.health.mark_dead(exc)
+                logger.error("request %s: the engine died (%s)", prompt.request_id, exc)
+                raise self.health.unavailable() from None
+            finally:
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # a cut-short stream aborts the engine's request
 
     def _recompute(self, seg: Segment, request_id: str) -> CacheEntry:
         """A lost or corrupt entry, recomputed from the media the library keeps (a fallback,

@@ -9,11 +9,16 @@ that has one but does not decode fails the refresh before anything is written.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from mpic.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
@@ -44,7 +49,8 @@ def open_source(location: str) -> ImageSource:
             store = make_object_store(location)
             names = [k for k in store.list("") if _is_image(k)]
         except (ValueError, OSError) as exc:
-            raise InvalidRequestError(f"cannot list {location}: {exc}", param="source") from exc
+            log.warning("cannot list source %s: %s", location, exc)
+            raise InvalidRequestError(f"cannot list {location}", param="source") from None
         source = ImageSource(location, names, store.get)
     else:
         root = Path(location)
@@ -61,6 +67,44 @@ def open_source(location: str) -> ImageSource:
             f"no images ({', '.join(IMAGE_SUFFIXES)}) under {location}", param="source"
         )
     return source
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def allowed_source(location: str, roots: Sequence[str], param: str = "source") -> str:
+    """`location` if it lies under one of `roots` (the server's configured admin source roots:
+    local folders and `s3://bucket/prefix[?endpoint=...]` prefixes), else InvalidRequestError
+    (400), decided from the text alone: nothing is opened or connected to first (no SSRF, no
+    reading the server's other folders).
+
+    Local: the real path (symlinks and `..` resolved) must be inside a root's real path.
+    S3: bucket and prefix must be under a root's, and the location may not name its own
+    endpoint or options: it gets the root's (an s3 location without a query inherits it)."""
+    refuse = InvalidRequestError(
+        f"{param} is not under a configured admin source root (server config admin_sources)",
+        param=param,
+    )
+    if "://" in location and not location.startswith("s3://"):
+        raise refuse
+    if location.startswith("s3://"):
+        want = urlsplit(location)
+        dots = ".." in want.path.split("/")
+        if want.query or want.fragment or "@" in want.netloc or dots:
+            raise refuse
+        for root in roots:
+            if not root.startswith("s3://"):
+                continue
+            have = urlsplit(root)
+            if want.netloc == have.netloc and _under(want.path or "/", have.path or "/"):
+                return location + (f"?{have.query}" if have.query else "")
+        raise refuse
+    real = os.path.realpath(location)
+    for root in roots:
+        if "://" not in root and _under(real, os.path.realpath(root)):
+            return real
+    raise refuse
 
 
 def read_captions(path: str | Path | None) -> dict[str, str]:

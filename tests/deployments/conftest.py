@@ -83,6 +83,8 @@ def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         }
     )
     cfg = serve_config(tiny_llava_dir, tmp_path_factory.mktemp("serve-store"))
+    # admin refreshes may read the session's temp folders only
+    cfg = cfg.model_copy(update={"admin_sources": [str(tmp_path_factory.getbasetemp())]})
     try:
         url = start_local(cfg, port=_free_port(), num_cpus=2, log_to_driver=False)
         yield ServeApp(url=url, config=cfg)

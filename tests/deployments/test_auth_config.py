@@ -65,8 +65,15 @@ def test_keys_file_and_dev_mode(tmp_path: Path) -> None:
     ring = KeyRing.from_config(AuthConfig(mode="dev", keys_file=str(path)), env={})
     assert ring.authenticate("Bearer file-key").user == "carol"
     assert ring.authenticate("Bearer file-admin").is_admin
+    for dev in ["mpic-dev-alice", "mpic-dev-bob", DEV_ADMIN_KEY]:  # keys configured: closed
+        with pytest.raises(AuthenticationError):
+            ring.authenticate(f"Bearer {dev}")
+    ring = KeyRing.from_config(AuthConfig(mode="dev"), env={})  # nothing configured: dev keys
     assert ring.authenticate("Bearer mpic-dev-alice").user == "alice"
     assert ring.authenticate(f"Bearer {DEV_ADMIN_KEY}").is_admin
+    env = {"MPIC_API_KEYS": '{"k": "u"}'}
+    with pytest.raises(AuthenticationError):
+        KeyRing.from_config(AuthConfig(mode="dev"), env=env).authenticate(f"Bearer {DEV_ADMIN_KEY}")
 
 
 @pytest.mark.parametrize(

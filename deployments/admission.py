@@ -1,0 +1,168 @@
+"""Admission control and engine health (LLM-worker and Ingress Serve replicas).
+
+Three layers keep an overloaded deployment answering fast instead of queueing without bound:
+
+1. Serve's own bounds per deployment (`max_ongoing_requests`, `max_queued_requests` in the
+   config's deployment sections): a caller past the queue bound gets Serve's back-pressure error,
+   which the ingress answers as 503 with `Retry-After` (`overload_response`).
+2. The LLM worker's engine budget (`EngineBudget`): at most `max_requests_in_flight` generations
+   and `max_tokens_in_flight` tokens (estimated prompt tokens + max_tokens of every admitted
+   request); a request past either bound gets 429 `engine_overloaded` with `Retry-After` before
+   any entry is loaded or any KV allocated.
+3. A dead engine (vLLM's `EngineDeadError`, an `AsyncLLM` that reports `errored`): requests get
+   503 `engine_unavailable` with `Retry-After`, and the replica's `check_health` fails so Serve
+   replaces it (`EngineHealth`).
+
+Every rejection is counted by the ingress's request counter (`mpic_requests_total`, outcome
+"429" / "503").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from mpic.errors import MPICError
+
+
+class OverloadedError(MPICError):
+    """The engine's budget is spent (HTTP 429 with Retry-After)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "engine_overloaded"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailableError(MPICError):
+    """The engine is dead or a deployment's queue is full (HTTP 503 with Retry-After)."""
+
+    status = 503
+    type = "server_error"
+    code = "engine_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineBudget:
+    """Requests and tokens in flight on one LLM-worker replica; thread-safe."""
+
+    def __init__(self, max_requests: int, max_tokens: int, retry_after_s: int = 1) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.retry_after = retry_after_s
+        self.requests = self.tokens = 0
+        self.rejected = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def admit(self, cost: int) -> Iterator[None]:
+        """Hold `cost` tokens and one request slot for the block; OverloadedError (429) when
+        either bound would be passed. A single request larger than the whole token budget is
+        admitted only when nothing else runs (it can never fit otherwise)."""
+        with self._lock:
+            busy = self.requests > 0
+            if self.requests >= self.max_requests or (
+                busy and self.tokens + cost > self.max_tokens
+            ):
+                self.rejected += 1
+                raise OverloadedError(
+                    f"the engine is at capacity ({self.requests} requests, {self.tokens} tokens "
+                    "in flight); retry later",
+                    retry_after=self.retry_after,
+                )
+            self.requests += 1
+            self.tokens += cost
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.requests -= 1
+                self.tokens -= cost
+
+    def stats(self) -> dict[str, int]:
+        """Current load and rejections (engine_stats)."""
+        with self._lock:
+            return {
+                "requests_in_flight": self.requests,
+                "tokens_in_flight": self.tokens,
+                "budget_rejected": self.rejected,
+            }
+
+
+DEAD_ENGINE_ERRORS = ("EngineDeadError", "EngineGenerateError")
+"""Exception class names (vLLM v1's) that mean the engine process is gone."""
+
+
+def is_engine_death(exc: BaseException) -> bool:
+    """True when `exc` (or its cause chain) is an engine-death error."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if type(seen).__name__ in DEAD_ENGINE_ERRORS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class EngineHealth:
+    """Whether the engine of this replica still works: set dead on an engine-death error or
+    when the engine itself reports so (vLLM's `AsyncLLM.errored`)."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+        self.dead_reason: str | None = None
+
+    def _engine_errored(self) -> bool:
+        llm = getattr(getattr(self.engine, "vllm", None), "llm", None)
+        try:
+            return bool(getattr(llm, "errored", False))
+        except Exception:  # noqa: BLE001 - a broken engine client counts as dead
+            return True
+
+    def dead(self) -> bool:
+        """True once the engine died (sticky: a replica never comes back, Serve replaces it)."""
+        if self.dead_reason is None and self._engine_errored():
+            self.dead_reason = "the engine reports errored"
+        return self.dead_reason is not None
+
+    def mark_dead(self, exc: BaseException) -> None:
+        """Record an engine-death error."""
+        self.dead_reason = self.dead_reason or type(exc).__name__
+
+    def unavailable(self) -> EngineUnavailableError:
+        """The 503 a request gets while this replica's engine is dead (no internals)."""
+        return EngineUnavailableError(
+            "the model engine of this replica stopped and is being restarted; retry shortly",
+            retry_after=5,
+        )
+
+    def check(self) -> None:
+        """Serve's `check_health`: raises while the engine is dead (Serve then restarts the
+        replica)."""
+        if self.dead():
+            raise RuntimeError(f"engine dead: {self.dead_reason}")
+
+
+BACKPRESSURE_ERRORS = ("BackPressureError",)
+"""Ray Serve's queue-full error class names (a deployment past `max_queued_requests`)."""
+
+
+def as_backpressure(exc: BaseException) -> EngineUnavailableError | None:
+    """The 503 for Serve's back-pressure error (or one wrapping it), else None."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if type(seen).__name__ in BACKPRESSURE_ERRORS:
+            return EngineUnavailableError(
+                "the service is at capacity (request queue full); retry later", retry_after=1
+            )
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
+    return None

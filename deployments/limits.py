@@ -1,0 +1,203 @@
+"""Limits enforced before any work (Ingress and Encoder Serve replicas).
+
+`RequestGuard` is a plain ASGI middleware in front of every route. From the headers alone it
+answers 401 for a missing or unknown API key (before one byte of the body is read: an anonymous
+1 GB upload costs nothing) and 413 for a declared `Content-Length` over the route's limit; while
+the body streams in it counts bytes and stops reading at the limit (413), so nothing over the limit
+is ever spooled. Uploads (`POST /v1/files`) may carry `limits.max_upload_bytes` plus a small
+multipart allowance, every other route `limits.max_body_bytes`.
+
+`check_chat_shape` bounds a parsed chat request (messages, content parts, text characters, no
+lone UTF-16 surrogates) before it is resolved; `check_image_pixels` reads an image's size from its
+header (PIL opens lazily: no pixel is decoded) and refuses decompression bombs with 413.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mpic.errors import InvalidRequestError, PayloadTooLargeError, PromptTooLongError
+
+PUBLIC_PATHS = ("/healthz", "/metrics", "/openapi.json", "/docs", "/redoc")
+"""Routes that need no API key (probes, scraping, the API description)."""
+MULTIPART_ALLOWANCE = 64 * 1024
+"""Bytes an upload's multipart framing and form fields may add to `max_upload_bytes`."""
+
+
+@dataclass
+class GuardState:
+    """What the guard of this process checks against (set by the Ingress replica at start)."""
+
+    keys: Any = None
+    """A `KeyRing` (None: not configured yet, every protected route 503)."""
+    max_body_bytes: int = 1 << 20
+    max_upload_bytes: int = 8 << 20
+
+
+GUARD = GuardState()
+
+
+def configure_guard(keys: Any, limits: Any) -> None:
+    """Install this replica's key ring and limits (`LimitsConfig`) into the guard."""
+    GUARD.keys = keys
+    GUARD.max_body_bytes = limits.max_body_bytes
+    GUARD.max_upload_bytes = limits.max_upload_bytes
+
+
+def _body(status: int, message: str, type_: str, code: str) -> tuple[int, bytes]:
+    err = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return status, json.dumps(err).encode()
+
+
+async def _send_json(send, status: int, body: bytes, extra: Iterable[tuple[bytes, bytes]] = ()):
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    """ASGI middleware: auth from headers, then a counted body (see the module docstring)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if path in PUBLIC_PATHS or path.startswith("/docs"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if GUARD.keys is not None:
+            try:
+                GUARD.keys.authenticate(headers.get("authorization"))
+            except Exception as exc:  # noqa: BLE001 - AuthenticationError: 401, body unread
+                status, body = _body(
+                    401,
+                    getattr(exc, "message", "unauthorized"),
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+                return await _send_json(send, status, body, [(b"www-authenticate", b"Bearer")])
+        upload = path == "/v1/files" and scope.get("method") == "POST"
+        limit = GUARD.max_upload_bytes + MULTIPART_ALLOWANCE if upload else GUARD.max_body_bytes
+        what = "upload" if upload else "request body"
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return await _send_json(send, *_too_large(what, limit))
+        seen, started, over = 0, False, False
+
+        async def counted_receive():
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    over = True
+                    raise _TooLarge
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if over:
+                return  # the app's own answer to the cut body is replaced by our 413
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except _TooLarge:
+            pass
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await _send_json(send, *_too_large(what, limit))
+
+
+def _too_large(what: str, limit: int) -> tuple[int, bytes]:
+    return _body(
+        413, f"{what} over the {limit}-byte limit", "invalid_request_error", "payload_too_large"
+    )
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield str(k)
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def check_chat_shape(body: Any, limits: Any) -> None:
+    """400 for a chat request over `limits` (messages, parts per message, text characters) or
+    holding text that is not valid Unicode (a lone surrogate such as `\\ud800`)."""
+    messages = body.messages
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError(
+            f"{len(messages)} messages; at most {limits.max_messages} are allowed",
+            param="messages",
+        )
+    chars = 0
+    for i, msg in enumerate(messages):
+        content = getattr(msg, "content", None)
+        if isinstance(content, list) and len(content) > limits.max_content_parts:
+            raise InvalidRequestError(
+                f"message {i} has {len(content)} content parts; at most "
+                f"{limits.max_content_parts} are allowed",
+                param=f"messages.{i}.content",
+            )
+    for text in _strings(body.model_dump(exclude_none=True)):
+        chars += len(text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(
+                "the request holds text that is not valid Unicode (a lone surrogate)",
+                param="messages",
+            ) from None
+    if chars > limits.max_text_chars:
+        raise PromptTooLongError(
+            f"the request holds {chars} characters of text; at most {limits.max_text_chars}",
+            param="messages",
+        )
+
+
+def check_image_pixels(data: bytes, max_pixels: int) -> None:
+    """413 for an image whose header declares more than `max_pixels` pixels (no pixel is
+    decoded: PIL reads the size lazily). Bytes PIL cannot identify pass through (the engine
+    answers 415 for them)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+                frames = getattr(im, "n_frames", 1)
+    except Image.DecompressionBombError:
+        raise PayloadTooLargeError(
+            f"image over the {max_pixels}-pixel limit", param="file"
+        ) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return
+    if width * height > max_pixels or width * height * frames > 4 * max_pixels:
+        raise PayloadTooLargeError(
+            f"image of {width}x{height} pixels is over the {max_pixels}-pixel limit", param="file"
+        )
