@@ -324,53 +324,48 @@ def print_table(rows: list[dict[str, Any]], model: str) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """KL of the first token (log scale) and ROUGE-L against recomputed fraction: one marker per
-    policy and document count, the mpic-k family joined by a line per document count."""
+    """KL of the first token (log scale; exact rows left out) and ROUGE-L against recomputed
+    fraction: colour = policy, marker = document count; the mpic-k and boundary-k families are
+    joined by a line per document count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_k, ax_r) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_k, ax_r) = plt.subplots(1, 2, figsize=(14, 5.5))
     counts = sorted({r["documents"] for r in rows})
-    markers = "osD^v<>p*"
+    markers = dict(zip(counts, "osD^v<>p*", strict=False))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for ci, n in enumerate(counts):
-        color = f"C{ci}"
-        mine = [r for r in rows if r["documents"] == n]
-        for pi, policy in enumerate(policies):
-            for r in (r for r in mine if r["policy"] == policy):
-                x = r["recomputed_fraction"]
-                kw = {"color": color, "marker": markers[pi % len(markers)], "s": 40}
-                ax_k.scatter(x, max(r["kl_first"], KL_FLOOR), **kw)
-                ax_r.scatter(x, r["rouge_l"], **kw)
-        line = sorted(
-            (r for r in mine if r["policy"].startswith("mpic-")),
-            key=lambda r: r["recomputed_fraction"],
-        )
-        if line:
-            xs = [r["recomputed_fraction"] for r in line]
-            ax_k.plot(xs, [max(r["kl_first"], KL_FLOOR) for r in line], color=color, lw=1)
-            ax_r.plot(xs, [r["rouge_l"] for r in line], color=color, lw=1, label=f"{n} docs")
-            for r in line:
-                ax_k.annotate(
-                    r["policy"][5:],
-                    (r["recomputed_fraction"], r["kl_first"]),
-                    fontsize=7,
-                    color=color,
-                )
+    cmap = plt.get_cmap("tab20")
+    colors = {p: cmap(i % 20) for i, p in enumerate(policies)}
+    for r in rows:
+        x, kw = r["recomputed_fraction"], {"color": colors[r["policy"]], "s": 36}
+        if r["kl_first"] > 0:
+            ax_k.scatter(x, r["kl_first"], marker=markers[r["documents"]], **kw)
+        ax_r.scatter(x, r["rouge_l"], marker=markers[r["documents"]], **kw)
+    for family, style in (("mpic-", "-"), ("boundary-", "--")):
+        for n in counts:
+            line = sorted(
+                (r for r in rows if r["documents"] == n and r["policy"].startswith(family)),
+                key=lambda r: r["recomputed_fraction"],
+            )
+            if len(line) > 1:
+                xs = [r["recomputed_fraction"] for r in line]
+                ax_k.plot(xs, [max(r["kl_first"], KL_FLOOR) for r in line], "k" + style, lw=0.7)
+                ax_r.plot(xs, [r["rouge_l"] for r in line], "k" + style, lw=0.7)
     handles = [
-        plt.Line2D([], [], color="grey", marker=markers[i % len(markers)], ls="", label=p)
-        for i, p in enumerate(policies)
+        plt.Line2D([], [], color=colors[p], marker="o", ls="", label=p) for p in policies
+    ] + [
+        plt.Line2D([], [], color="grey", marker=markers[n], ls="", label=f"{n} documents")
+        for n in counts
     ]
     ax_k.set_yscale("log")
     ax_k.set_xlabel("recomputed fraction of prompt tokens")
-    ax_k.set_ylabel("first-token KL vs full (nats)")
+    ax_k.set_ylabel("first-token KL vs full (nats; exact policies not shown)")
     ax_r.set_xlabel("recomputed fraction of prompt tokens")
-    ax_r.set_ylabel("ROUGE-L F1 vs exact answer (32 tokens)")
-    ax_k.legend(handles=handles, fontsize=7, loc="lower left")
-    ax_r.legend(fontsize=8, loc="lower right", title="mpic-k line")
-    fig.suptitle("Fidelity against recomputed tokens (colour = document count)")
+    ax_r.set_ylabel("ROUGE-L F1 vs the exact 32-token answer")
+    ax_r.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("Fidelity against recomputed tokens (lines: mpic-k solid, boundary-k dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
