@@ -246,7 +246,8 @@ def command(
         "seed": seed,
     }
     results = []
-    base = start_local(first.model_copy(update={"name": "warm"}), port, log_to_driver=False)
+    warm = first.model_copy(update={"name": "warm", "route_prefix": "/"})
+    base = start_local(warm, port, log_to_driver=False)
     try:
         serve.delete("warm")
         for router in names:
