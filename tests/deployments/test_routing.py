@@ -171,8 +171,10 @@ def test_llm_workers_scale_up_under_load_and_down_when_idle(tiny_llava_dir, tmp_
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     facts = json.loads(out.read_text())
-    print(json.dumps({k: v for k, v in facts.items() if k != "timeline"}, indent=1))
     counts = [n for _, n in facts["timeline"]]
+    changes = [(t, n) for i, (t, n) in enumerate(facts["timeline"]) if i == 0 or n != counts[i - 1]]
+    print(json.dumps({k: v for k, v in facts.items() if k != "timeline"}, indent=1))
+    print("running LLMWorker replicas (s since start, count) at each change:", changes)
     assert counts[0] == 1 and max(counts) == 2 and counts[-1] == 1
     assert facts["up_after_s"] > 0 and facts["down_after_s"] > 0
     assert facts["after"]["answer"] == facts["before"]["answer"]
