@@ -45,12 +45,13 @@ def nearest_anchor_buckets(anchors: torch.Tensor, n: int) -> torch.Tensor:
 
 class ElasticCachePress(ScorerPress):
     """recent_window: generation-time distance of the truncation point (paper: 25);
-    eliminate: run the generation-time elimination (Eq. 5)."""
+    eliminate: run the generation-time elimination (Eq. 5); merge: Eq. 3 bucket averaging
+    (False keeps only the anchors: the ablation in docs/presses.md)."""
 
     name = "elastic"
 
-    def __init__(self, recent_window: int = 25, eliminate: bool = True) -> None:
-        self.recent_window, self.eliminate = recent_window, eliminate
+    def __init__(self, recent_window: int = 25, eliminate: bool = True, merge: bool = True) -> None:
+        self.recent_window, self.eliminate, self.merge = recent_window, eliminate, merge
         self._gamma = 1.0
 
     def score(
@@ -86,7 +87,7 @@ class ElasticCachePress(ScorerPress):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         anchors = self.select(layer, keys, values, stats, keep, ctx)  # [C] ascending
         bucket = nearest_anchor_buckets(anchors.cpu(), ctx.num_tokens)
-        if keep == ctx.num_tokens:
+        if keep == ctx.num_tokens or not self.merge:
             return gather_tokens(keys, anchors), gather_tokens(values, anchors)
         return merge_into(keys, values, bucket, anchors)
 

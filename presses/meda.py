@@ -52,12 +52,13 @@ def allocate(weights: torch.Tensor, total: int, cap: int, floor: int = 1) -> lis
 
 
 class MEDAPress(ScorerPress):
-    """recent_window: M of Eq. 10."""
+    """recent_window: M of Eq. 10; merge: Eq. 11-12 merging (False: selection only, the
+    ablation in docs/presses.md)."""
 
     name = "meda"
 
-    def __init__(self, recent_window: int = 32) -> None:
-        self.recent_window = recent_window
+    def __init__(self, recent_window: int = 32, merge: bool = True) -> None:
+        self.recent_window, self.merge = recent_window, merge
 
     def layer_budgets(self, stats: list[LayerStats], ctx: PressContext, budget: float) -> list[int]:
         """Eq. 7 per-layer sizes S_l; sum = L * round(rho * N)."""
@@ -94,6 +95,8 @@ class MEDAPress(ScorerPress):
         ctx: PressContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kept = self.select(layer, keys, values, stats, keep, ctx)  # [C] ascending
+        if not self.merge:
+            return keys[:, kept.to(keys.device)], values[:, kept.to(keys.device)]
         target = nearest_kept_by_cosine(keys, kept)
         return merge_into(keys, values, target, kept)
 
