@@ -201,3 +201,16 @@ def check_image_pixels(data: bytes, max_pixels: int) -> None:
         raise PayloadTooLargeError(
             f"image of {width}x{height} pixels is over the {max_pixels}-pixel limit", param="file"
         )
+
+
+def policy_label(policy: str) -> str:
+    """The bounded metrics label of a policy name: its family (`mpic-32` -> `mpic`,
+    `vlcache-0.1:0.2` -> `vlcache`), or "other" for anything not a known family, so no request
+    can create a time series of its own."""
+    from mpic.linker.policies import POLICY_NAMES
+
+    families = {n.split("-<", 1)[0] for n in POLICY_NAMES}
+    if policy in families:
+        return policy
+    head = policy.rsplit("-", 1)[0] if "-" in policy else policy
+    return head if head in families and "<" not in head else "other"

@@ -25,6 +25,7 @@ import logging
 
 from ray.serve.metrics import Counter, Histogram
 
+from mpic.deployments.limits import policy_label
 from mpic.deployments.messages import DoneEvent
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ class ServeMetrics:
         self.requests.inc(1, tags={"route": route, "outcome": outcome})
 
     def record(self, policy: str, done: DoneEvent, ttft_s: float, decode_s: float) -> None:
-        """Record one finished generation (`decode_s`: first token to last)."""
+        """Record one finished generation (`decode_s`: first token to last). The policy label
+        is its family (`policy_label`): bounded, whatever the request named."""
+        policy = policy_label(policy)
         self.ttft.observe(ttft_s, tags={"policy": policy})
         if done.completion_tokens > 1 and decode_s > 0:
             self.inter_token.observe(

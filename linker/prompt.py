@@ -20,6 +20,7 @@ prompt and a user turn that starts with the item: its token ids before the place
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -31,6 +32,10 @@ DOCUMENT_PLACEHOLDER = -1
 
 _DOCUMENT_MARK = "\ue000mpic-document\ue000"
 """Stands for a document in the rendered template text (a private-use character pair)."""
+_USER_OPEN, _USER_CLOSE = "\ue001", "\ue002"
+"""Bracket user text in the rendered template when it spells a special token, so that text is
+tokenized with `split_special_tokens=True` (as plain characters, never as control tokens)."""
+_RESERVED = (_DOCUMENT_MARK[0], _USER_OPEN, _USER_CLOSE)
 
 
 class ChatTokenizer(Protocol):
@@ -50,8 +55,20 @@ def takes_typed_content(tokenizer: Any) -> bool:
     return "'type'" in template or '"type"' in template or ".type" in template
 
 
+def special_token_strings(tokenizer: Any) -> list[str]:
+    """The text of every special token of `tokenizer` (control tokens of the chat template)."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            found.add(str(tok.content))
+    return sorted(t for t in found if t)
+
+
 def _messages(
-    system_prompt: str | None, parts: Sequence[PromptPart], typed: bool = True
+    system_prompt: str | None,
+    parts: Sequence[PromptPart],
+    typed: bool = True,
+    escape: bool = False,
 ) -> list[dict[str, Any]]:
     turns: list[tuple[str, list[dict[str, Any]]]] = [("user", [])]
     for part in parts:
@@ -68,9 +85,12 @@ def _messages(
         elif isinstance(part, DocumentRef):
             content.append({"type": "text", "text": _DOCUMENT_MARK})
         elif isinstance(part, str):
-            if _DOCUMENT_MARK in part:
-                raise InvalidRequestError("prompt text contains a reserved character (U+E000)")
-            content.append({"type": "text", "text": part})
+            if any(c in part for c in _RESERVED):
+                raise InvalidRequestError(
+                    "prompt text contains a reserved character (U+E000..U+E002)"
+                )
+            text = f"{_USER_OPEN}{part}{_USER_CLOSE}" if escape else part
+            content.append({"type": "text", "text": text})
         else:
             raise InvalidRequestError(f"prompt part of unknown type {type(part).__name__}")
     messages: list[dict[str, Any]] = []
@@ -95,9 +115,15 @@ def render_prompt_ids(
     `DOCUMENT_PLACEHOLDER` per document part.
 
     `tokenizer` may be an HF processor: its text tokenizer is used (the processor's own call
-    would expand image placeholders itself)."""
+    would expand image placeholders itself).
+
+    User text that spells one of the tokenizer's special tokens (`<|im_start|>system`, `<image>`)
+    is tokenized on its own with `split_special_tokens=True`: it stays text and can never act as
+    a control token of the template (other prompts tokenize exactly as before)."""
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    messages = _messages(system_prompt, parts, takes_typed_content(tokenizer))
+    specials = special_token_strings(tokenizer)
+    escape = any(isinstance(p, str) and any(s in p for s in specials) for p in parts)
+    messages = _messages(system_prompt, parts, takes_typed_content(tokenizer), escape)
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
@@ -106,7 +132,22 @@ def render_prompt_ids(
         if i:
             ids.append(DOCUMENT_PLACEHOLDER)
         if piece:
-            ids.extend(tokenizer(piece, add_special_tokens=i == 0)["input_ids"])
+            ids.extend(_tokenize(tokenizer, piece, i == 0))
+    return ids
+
+
+def _tokenize(tokenizer: Any, piece: str, first: bool) -> list[int]:
+    """Ids of one rendered piece: template text as usual, bracketed user text (odd segments
+    between `_USER_OPEN` / `_USER_CLOSE`) with special tokens split into plain text."""
+    if _USER_OPEN not in piece:
+        return list(tokenizer(piece, add_special_tokens=first)["input_ids"])
+    ids: list[int] = []
+    for j, seg in enumerate(re.split(f"[{_USER_OPEN}{_USER_CLOSE}]", piece)):
+        if not seg:
+            continue
+        user = j % 2 == 1
+        kwargs = {"split_special_tokens": True} if user else {}
+        ids.extend(tokenizer(seg, add_special_tokens=first and not ids, **kwargs)["input_ids"])
     return ids
 
 
