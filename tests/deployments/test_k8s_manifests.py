@@ -354,3 +354,13 @@ def _bound_names(app) -> set[str]:
             a for a in [*rc.init_args, *rc.init_kwargs.values()] if hasattr(a, "_bound_deployment")
         )
     return seen
+
+
+def test_embedded_default_serves_with_vllm_and_routes_by_cache() -> None:
+    """`mpic serve` / `./run demo` without a config: the vLLM worker, cache-aware routing; the
+    shipped local YAML keeps the reference runner as a config choice."""
+    from mpic.deployments.config import load_config
+
+    default = load_config(None)
+    assert default.engine.kind == "vllm" and default.llm_router == "cache-aware"
+    assert load_config(ROOT / "deployments" / "serve_config.yaml").engine.kind == "reference"
