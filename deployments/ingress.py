@@ -33,7 +33,12 @@ from mpic.deployments.http_errors import (
     install_error_handlers,
     status_of,
 )
-from mpic.deployments.limits import RequestGuard, check_chat_shape, configure_guard
+from mpic.deployments.limits import (
+    RequestGuard,
+    check_chat_shape,
+    configure_guard,
+    install_openapi_errors,
+)
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.metrics import ServeMetrics, gather_cluster_metrics
 from mpic.deployments.schemas import (
@@ -45,6 +50,7 @@ from mpic.deployments.schemas import (
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
+    ErrorBody,
     FileDeleted,
     FileExpiryUpdate,
     FileList,
@@ -66,6 +72,7 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="MPIC serve", version="0.1.0")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)  # auth + body limits from the headers, before any body read
+install_openapi_errors(app, ErrorBody)  # the real error answers, no 422
 
 _METRICS: list[ServeMetrics] = []
 
