@@ -78,6 +78,7 @@ def command(
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         url = start_local(cfg, port=port, host=host, address=address, overrides=overrides)
+        signal.signal(signal.SIGTERM, _terminate)  # ray.init installs its own (it aborts)
         typer.echo(
             f"MPIC serve ready at {url} (auth mode: {cfg.auth.mode}); Ctrl-C or SIGTERM stops it"
         )

@@ -86,19 +86,21 @@ def _metrics() -> ServeMetrics:
     return _METRICS[0]
 
 
-def _request_id(header: str | None) -> str:
-    """Serve's request id (from `X-Request-ID` when sent), else the header, else a new one."""
+def _serve_request_id() -> str:
+    """Serve's request id of the current request ("" outside a Serve replica)."""
     try:
-        rid = serve.context._get_serve_request_context().request_id
+        return serve.context._get_serve_request_context().request_id
     except Exception:  # noqa: BLE001 - outside a Serve replica (in-process tests)
-        rid = ""
-    return rid or header or uuid.uuid4().hex
+        return ""
 
 
 @app.middleware("http")
 async def _count(request: Request, call_next):
-    """Count every request by route template and outcome; echo the request id."""
-    rid = _request_id(request.headers.get("x-request-id"))
+    """Count every request by route template and outcome. The request id is Serve's (its proxy
+    takes `X-Request-ID` when sent and echoes it); outside Serve this middleware does both."""
+    rid = _serve_request_id()
+    served = bool(rid)
+    rid = rid or request.headers.get("x-request-id") or uuid.uuid4().hex
     request.state.request_id = rid
     try:
         response = await call_next(request)
@@ -107,7 +109,8 @@ async def _count(request: Request, call_next):
         raise
     outcome = "ok" if response.status_code < 400 else str(response.status_code)
     _metrics().request(_route(request), outcome)
-    response.headers["x-request-id"] = rid
+    if not served:
+        response.headers["x-request-id"] = rid
     return response
 
 

@@ -35,7 +35,8 @@ _ENV_PASSED = (
 def prepare_local(cfg: ServeAppConfig, make_model: bool = True) -> ServeAppConfig:
     """A copy of `cfg` with absolute model and store paths; writes the small default model."""
     model = Path(cfg.engine.model).expanduser().resolve()
-    if make_model and not (model / "config.json").is_file():
+    builtin = cfg.engine.kind in ("reference", "vllm")  # the fake or a custom engine: no model
+    if make_model and builtin and not (model / "config.json").is_file():
         from mpic.engine.tiny.models import make_tiny
 
         logger.warning("writing the small random %s model to %s", cfg.engine.family, model)
