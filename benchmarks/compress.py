@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from mpic.benchmarks.offline import kl_divergence
 from mpic.samples import interleaved_prompt, synthetic_png
 
 if TYPE_CHECKING:
@@ -62,13 +63,7 @@ ROW_KEYS = (
 
 def kl_steps(ref: list[torch.Tensor], got: list[torch.Tensor]) -> list[float]:
     """KL(p_ref || p) per step (nats) of two lists of logits [V]."""
-    import torch
-
-    out = []
-    for r, g in zip(ref, got, strict=False):
-        lr, lg = torch.log_softmax(r.double(), -1), torch.log_softmax(g.double(), -1)
-        out.append(max(0.0, float((lr.exp() * (lr - lg)).sum())))
-    return out
+    return [kl_divergence(r, g) for r, g in zip(ref, got, strict=False)]
 
 
 def _run(
