@@ -1,9 +1,17 @@
 """`mpic bench load` (CLI process): a bounded loopback load run against the HTTP API.
 
-C concurrent clients (asyncio + httpx) each loop for `duration` seconds: one streaming chat
-completion that links the same cached files in a client-specific interleaved prompt. Reports
-TTFT p50/p99 (first SSE content chunk), output tokens/s over the run, request rate and errors;
-prints a table, writes JSON and a PNG plot (TTFT over time and its distribution).
+Closed loop (default): C concurrent clients (asyncio + httpx) each loop for `duration` seconds:
+one streaming chat completion that links the same cached files in a client-specific interleaved
+prompt. Open loop (`--rate R`): requests arrive as a Poisson process of R per second whatever the
+server does (each arrival its own task), the way overload really comes.
+
+Every answer is admitted (200), rejected (429/503 with `Retry-After`: the admission control) or an
+error. Reports admitted / rejected / errors, TTFT p50/p99 of the admitted (first SSE content
+chunk), output tokens/s, and the RSS of every Serve deployment's replica processes over the run
+(sampled each second from the local processes Ray names `ServeReplica:<app>:<Deployment>`).
+`--abandon N` first opens N streams, drops each after its first chunk, and times the next small
+request (cancellation). Prints a table, writes JSON and a PNG (TTFT over time, its distribution,
+RSS per deployment over time).
 """
 
 from __future__ import annotations
@@ -12,7 +20,11 @@ import asyncio
 import io
 import json
 import logging
+import random
+import re
+import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +53,20 @@ class LoadResult:
     error_samples: list[str] = field(default_factory=list)
     samples: list[tuple[float, float]] = field(default_factory=list)
     """(start offset s, TTFT s) of every successful request."""
+    mode: str = "closed"
+    rate: float | None = None
+    """Open loop: arrivals per second (Poisson)."""
+    sent: int = 0
+    rejected: int = 0
+    """Answers 429/503 (admission control), each with Retry-After."""
+    rejected_by_status: dict[str, int] = field(default_factory=dict)
+    rejected_without_retry_after: int = 0
+    rejected_latency_p99_s: float = 0.0
+    rss_mb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    """Deployment -> (offset s, summed RSS MB of its local replica processes)."""
+    abandoned: int = 0
+    after_abandon_s: float | None = None
+    """Seconds until a small request was served after `abandoned` dropped streams."""
 
 
 def make_png(seed: int, side: int = 32) -> bytes:
@@ -65,6 +91,131 @@ def upload_images(url: str, key: str, n: int) -> list[str]:
     return ids
 
 
+class _Rejected(Exception):
+    def __init__(self, status: int, retry_after: str | None) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.retry_after = status, retry_after
+
+
+async def _one(
+    http: httpx.AsyncClient, body: dict, t_start: float, out: LoadResult, rejected_lat: list
+) -> None:
+    """One streaming request, classified as admitted, rejected (429/503) or an error."""
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    out.sent += 1
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code in (429, 503):
+                await resp.aread()
+                raise _Rejected(resp.status_code, resp.headers.get("retry-after"))
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                chunk = sse_chunk(line)
+                if chunk is None:
+                    continue
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error'].get('code')}")
+                if (
+                    ttft is None
+                    and chunk["choices"]
+                    and chunk["choices"][0]["delta"].get("content")
+                ):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        if ttft is None:
+            raise RuntimeError("stream ended without content")
+        out.requests += 1
+        out.output_tokens += tokens
+        out.samples.append((t0 - t_start, ttft))
+    except _Rejected as rej:
+        out.rejected += 1
+        key = str(rej.status)
+        out.rejected_by_status[key] = out.rejected_by_status.get(key, 0) + 1
+        out.rejected_without_retry_after += rej.retry_after is None
+        rejected_lat.append(time.perf_counter() - t0)
+    except (httpx.HTTPError, RuntimeError, json.JSONDecodeError, KeyError) as exc:
+        out.errors += 1
+        if len(out.error_samples) < 5:
+            out.error_samples.append(f"{type(exc).__name__}: {exc}")
+
+
+def _body(cid: int, turn: int, file_ids: list[str], policy: str, max_tokens: int) -> dict:
+    content = [{"type": "text", "text": f"client {cid} turn {turn}: compare"}]
+    for fid in file_ids:
+        content += [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "and"}]
+    return streaming_chat_body(content, policy, max_tokens)
+
+
+_REPLICA = re.compile(r"ServeReplica:[^:\s]+:(\w+)")
+
+
+def sample_rss() -> dict[str, float]:
+    """Summed RSS (MB) of the local Serve replica processes, by deployment."""
+    import psutil
+
+    out: Counter[str] = Counter()
+    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        try:
+            title = " ".join(proc.info["cmdline"] or [])
+            m = _REPLICA.search(title)
+            if m and proc.info["memory_info"] is not None:
+                out[m.group(1)] += proc.info["memory_info"].rss / 2**20
+        except (psutil.Error, TypeError):
+            continue
+    return dict(out)
+
+
+class RssSampler:
+    """Samples `sample_rss` every `period_s` on a thread into `out.rss_mb`."""
+
+    def __init__(self, out: LoadResult, t_start: float, period_s: float = 1.0) -> None:
+        self.out, self.t_start, self.period = out, t_start, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.perf_counter() - self.t_start
+            for dep, mb in sample_rss().items():
+                self.out.rss_mb.setdefault(dep, []).append((round(t, 2), round(mb, 1)))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+async def abandon_probe(
+    http: httpx.AsyncClient, file_ids: list[str], policy: str, n: int, max_tokens: int
+) -> float:
+    """Open `n` long streams, drop each after its first chunk (a client disconnect), then time a
+    small request until its first content chunk."""
+
+    async def drop(i: int) -> None:
+        body = _body(10_000 + i, 0, file_ids, policy, max_tokens)
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if sse_chunk(line) is not None:
+                    break  # leaving the block closes the connection mid-stream
+
+    await asyncio.gather(*(drop(i) for i in range(n)))
+    t0 = time.perf_counter()
+    body = _body(20_000, 0, [], policy, 2)
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async for line in resp.aiter_lines():
+            chunk = sse_chunk(line)
+            if chunk and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                break
+    return time.perf_counter() - t0
+
+
 async def _client(
     cid: int,
     http: httpx.AsyncClient,
@@ -74,41 +225,15 @@ async def _client(
     t_start: float,
     t_end: float,
     out: LoadResult,
+    rejected_lat: list,
 ) -> None:
     turn = 0
     while time.perf_counter() < t_end:
         turn += 1
-        content = [{"type": "text", "text": f"client {cid} turn {turn}: compare"}]
-        for fid in file_ids:
-            content += [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "and"}]
-        body = streaming_chat_body(content, policy, max_tokens)
-        t0 = time.perf_counter()
-        ttft, tokens = None, 0
-        try:
-            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-                async for line in resp.aiter_lines():
-                    chunk = sse_chunk(line)
-                    if chunk is None:
-                        continue
-                    if (
-                        ttft is None
-                        and chunk["choices"]
-                        and chunk["choices"][0]["delta"].get("content")
-                    ):
-                        ttft = time.perf_counter() - t0
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-            if ttft is None:
-                raise RuntimeError("stream ended without content")
-            out.requests += 1
-            out.output_tokens += tokens
-            out.samples.append((t0 - t_start, ttft))
-        except (httpx.HTTPError, RuntimeError, json.JSONDecodeError, KeyError) as exc:
-            out.errors += 1
-            if len(out.error_samples) < 5:
-                out.error_samples.append(f"{type(exc).__name__}: {exc}")
+        before = out.rejected
+        await _one(http, _body(cid, turn, file_ids, policy, max_tokens), t_start, out, rejected_lat)
+        if out.rejected > before:
+            await asyncio.sleep(0.2)  # a rejected closed-loop client backs off briefly
 
 
 async def run_load_async(
@@ -119,22 +244,47 @@ async def run_load_async(
     duration_s: float,
     policy: str = "mpic-32",
     max_tokens: int = 8,
+    rate: float | None = None,
+    abandon: int = 0,
+    seed: int = 0,
 ) -> LoadResult:
-    """Run `clients` concurrent streaming clients for `duration_s` against `url`."""
+    """Run `clients` closed-loop clients, or open-loop Poisson arrivals at `rate`/s, for
+    `duration_s` against `url` (after the `abandon` probe when asked)."""
     out = LoadResult(clients, duration_s, 0, 0, 0.0, 0.0, 0, 0.0, 0.0)
-    limits = httpx.Limits(max_connections=clients + 4)
+    out.mode, out.rate = ("open", rate) if rate else ("closed", None)
+    conns = clients + abandon + 4 if not rate else max(64, int(rate * 30))
+    limits = httpx.Limits(max_connections=conns)
+    rejected_lat: list[float] = []
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120, limits=limits
     ) as http:
+        if abandon:
+            out.abandoned = abandon
+            out.after_abandon_s = await abandon_probe(http, file_ids, policy, abandon, 256)
         t_start = time.perf_counter()
         t_end = t_start + duration_s
-        await asyncio.gather(
-            *[
-                _client(i, http, file_ids, policy, max_tokens, t_start, t_end, out)
-                for i in range(clients)
-            ]
-        )
+        with RssSampler(out, t_start):
+            if rate:
+                rng, tasks, n = random.Random(seed), [], 0
+                next_t = t_start
+                while (next_t := next_t + rng.expovariate(rate)) < t_end:
+                    await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
+                    n += 1
+                    body = _body(n, 0, file_ids, policy, max_tokens)
+                    tasks.append(asyncio.create_task(_one(http, body, t_start, out, rejected_lat)))
+                await asyncio.gather(*tasks)
+            else:
+                await asyncio.gather(
+                    *[
+                        _client(
+                            i, http, file_ids, policy, max_tokens, t_start, t_end, out, rejected_lat
+                        )
+                        for i in range(clients)
+                    ]
+                )
         elapsed = time.perf_counter() - t_start
+    if rejected_lat:
+        out.rejected_latency_p99_s = float(np.percentile(rejected_lat, 99))
     ttfts = np.array([s[1] for s in out.samples]) if out.samples else np.zeros(1)
     out.duration_s = elapsed
     out.ttft_p50_s = float(np.percentile(ttfts, 50))
@@ -149,11 +299,24 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"load: {res.clients} clients, {res.duration_s:.1f} s")
-    for col in ["requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "req/s"]:
+    who = f"{res.rate:g} req/s Poisson" if res.rate else f"{res.clients} clients"
+    table = Table(title=f"load: {who}, {res.duration_s:.1f} s")
+    cols = [
+        "sent",
+        "admitted",
+        "rejected",
+        "errors",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "out tok/s",
+        "req/s",
+    ]
+    for col in cols:
         table.add_column(col, justify="right")
     table.add_row(
+        str(res.sent),
         str(res.requests),
+        f"{res.rejected} {res.rejected_by_status}" if res.rejected else "0",
         str(res.errors),
         f"{res.ttft_p50_s * 1e3:.1f}",
         f"{res.ttft_p99_s * 1e3:.1f}",
@@ -161,6 +324,19 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         f"{res.requests_per_s:.2f}",
     )
     Console().print(table)
+    if res.rss_mb:
+        rss = Table(title="RSS per deployment (MB): first / max / last")
+        for col in ["deployment", "first", "max", "last"]:
+            rss.add_column(col, justify="right")
+        for dep, series in sorted(res.rss_mb.items()):
+            mb = [v for _, v in series]
+            rss.add_row(dep, f"{mb[0]:.0f}", f"{max(mb):.0f}", f"{mb[-1]:.0f}")
+        Console().print(rss)
+    if res.abandoned:
+        Console().print(
+            f"after {res.abandoned} abandoned streams the next request's first token came in "
+            f"{res.after_abandon_s:.2f} s"
+        )
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(asdict(res), indent=1))
@@ -171,7 +347,7 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         import matplotlib.pyplot as plt
 
         t, ttft = np.array(res.samples).T
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+        fig, (a, b, m) = plt.subplots(1, 3, figsize=(15, 3.5))
         a.scatter(t, ttft * 1e3, s=4)
         a.set(xlabel="request start (s)", ylabel="TTFT (ms)", title="TTFT over the run")
         b.hist(ttft * 1e3, bins=40)
@@ -180,6 +356,12 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
             ylabel="requests",
             title=f"p50 {res.ttft_p50_s * 1e3:.0f} ms, p99 {res.ttft_p99_s * 1e3:.0f} ms",
         )
+        for dep, series in sorted(res.rss_mb.items()):
+            ts, mb = np.array(series).T
+            m.plot(ts, mb, label=dep)
+        m.set(xlabel="time (s)", ylabel="RSS (MB)", title="replica memory")
+        if res.rss_mb:
+            m.legend(fontsize=7)
         fig.tight_layout()
         Path(plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(plot, dpi=120)
@@ -194,6 +376,12 @@ def command(
     images: int = typer.Option(2, "--images", min=0, max=16, help="Cached files per prompt."),
     policy: str = typer.Option("mpic-32", "--policy"),
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, max=512),
+    rate: float = typer.Option(
+        None, "--rate", min=0.01, max=10000, help="Open loop: Poisson arrivals per second."
+    ),
+    abandon: int = typer.Option(
+        0, "--abandon", min=0, max=256, help="First drop N streams mid-way; time the next one."
+    ),
     port: int = typer.Option(8000, "--port"),
     json_out: str = typer.Option("out/load.json", "--json"),
     plot: str = typer.Option("out/load.png", "--plot"),
@@ -201,7 +389,8 @@ def command(
         None, "--config", help="ServeAppConfig YAML of the started server (default: embedded)."
     ),
 ) -> None:
-    """16 concurrent streaming clients for 60 s (defaults): TTFT p50/p99, output tokens/s."""
+    """16 concurrent streaming clients for 60 s (defaults), or `--rate R` Poisson arrivals:
+    admitted / rejected (429/503), TTFT p50/p99 of the admitted, RSS per deployment."""
     from mpic.deployments.config import load_config
     from mpic.deployments.local import start_local, stop_local
 
@@ -210,7 +399,9 @@ def command(
         url = start_local(load_config(config), port=port, log_to_driver=False)
     try:
         file_ids = upload_images(url, key, images)
-        res = asyncio.run(run_load_async(url, key, file_ids, clients, duration, policy, max_tokens))
+        res = asyncio.run(
+            run_load_async(url, key, file_ids, clients, duration, policy, max_tokens, rate, abandon)
+        )
         write_outputs(res, json_out, plot)
     finally:
         if started:
