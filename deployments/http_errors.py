@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mpic.deployments.admission import as_backpressure
+from mpic.deployments.limits import public_message
 from mpic.deployments.schemas import ErrorBody, ErrorDetail
 from mpic.errors import MPICError, NotFoundError
 
@@ -55,7 +56,8 @@ def error_body(exc: BaseException) -> ErrorBody:
     """The OpenAI error body of any exception (untyped: a generic 500 message)."""
     exc = _unwrap(exc)
     if isinstance(exc, MPICError):
-        detail = ErrorDetail(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+        message, _ = public_message(exc)
+        detail = ErrorDetail(message=message, type=exc.type, param=exc.param, code=exc.code)
     else:
         detail = ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error")
     return ErrorBody(error=detail)
@@ -79,8 +81,10 @@ def error_response(
 
 def mpic_error_response(exc: MPICError) -> JSONResponse:
     """The response for a typed error (429/503 ones carry `Retry-After`)."""
-    retry = getattr(exc, "retry_after", None)
-    return error_response(exc.status, exc.message, exc.type, exc.code, exc.param, retry)
+    message, retry = public_message(exc)  # no internals; Retry-After on every 503
+    if exc.status >= 500:
+        logger.warning("answering %d: %s", exc.status, exc.message)
+    return error_response(exc.status, message, exc.type, exc.code, exc.param, retry)
 
 
 def validation_param(error: dict) -> str | None:

@@ -389,3 +389,28 @@ def test_disconnect_closes_engine_generator(fake_app) -> None:
     assert closed[-1] == 1  # the engine produced one token, then stopped
     assert took < 0.2
     assert worker.budget.stats()["requests_in_flight"] == 0
+
+
+def test_error_bodies_carry_no_internals(fake_app) -> None:
+    from mpic.storage.object_store import StoreUnavailableError
+
+    h = fake_app.headers("alice-key")
+    r = fake_app.client.post(
+        "/v1/files",
+        headers=h,
+        files={"file": ("x.png", b"not an image at all", "image/png")},
+        data={"purpose": "vision"},
+    )
+    err = _is_error(r, 415)
+    assert " at 0x" not in err["message"] and "BytesIO" not in err["message"]
+
+    async def unreachable(prompt):
+        raise StoreUnavailableError("S3 unreachable on 'mpic/entries/ab12': 10.1.2.3:9000 refused")
+        yield  # pragma: no cover
+
+    fake_app.worker.generate = unreachable
+    body = {"model": "mpic", "messages": [{"role": "user", "content": "hi"}]}
+    r = fake_app.client.post("/v1/chat/completions", headers=h, json=body)
+    err = _is_error(r, 503)
+    assert r.headers["retry-after"] == "5"
+    assert "10.1.2.3" not in err["message"] and "entries" not in err["message"]
