@@ -34,7 +34,8 @@ from mpic.deployments.limits import check_image_pixels
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.metrics import StoreMetricsExporter
 from mpic.deployments.schemas import FileObject
-from mpic.errors import MPICError
+from mpic.errors import InvalidRequestError, MPICError
+from mpic.linker.policies import get_policy
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.parallel_fetch import FetchError, fetch_entries
@@ -143,6 +144,15 @@ class LLMWorker:
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (400) for an unknown policy name."""
         self.engine.check_policy(policy)
+        spec = getattr(self.engine, "spec", None) or getattr(
+            getattr(self.engine, "runner", None), "spec", None
+        )
+        layer_ratios = getattr(get_policy(policy), "layer_ratios", None)
+        if spec is not None and layer_ratios is not None:
+            try:
+                layer_ratios(spec.num_layers)  # e.g. more vlcache ratios than the model's layers
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="mpic.policy") from None
 
     def record_routing_stats(self) -> dict[str, list[str]]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry

@@ -414,3 +414,22 @@ def test_error_bodies_carry_no_internals(fake_app) -> None:
     err = _is_error(r, 503)
     assert r.headers["retry-after"] == "5"
     assert "10.1.2.3" not in err["message"] and "entries" not in err["message"]
+
+
+def test_vlcache_ratios_longer_than_layers_400(fake_app) -> None:
+    from types import SimpleNamespace
+
+    fake_app.worker.engine.spec = SimpleNamespace(num_layers=2)  # as the real engines expose it
+    h = fake_app.headers("alice-key")
+
+    def chat(policy: str):
+        body = {
+            "model": "mpic",
+            "mpic": {"policy": policy},
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        return fake_app.client.post("/v1/chat/completions", headers=h, json=body)
+
+    err = _is_error(chat("vlcache-0.5:0.4:0.3"), 400)
+    assert err["param"] == "mpic.policy" and "2-layer" in err["message"]
+    assert chat("vlcache-0.5:0.4").status_code == 200
