@@ -1,0 +1,59 @@
+"""Cancellation on the REAL reference engine (issue 16), in-process: a stream abandoned after its
+first token stops the engine's decode thread within a step or two (the runner lock is free again,
+far fewer tokens decoded than asked) and releases the worker's budget."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from tests.deployments.conftest import ADMIN_KEY, KEYS
+from tests.deployments.inprocess import fake_config, in_process_app
+
+
+def test_abandoned_stream_stops_reference_decoding(tiny_llava_dir: Path, tmp_path: Path) -> None:
+    cfg = fake_config(tmp_path / "store", kind="reference", model=str(tiny_llava_dir))
+    with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
+        worker = app.worker
+        captured = {}
+        orig = worker.generate
+
+        async def capture(prompt):
+            captured["prompt"] = prompt
+            async for ev in orig(prompt):
+                yield ev
+
+        worker.generate = capture
+        body = {"model": "mpic", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        r = app.client.post("/v1/chat/completions", headers=app.headers("alice-key"), json=body)
+        assert r.status_code == 200, r.text
+        prompt = captured["prompt"]
+        prompt.max_tokens = 400
+        lock = worker.engine._lock
+        decoded = []
+        real_stream = worker.engine.runner.stream
+
+        def counting(*a, **k):
+            for item in real_stream(*a, **k):
+                decoded.append(1)
+                yield item
+
+        worker.engine.runner.stream = counting
+
+        async def abandon() -> float:
+            gen = orig(prompt)
+            await anext(gen)
+            await gen.aclose()
+            t0 = time.perf_counter()
+            while not lock.acquire(blocking=False):
+                await asyncio.sleep(0.01)
+                assert time.perf_counter() - t0 < 10, "decoding did not stop"
+            lock.release()
+            return time.perf_counter() - t0
+
+        freed_after = asyncio.run(abandon())
+        time.sleep(0.3)
+        assert len(decoded) < 20, len(decoded)  # of 400 asked
+        assert worker.budget.stats()["requests_in_flight"] == 0
+        print(f"runner free {freed_after * 1e3:.0f} ms after the abandon; {len(decoded)} tokens")
