@@ -164,7 +164,13 @@ def test_llm_workers_scale_up_under_load_and_down_when_idle(tiny_llava_dir, tmp_
     proc = subprocess.run(
         [sys.executable, "-m", "tests.deployments.test_routing", str(tiny_llava_dir), str(out)],
         cwd=root,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+        env={  # no configured keys: its dev-mode app keeps the dev keys (closed otherwise)
+            **{
+                k: v for k, v in os.environ.items() if k not in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS")
+            },
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(root),
+        },
         capture_output=True,
         text=True,
         timeout=800,
