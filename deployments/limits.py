@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from mpic.deployments.admission import EngineUnavailableError, as_backpressure
 from mpic.errors import InvalidRequestError, PayloadTooLargeError, PromptTooLongError
 
 PUBLIC_PATHS = ("/healthz", "/metrics", "/openapi.json", "/docs", "/redoc")
@@ -59,6 +60,14 @@ async def _send_json(send, status: int, body: bytes, extra: Iterable[tuple[bytes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": [*headers, *extra]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _plain_503(start: dict) -> bool:
+    """A 503 whose body is not our JSON (Ray Serve answers its queue bound in plain text)."""
+    if start.get("status") != 503:
+        return False
+    types = [v for k, v in start.get("headers", []) if k.lower() == b"content-type"]
+    return not any(b"json" in v for v in types)
 
 
 class _TooLarge(Exception):
@@ -110,10 +119,24 @@ class RequestGuard:
                     raise _TooLarge
             return message
 
+        rewrite = False
+
         async def guarded_send(message):
-            nonlocal started
+            nonlocal started, rewrite
             if over:
                 return  # the app's own answer to the cut body is replaced by our 413
+            if message["type"] == "http.response.start" and _plain_503(message):
+                rewrite = True  # Serve's own back-pressure answer (plain text, no Retry-After)
+            if rewrite:
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    busy = EngineUnavailableError(
+                        "the service is at capacity (request queue full); retry later",
+                        retry_after=1,
+                    )
+                    status, body = _body(busy.status, busy.message, busy.type, busy.code)
+                    await _send_json(send, status, body, [(b"retry-after", b"1")])
+                started = True
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
@@ -121,9 +144,15 @@ class RequestGuard:
             await self.app(scope, counted_receive, guarded_send)
         except _TooLarge:
             pass
-        except Exception:
-            if not over:
+        except Exception as exc:
+            if over:
+                pass
+            elif started or (busy := as_backpressure(exc)) is None:
                 raise
+            else:  # Serve's queue bound, answered here so Serve's plain-text 503 never shows
+                status, body = _body(busy.status, busy.message, busy.type, busy.code)
+                retry = [(b"retry-after", str(busy.retry_after).encode())]
+                return await _send_json(send, status, body, retry)
         if over and not started:
             await _send_json(send, *_too_large(what, limit))
 

@@ -433,3 +433,63 @@ def test_vlcache_ratios_longer_than_layers_400(fake_app) -> None:
     err = _is_error(chat("vlcache-0.5:0.4:0.3"), 400)
     assert err["param"] == "mpic.policy" and "2-layer" in err["message"]
     assert chat("vlcache-0.5:0.4").status_code == 200
+
+
+class BackPressureError(RuntimeError):
+    """Named like Ray Serve's queue-full error (a deployment past max_queued_requests)."""
+
+
+def test_serve_backpressure_is_503_json_with_retry_after(fake_app) -> None:
+    async def full(*_a, **_k):
+        raise BackPressureError("Request dropped due to backpressure (num_queued_requests=64)")
+
+    fake_app.ingress.resolver = LocalHandle(type("R", (), {"resolve": staticmethod(full)})())
+    body = {"model": "mpic", "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        r = fake_app.client.post(
+            "/v1/chat/completions",
+            headers=fake_app.headers("alice-key"),
+            json={**body, "stream": stream},
+        )
+        err = _is_error(r, 503, "engine_unavailable")
+        assert r.headers["retry-after"] == "1" and "num_queued" not in err["message"]
+
+
+def test_serve_plain_text_503_becomes_json() -> None:
+    """Ray Serve answers its queue bound itself (a handler it adds to the app: plain text, no
+    Retry-After); the guard turns that answer into the OpenAI-style 503 with Retry-After."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from mpic.deployments.limits import GUARD, RequestGuard
+
+    async def dropped(_request):
+        return PlainTextResponse("Request dropped due to backpressure", status_code=503)
+
+    app = RequestGuard(Starlette(routes=[Route("/v1/chat/completions", dropped, methods=["POST"])]))
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [],
+        "query_string": b"",
+        "root_path": "",
+    }
+    saved, GUARD.keys = GUARD.keys, None
+    try:
+        asyncio.run(app(scope, receive, send))
+    finally:
+        GUARD.keys = saved
+    assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    import json as _json
+
+    assert _json.loads(sent[1]["body"])["error"]["code"] == "engine_unavailable"
