@@ -249,13 +249,36 @@ def test_sse_stream_and_metrics(serve_app: ServeApp) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     assert sum(1 for c in chunks if c["choices"] and "content" in c["choices"][0]["delta"]) == 4
     assert httpx.get(f"{serve_app.url}/healthz").json() == {"status": "ok"}
-    text = httpx.get(f"{serve_app.url}/metrics").text
-    for series in [
-        "mpic_ttft_seconds_count",
-        "mpic_output_tokens_per_second_count",
-        'mpic_cache_hits_total{tier="memory"}',
-        "mpic_fallbacks_total",
-        'mpic_replicas{deployment="LLMWorker"}',
-        "mpic_cached_tokens_total",
-    ]:
-        assert series in text, series
+    # Ray's metrics agents export every few seconds: poll until this request's series arrive.
+    deadline = time.monotonic() + 60
+    while True:
+        samples = _metric_samples(httpx.get(f"{serve_app.url}/metrics", timeout=30).text)
+        missing = [
+            name
+            for name, labels in [
+                ("ray_mpic_ttft_seconds_count", {"policy": "mpic"}),
+                ("ray_mpic_inter_token_seconds_count", {"policy": "mpic"}),
+                ("ray_mpic_store_hits_total", {"tier": "memory"}),
+                ("ray_mpic_cached_tokens_total", {}),
+                ("ray_mpic_output_tokens_total", {}),
+                ("ray_mpic_requests_total", {"outcome": "ok"}),
+            ]
+            if not any(
+                n == name and v > 0 and labels.items() <= lab.items() for n, lab, v in samples
+            )
+        ]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not missing, missing
+
+
+def _metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
