@@ -159,7 +159,6 @@ def vllm_kill_url(serve_app: ServeApp, tiny_llava_dir: Path, tmp_path_factory) -
         serve.delete(cfg.name)
 
 
-@pytest.mark.skip(reason="not yet run green: vLLM engine-core kill recovery unverified (issue 16 note)")
 def test_vllm_engine_process_killed(vllm_kill_url: str, serve_app: ServeApp) -> None:
     import psutil
 
