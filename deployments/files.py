@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from mpic.deployments.schemas import FileList, FileObject
 from mpic.errors import ExpiredError, InvalidRequestError, UnreadableMediaError
 from mpic.storage.config import StorageConfig
-from mpic.storage.entry_store import EntryStore
+from mpic.storage.factory import make_object_store
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.static_library import FileRecord, StaticLibrary, SweepReport
+
+if TYPE_CHECKING:
+    from mpic.storage.entry_store import EntryStore
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +42,8 @@ class FileLostError(ExpiredError):
 def open_library(cfg: StorageConfig, entries: EntryStore | None = None) -> StaticLibrary:
     """A StaticLibrary over the configured store; catalog-only replicas pass no EntryStore
     (they never write entries, so no memory tier is kept for them)."""
-    if entries is None:
-        entries = EntryStore.from_config(
-            cfg.model_copy(update={"memory_bytes": 0, "disk_cache_dir": None})
-        )
     return StaticLibrary(
-        entries.objects,
+        entries.objects if entries is not None else make_object_store(cfg),
         entries,
         default_ttl_s=cfg.file_ttl_s,
         max_ttl_s=cfg.max_file_ttl_s,

@@ -23,6 +23,7 @@ from mpic.storage.config import StorageConfig
 from mpic.storage.disk_tier import DiskTier
 from mpic.storage.entry_codec import encode, read_entry
 from mpic.storage.factory import make_object_store
+from mpic.storage.keys import ENTRY_PREFIX, entry_object_key
 from mpic.storage.memory_tier import MemoryTier
 from mpic.storage.metrics import StoreMetrics
 from mpic.storage.object_store import ObjectNotFoundError, ObjectStore
@@ -31,12 +32,7 @@ from mpic.types import CacheEntry
 log = logging.getLogger(__name__)
 
 Tier = Literal["memory", "disk", "object"]
-ENTRY_PREFIX = "entries/"
-
-
-def entry_object_key(key: str) -> str:
-    """Object-store key of an entry blob."""
-    return ENTRY_PREFIX + key
+__all__ = ["ENTRY_PREFIX", "EntryStore", "entry_object_key"]
 
 
 class EntryStore:

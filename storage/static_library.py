@@ -24,15 +24,18 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mpic.errors import ExpiredError, InvalidRequestError, NotFoundError
 from mpic.storage import refs
-from mpic.storage.entry_store import ENTRY_PREFIX, EntryStore, entry_object_key
+from mpic.storage.keys import ENTRY_PREFIX, entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError, ObjectStore
-from mpic.types import CacheEntry
+
+if TYPE_CHECKING:  # torch-free at run time: the ingress opens a catalog-only library
+    from mpic.storage.entry_store import EntryStore
+    from mpic.types import CacheEntry
 
 _FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{24}$")
 
@@ -77,12 +80,12 @@ def media_key(content_hash: str) -> str:
 
 class StaticLibrary:
     """Per-user uploaded files: add, get, resolve (link), list, update expiry, media, delete,
-    sweep."""
+    sweep. `entries` None: a catalog-only library (no KV tiers, never adds files; the ingress)."""
 
     def __init__(
         self,
         objects: ObjectStore,
-        entries: EntryStore,
+        entries: EntryStore | None,
         *,
         default_ttl_s: float = 86400,
         max_ttl_s: float = 30 * 86400,
@@ -137,6 +140,8 @@ class StaticLibrary:
             created_at=now,
             expires_at=now + ttl,
         )
+        if self.entries is None:
+            raise RuntimeError("a catalog-only StaticLibrary (entries=None) cannot add files")
         self.objects.put(rec.media_key, media)
         if not entry_stored:
             self.entries.put(entry)
@@ -199,7 +204,9 @@ class StaticLibrary:
         was lost: the KV cannot be loaded nor recomputed)."""
         if self.objects.exists(rec.media_key):
             return False
-        return self.entries.locate(rec.entry_key) is None
+        if self.entries is not None:
+            return self.entries.locate(rec.entry_key) is None
+        return not self.objects.exists(entry_object_key(rec.entry_key))
 
     def media(self, user: str, file_id: str) -> bytes:
         """The original media bytes of `user`'s live file (to recompute its KV)."""
@@ -257,7 +264,7 @@ class StaticLibrary:
                 continue
 
     def _delete_blob(self, blob_key: str) -> None:
-        if blob_key.startswith(ENTRY_PREFIX):
+        if blob_key.startswith(ENTRY_PREFIX) and self.entries is not None:
             self.entries.delete(blob_key[len(ENTRY_PREFIX) :])
         else:
             self.objects.delete(blob_key)

@@ -1,4 +1,5 @@
-"""The Serve seam: the messages between deployments and the HTTP schemas import without torch."""
+"""The Serve seam: the messages between deployments, the HTTP schemas and the ingress (with its
+catalog-only file library) import without torch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ def test_messages_and_http_schemas_are_torch_free() -> None:
         "import sys\n"
         "import mpic.deployments.messages, mpic.deployments.schemas, mpic.deployments.auth\n"
         "import mpic.deployments.http_errors, mpic.prompt_parts, mpic.retriever.spec\n"
+        "import mpic.deployments.ingress, mpic.deployments.files\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
