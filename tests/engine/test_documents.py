@@ -157,6 +157,43 @@ def test_all_document_tokens_recomputed_is_exact_when_moved(smollm2_runner, docs
     assert not torch.allclose(reused.logits, full.logits, atol=1e-2)  # moved: approximate
 
 
+def test_reuse_equals_an_independent_transformers_implementation(smollm2_runner, docs) -> None:
+    """mpic-0 (text recomputed with the cached document in view, document KV reused) equals the
+    same recipe written with transformers alone: the document's KV from the model's own forward
+    over its canonical context, keys rotated by the position shift with the model's own rotary
+    embedding, prepended by the exact prefix KV in a DynamicCache, the suffix run on top."""
+    from transformers import DynamicCache
+
+    run, (a, _) = smollm2_runner, docs
+    parts = ["A preface that moves the document elsewhere. Read:\n", DocumentRef(a.entry_id), "?"]
+    plan = run.plan(parts, "full").plan
+    ids, is_doc = plan.token_ids, plan.source_entry >= 0
+    s, t = int(is_doc.nonzero()[0]), int(is_doc.sum())
+    ctx = a.extra["context_token_ids"]
+    model = run.model
+    with torch.inference_mode():
+        canonical = model(torch.tensor([ctx + a.extra["token_ids"]]), use_cache=True)
+        prefix = model(ids[None, :s], use_cache=True).past_key_values
+        cos, sin = model.model.rotary_emb(torch.zeros(1), torch.tensor([[s - len(ctx)]]))
+
+        def rotated(k: torch.Tensor) -> torch.Tensor:  # [1, H, T, D], rotate-half RoPE
+            half = k.shape[-1] // 2
+            turned = torch.cat([-k[..., half:], k[..., :half]], -1)
+            return k * cos[:, None] + turned * sin[:, None]
+
+        cache = DynamicCache()
+        for layer in range(len(model.model.layers)):
+            dk = canonical.past_key_values.layers[layer].keys[:, :, len(ctx) :]
+            dv = canonical.past_key_values.layers[layer].values[:, :, len(ctx) :]
+            pk, pv = prefix.layers[layer].keys, prefix.layers[layer].values
+            cache.update(torch.cat([pk, rotated(dk)], 2), torch.cat([pv, dv], 2), layer)
+        position_ids = torch.arange(s + t, len(ids))[None]
+        expected = model(ids[None, s + t :], past_key_values=cache, position_ids=position_ids)
+    got = run.prefill(parts, "mpic-0").logits
+    assert torch.allclose(got, expected.logits[0, -1], atol=2e-4)
+    assert not torch.allclose(got, run.prefill(parts, "full").logits, atol=1e-2)
+
+
 def test_bad_document_references(smollm2_runner, docs) -> None:
     a, _ = docs
     with pytest.raises(InvalidRequestError, match="takes no images"):
