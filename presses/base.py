@@ -1,5 +1,6 @@
 """The press contract: compress one prompt's KV after the linked prefill, before decoding
-(reference-runner process; the vLLM worker's uniform variant uses `ScorerPress.uniform_keep`).
+(reference-runner process; the uniform-across-layers variant, `ScorerPress.uniform_keep`, also
+runs in the vLLM worker: `mpic.presses.entries`).
 
 The shape follows NVIDIA kvpress: a `BasePress` compresses one layer's K/V given what the
 prefill saw, a `ScorerPress` scores every prompt token and keeps the best. Here the prefill is
@@ -166,6 +167,24 @@ class ScorerPress(BasePress):
         idx = self.select(layer, keys, values, stats, keep, ctx)
         return gather_tokens(keys, idx), gather_tokens(values, idx)
 
+    def uniform_scores(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        stats: list[LayerStats],
+        ctx: PressContext,
+    ) -> torch.Tensor:
+        """The uniform-across-layers score of every prompt token: each layer's (and head's)
+        scores shifted to a minimum of 0, normalised to sum 1, then summed over layers and
+        heads. -> float32 [N] (CPU)."""
+        total = torch.zeros(ctx.num_tokens)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            s = self.score(layer, k, v, stats[layer], ctx).float().cpu()
+            s = s if s.dim() == 2 else s[None]
+            s = s - s.amin(-1, keepdim=True)
+            total += (s / s.sum(-1, keepdim=True).clamp_min(1e-30)).sum(0)
+        return total
+
     def uniform_keep(
         self,
         keys: list[torch.Tensor],
@@ -173,18 +192,19 @@ class ScorerPress(BasePress):
         stats: list[LayerStats],
         ctx: PressContext,
         budget: float,
+        span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """The uniform-across-layers variant: ONE kept token set for all layers and heads,
-        from the per-layer scores normalised to sum 1 and summed over layers and heads.
-        -> int64 [C] ascending (the engine drops the other tokens from every layer)."""
-        keep = keep_count(budget, ctx.num_tokens)
-        total = torch.zeros(ctx.num_tokens)
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            s = self.score(layer, k, v, stats[layer], ctx).float().cpu()
-            s = s if s.dim() == 2 else s[None]
-            s = s - s.amin(-1, keepdim=True)
-            total += (s / s.sum(-1, keepdim=True).clamp_min(1e-30)).sum(0)
-        return top_indices(total, keep, self.forced(ctx, keep))
+        """The uniform-across-layers variant: ONE kept token set for all layers and heads, the
+        best `uniform_scores` (the press's forced tokens first). span (a, b): choose only among
+        prompt tokens [a, b) (an item's tokens, `mpic.presses.entries`), keeping
+        C = max(1, round(b * (b - a))) of them; None: the whole prompt (C of N).
+        -> int64 [C] ascending, relative to `a` (the engine drops the other tokens from every
+        layer)."""
+        a, b = span if span is not None else (0, ctx.num_tokens)
+        keep = keep_count(budget, b - a)
+        total = self.uniform_scores(keys, values, stats, ctx)[a:b]
+        forced = self.forced(ctx, keep)
+        return top_indices(total, keep, None if forced is None else forced[a:b])
 
 
 def merge_into(

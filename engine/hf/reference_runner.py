@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from mpic.engine.hf.adapters import make_adapter
-from mpic.engine.hf.compress import PressRequest, compress_dense, observed, observer_for
+from mpic.engine.hf.compress import (
+    PressRequest,
+    compress_dense,
+    observed,
+    observer_for,
+    press_entry_dense,
+)
 from mpic.engine.hf.entries import cache_document, cache_image
 from mpic.engine.hf.loader import load_hf_model
 from mpic.linker.dense_kv import DenseLinkedKV
@@ -29,6 +35,8 @@ from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt, plan_prompt
 from mpic.linker.selective_prefill import run_layers
 from mpic.presses.cache import CompressedKV
+from mpic.presses.entries import press_entry_id
+from mpic.presses.registry import check_budget, get_press
 from mpic.types import CacheEntry, LinkPlan
 
 logger = logging.getLogger(__name__)
@@ -94,6 +102,27 @@ class ReferenceRunner:
     def add_entry(self, entry: CacheEntry) -> None:
         """Make an entry (e.g. read from storage) linkable."""
         self.entries[entry.entry_id] = entry
+
+    def press_entry(self, entry_id: str, press: str, budget: float) -> CacheEntry:
+        """The uniform-across-layers variant of `press` on a cached item: its compressed entry
+        (`mpic.presses.entries`, chosen from the item's canonical prefill), kept linkable beside
+        the full one; link it (its `entry_id`) instead of `entry_id` to shorten the prompt. Budget
+        1.0 gives the entry itself."""
+        get_press(press)  # ValueError for an unknown press, whatever the budget
+        if check_budget(budget) >= 1.0:  # nothing to compress: the entry itself
+            return self.entries[entry_id]
+        key = press_entry_id(entry_id, press, budget)
+        if key not in self.entries:
+            entry = press_entry_dense(
+                self.adapter,
+                self.spec,
+                self.entries[entry_id],
+                press,
+                budget,
+                self.attention_backend,
+            )
+            self.entries[key] = entry
+        return self.entries[key]
 
     def plan(
         self,

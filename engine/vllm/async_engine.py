@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
+from mpic.engine.vllm.presses import press_entry
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.types import CacheEntry
 
@@ -134,6 +135,16 @@ class AsyncVllmEngine(VllmFrontEnd):
         ids, mm, span, entry_id, extra = self._upload_form(media, system_prompt)
         self._call(self._run_entry(*self._entry_form(ids, mm, span, entry_id, extra)))
         return self.store.get(entry_id)
+
+    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
+        """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's
+        worker on first use, batched with requests in flight (blocks the calling thread;
+        `mpic.engine.vllm.presses`)."""
+
+        def run(prompt: dict, sampling: Any) -> None:
+            self._call(self._run_entry(prompt, sampling))
+
+        return press_entry(self, entry, press, budget, run)
 
     def close(self) -> None:
         """Stop vLLM's processes and the engine's loop."""

@@ -16,7 +16,9 @@ vLLM builds one instance per role, in different processes:
   text-first pass of two-step policies, rotated entry KV, one-pass selective prefill) over the
   prompt with vLLM's own modules (`VllmLayerAdapter`), writing every position's K/V into the
   request's paged blocks (`PagedLinkedKV`). vLLM's forward then computes token N-1 over those
-  blocks and decodes as usual (continuous batching).
+  blocks and decodes as usual (continuous batching). A request whose params also carry
+  `mpic_press` is an item's canonical prompt: its prefill is observed and the item's compressed
+  entry is written to the store (`mpic.engine.vllm.presses`).
 
 The worker reaches the model through `mpic.engine.vllm.plugin.current_runner()`.
 """
@@ -36,7 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context
 
+from mpic.engine.hf.compress import press_item_entry
 from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.adapter import VllmLayerAdapter
 from mpic.engine.vllm.paged_kv import PagedLinkedKV
@@ -226,13 +230,18 @@ class MPICConnector(KVConnectorBase_V1):
         num_layers = adapter.num_layers
         layers = [adapter.attention_layer(i) for i in range(num_layers)]
         mirror = None
-        if policy.layer_hook(plan, num_layers) is not None:  # reads linked keys (CacheBlend)
+        press = job.params.get(vllm_presses.KEY)  # a compression request (engine/vllm/presses)
+        if policy.layer_hook(plan, num_layers) is not None or press is not None:
+            # CacheBlend and the presses read linked keys
             shape = (num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
             mirror = torch.zeros(shape, dtype=adapter.dtype)
         caches = [self._kv_caches[layer.layer_name] for layer in layers]
         kv = PagedLinkedKV(layers, caches, job.block_ids, self._block_size, keys=mirror)
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
-        link_and_prefill(adapter, planned, kv)
+        if press is None:
+            link_and_prefill(adapter, planned, kv)
+        else:  # the item's canonical prefill, observed; its compressed entry -> the store
+            store.put(press_item_entry(adapter, planned, kv, press["press"], press["budget"]))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of requests whose entries could not be loaded this step (then cleared)."""

@@ -17,6 +17,7 @@ from mpic.engine.vllm.frontend import (
     engine_kwargs,
     prepare_environment,
 )
+from mpic.engine.vllm.presses import press_entry
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.types import CacheEntry
 
@@ -99,6 +100,15 @@ class VllmEngine(VllmFrontEnd):
         )
         self.llm.generate([prompt], [sampling], use_tqdm=False)
         return self.store.get(entry_id)
+
+    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
+        """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's
+        worker on first use and stored beside the full entry (`mpic.engine.vllm.presses`)."""
+
+        def run(prompt: dict, sampling: Any) -> None:
+            self.llm.generate([prompt], [sampling], use_tqdm=False)
+
+        return press_entry(self, entry, press, budget, run)
 
     def metric(self, name: str) -> float:
         """A vLLM counter/gauge summed over labels, e.g. "vllm:num_preemptions" (needs
