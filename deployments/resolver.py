@@ -73,7 +73,9 @@ class Resolver:
 
     def _press(self, opts: MPICOptions | None) -> tuple[str | None, float | None]:
         """The request's press and budget, else the server's defaults; a press other than at
-        budget 1.0 needs the reference engine (the vLLM path is planned, docs/presses.md)."""
+        budget 1.0 needs an engine that compresses: the reference engine (every press exactly)
+        or vLLM (the uniform variant on compressed image entries; its worker refuses M-RoPE
+        models with a 400, docs/presses.md)."""
         fields = opts.model_fields_set if opts is not None else set()
         press = opts.press if "press" in fields else self.cfg.default_press
         budget = opts.budget if "budget" in fields else None
@@ -81,10 +83,10 @@ class Resolver:
             budget = self.cfg.default_budget
         if press is None or budget >= 1.0:
             return None, None
-        if self.cfg.engine.kind != "reference":
+        if self.cfg.engine.kind not in ("reference", "vllm"):
             raise InvalidRequestError(
                 f"mpic.press: the {self.cfg.engine.kind} engine does not compress KV; serve "
-                "with the reference engine (engine.kind: reference)",
+                "with the reference or vllm engine (engine.kind)",
                 param="mpic.press",
             )
         return press, budget

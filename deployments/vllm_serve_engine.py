@@ -7,6 +7,8 @@ vLLM runs its own vision tower inside the request that computes an entry (the up
 (no vLLM is started for role "encoder") and the worker computes the entry from the bytes. A query
 is linked as in the reference runner (render -> plan -> policy depths) and submitted as a linked
 request whose KV the connector assembles from the shared entry store inside vLLM's worker.
+A request with a press (`mpic.press`/`mpic.budget`) links its images' compressed entries
+(`mpic.engine.vllm.presses`: the presses' uniform-across-layers variant, fewer tokens per image).
 
 No lock: every query is its own vLLM request, streamed token by token as vLLM decodes it, and
 vLLM's scheduler batches the requests in flight (continuous batching). A linked request whose
@@ -41,11 +43,13 @@ from mpic.deployments.prompting import (
     stored_linked_tokens,
 )
 from mpic.engine.hf.vision import load_image
+from mpic.engine.vllm.presses import check_press
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
 from mpic.linker.recipe import plan_prompt
 from mpic.model_spec import ModelSpec
+from mpic.prompt_parts import ImageRef, PromptPart
 from mpic.storage.config import StorageConfig
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.static_library import media_key
@@ -136,6 +140,8 @@ class VllmServeEngine(ServeEngine):
             return entry.entry_id
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        if prompt.press is not None:
+            parts = self._pressed(parts, table, media, prompt.press, prompt.budget)
         planned = plan_prompt(
             self.spec, self.processor, parts, table, prompt.policy, system, prompt.max_tokens
         )
@@ -149,6 +155,31 @@ class VllmServeEngine(ServeEngine):
             return exact_request(plan, self.spec.image_token_id, images)
 
         return plan, linked_request(plan, prompt.policy, self.spec, fallback=exact)
+
+    def _pressed(
+        self,
+        parts: list[PromptPart],
+        table: dict[str, CacheEntry],
+        media: dict[str, Callable[[], bytes]],
+        press: str,
+        budget: float | None,
+    ) -> list[PromptPart]:
+        """`parts` with every image linked as its compressed entry (the presses' uniform
+        variant, `mpic.engine.vllm.presses`: made by vLLM's worker on first use of (entry,
+        press, budget), then read from the store), so the prompt, vLLM's paged KV and decoding
+        shrink. 400 (`mpic.press`) for an M-RoPE model. Documents stay whole. The exact
+        fallback of a failed link is the uncompressed prompt with its images."""
+        check_press(self.spec, press, budget)
+        out: list[PromptPart] = []
+        for part in parts:
+            if isinstance(part, ImageRef):
+                entry = self.vllm.press_entry(table[part.entry_id], press, budget or 1.0)
+                table[entry.entry_id] = entry
+                if part.entry_id in media:
+                    media[entry.entry_id] = media[part.entry_id]
+                part = ImageRef(entry.entry_id)
+            out.append(part)
+        return out
 
     def _sampling(self, s: Sampling) -> dict[str, Any]:
         """vLLM SamplingParams keywords of a request's `Sampling` (vLLM samples natively;

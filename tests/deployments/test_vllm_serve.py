@@ -218,3 +218,32 @@ def test_lost_entries_still_get_the_exact_answer(vllm_url, serve_app, runner) ->
     assert got["mpic"]["fallbacks"] == 1 and got["mpic"]["tier_hits"] == {"memory": 1}
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert got["choices"][0]["message"]["content"] == _expected(runner, media[1:], texts, "full", 6)
+
+
+def test_press_on_vllm_worker_links_compressed_images(vllm_url, files, runner) -> None:
+    """`mpic.press` on the vLLM worker (issue 15 item 4): the images are linked as compressed
+    entries made by vLLM's worker; the answer equals the reference runner's same uniform
+    variant, and the prompt is shorter by (T - C) tokens per image."""
+    from mpic.linker.prompt import ImageRef
+    from mpic.presses.base import keep_count
+
+    media, ids = files
+    texts = ["first", "then", "why?"]
+    body = {
+        "model": "mpic",
+        "max_tokens": 6,
+        "mpic": {"policy": "mpic-4", "press": "elastic", "budget": 0.3},
+        "messages": [{"role": "user", "content": _content(texts, ids)}],
+    }
+    resp = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()
+    pressed = [runner.press_entry(runner.cache_image(m).entry_id, "elastic", 0.3) for m in media]
+    parts = [texts[0], ImageRef(pressed[0].entry_id), texts[1], ImageRef(pressed[1].entry_id)]
+    gen = runner.generate([*parts, texts[2]], "mpic-4", 6, stop_at_eos=False)
+    want = runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    assert got["choices"][0]["message"]["content"] == want
+    plain = _chat(vllm_url, _content(texts, ids), "mpic-4")
+    saved = 2 * (16 - keep_count(0.3, 16))
+    assert got["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] - saved
+    assert got["usage"]["prompt_tokens"] == gen.prefilled.plan.num_tokens
