@@ -86,7 +86,7 @@ class Resolver:
         if self.cfg.engine.kind not in ("reference", "vllm"):
             raise InvalidRequestError(
                 f"mpic.press: the {self.cfg.engine.kind} engine does not compress KV; serve "
-                "with the reference or vllm engine (engine.kind)",
+                "with the reference engine (engine.kind: reference) or vLLM (engine.kind: vllm)",
                 param="mpic.press",
             )
         return press, budget
