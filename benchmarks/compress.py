@@ -18,7 +18,9 @@ and is the reference. Per (press, budget), means over the prompts:
 - `token_agreement`: share of the `--steps` free-running greedy positions equal to the
   reference's.
 
-Budget 1.0 is the uncompressed run itself (presses do nothing at 1.0). Writes a table, JSON
+`--engine vllm` runs the presses' uniform variant as compressed image entries on vLLM
+(`mpic.benchmarks.compress_vllm`, whose docstring defines its columns). Budget 1.0 is the
+uncompressed run itself (presses do nothing at 1.0). Writes a table, JSON
 `{"engine", "model", "results": [...]}` and a PNG. docs/presses.md has measured results.
 """
 
@@ -236,9 +238,40 @@ def build_prompts(
     return prompts
 
 
+def _run_vllm(
+    model: str,
+    prompts: int,
+    count: int,
+    policy: str,
+    names: list[str],
+    budgets: list[float],
+    steps: int,
+) -> list[dict[str, Any]]:
+    """The rows on vLLM: the presses' uniform variant as compressed image entries
+    (`mpic.benchmarks.compress_vllm`); exit 2 for a model whose images vLLM cannot shorten."""
+    from mpic.benchmarks.compress_vllm import VllmCompressBench, run_compress_vllm
+    from mpic.engine.vllm.presses import check_press
+    from mpic.errors import InvalidRequestError
+    from mpic.model_spec import ModelSpec
+
+    try:
+        check_press(ModelSpec.from_pretrained(model), names[0], 0.5)
+    except InvalidRequestError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    bench = VllmCompressBench(model)
+    try:
+        return run_compress_vllm(bench, bench.prompts(prompts, count), policy, names, budgets,
+                                 steps)  # fmt: skip
+    finally:
+        bench.close()
+
+
 def command(
     model: str = typer.Option(..., "--model", help="HF model folder."),
-    engine: str = typer.Option("reference", "--engine", help="reference (vllm: see docs)."),
+    engine: str = typer.Option(
+        "reference", "--engine", help="reference (every press exactly) | vllm (uniform variant)."
+    ),
     presses: str = typer.Option(DEFAULT_PRESSES, "--presses", help="Press names, comma-separated."),
     budgets: str = typer.Option(DEFAULT_BUDGETS, "--budgets", help="Budgets in (0, 1]."),
     policy: str = typer.Option("mpic-32", "--policy", help="Linking policy (docs/linker.md)."),
@@ -263,13 +296,14 @@ def command(
             get_press(n)
         bs = sorted({check_budget(float(b)) for b in budgets.split(",") if b.strip()}, reverse=True)
         get_policy(policy)
-        if engine != "reference":
-            raise ValueError(
-                f"--engine {engine!r}: presses run on the reference engine only so far "
-                "(docs/presses.md, vLLM plan)"
-            )
+        if engine not in ("reference", "vllm"):
+            raise ValueError(f"--engine {engine!r}: reference or vllm")
         if items not in ("images", "documents"):
             raise ValueError("--items must be images or documents")
+        if engine == "vllm" and items != "images":
+            raise ValueError(
+                "--engine vllm compresses cached images only (docs/presses.md, vLLM path)"
+            )
         if not names or not bs:
             raise ValueError("--presses and --budgets must not be empty")
         if not Path(model, "config.json").is_file():
@@ -277,14 +311,17 @@ def command(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
-    from mpic.engine.hf.reference_runner import ReferenceRunner
-
     torch.set_grad_enabled(False)
     if threads:
         torch.set_num_threads(threads)
-    runner = ReferenceRunner(model, device=device)
-    rows = run_compress(runner, build_prompts(runner, items, prompts, count), policy, names, bs,
-                        steps)  # fmt: skip
+    if engine == "vllm":
+        rows = _run_vllm(model, prompts, count, policy, names, bs, steps)
+    else:
+        from mpic.engine.hf.reference_runner import ReferenceRunner
+
+        runner = ReferenceRunner(model, device=device)
+        rows = run_compress(runner, build_prompts(runner, items, prompts, count), policy, names,
+                            bs, steps)  # fmt: skip
     print_table(rows)
     if json_out:
         doc = {

@@ -51,6 +51,7 @@ def setup(tiny_llava_dir, tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
         model=str(tiny_llava_dir),
         max_model_len=448,
         num_blocks=32,
+        max_logprobs=-1,  # the benchmark's per-step distributions
         storage=StorageConfig(url=f"file://{store_dir}", fsync=False),
     )
     engine = VllmEngine(cfg)
@@ -139,6 +140,32 @@ def test_compressed_entry_is_stored_and_reused(setup: Setup) -> None:
     }
     again = setup.engine.press_entry(entry, "window", BUDGET)  # read back, no new request
     assert torch.equal(again.keys, first.keys)
+
+
+@pytest.mark.slow
+def test_bench_compress_vllm_rows(setup: Setup) -> None:
+    from mpic.benchmarks.compress_vllm import VllmCompressBench, run_compress_vllm
+
+    bench = VllmCompressBench(engine=setup.engine)
+    prompts = bench.prompts(1, 3)
+    rows = run_compress_vllm(bench, prompts, POLICY, ["elastic", "snapkv"], [1.0, 0.3], 4)
+    assert [(r["press"], r["budget"]) for r in rows] == [
+        ("none", 1.0),
+        ("elastic", 0.3),
+        ("snapkv", 0.3),
+    ]
+    t = setup.entries[0].num_tokens
+    n_full = rows[0]["prompt_tokens"]
+    spec = setup.engine.spec
+    token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    for r in rows[1:]:
+        n = r["prompt_tokens"]
+        assert n == n_full - 3 * (t - keep_count(BUDGET, t))
+        assert r["kv_bytes"] == math.ceil((n + 4) / BLOCK) * BLOCK * token_bytes
+        assert r["kv_bytes_full"] == math.ceil((n_full + 4) / BLOCK) * BLOCK * token_bytes
+        assert r["kv_reduction"] == pytest.approx(1 - r["kv_bytes"] / r["kv_bytes_full"])
+        assert 0 <= r["token_agreement"] <= 1 and r["kl_mean"] >= 0
+        assert r["decode_ms_per_token"] >= 0
 
 
 def test_vllm_path_refuses_what_it_cannot_do(tiny_llava_dir, tiny_qwen2vl_dir) -> None:  # noqa: ANN001

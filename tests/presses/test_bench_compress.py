@@ -55,7 +55,8 @@ def test_json_table_and_plot(bench, tiny_llava_dir):
         ["--presses", "h2o"],
         ["--budgets", "0"],
         ["--budgets", "1.5"],
-        ["--engine", "vllm"],
+        ["--engine", "tgi"],
+        ["--engine", "vllm", "--items", "documents"],  # vLLM compresses cached images only
         ["--policy", "nope"],
         ["--items", "video"],
     ],
@@ -63,6 +64,13 @@ def test_json_table_and_plot(bench, tiny_llava_dir):
 def test_bad_options_exit_2(tiny_llava_dir, bad):
     result = CliRunner().invoke(app, ["bench", "compress", "--model", str(tiny_llava_dir), *bad])
     assert result.exit_code == 2, result.output
+
+
+def test_vllm_refuses_mrope_models_exit_2(tiny_qwen2vl_dir):
+    # vLLM derives an image's tokens from its M-RoPE grid: no compressed images (no engine starts)
+    args = ["bench", "compress", "--model", str(tiny_qwen2vl_dir), "--engine", "vllm"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "M-RoPE" in result.output, result.output
 
 
 def test_uniform_keep_is_one_set_of_the_budget(tiny_llava_dir):

@@ -1,0 +1,202 @@
+"""`mpic bench compress --engine vllm` (CLI process; vLLM's engine core and worker are its child
+processes): the presses' uniform-across-layers variant on vLLM, i.e. compressed image entries
+(`mpic.engine.vllm.presses`), per press and budget against the uncompressed linked run.
+
+Prompts: `--prompts` interleaved prompts of `--images` synthetic images, uploaded through vLLM's
+own forward. Per prompt the uncompressed run (same policy, full entries) decodes `--steps` greedy
+tokens with the whole vocabulary's log-probs and is the reference; every (press, budget) run
+links the images' compressed entries instead (made by vLLM's worker once per image, press and
+budget; not timed). Per (press, budget), means over the prompts, in the columns of
+`mpic.benchmarks.compress`:
+
+- `kv_bytes`: bytes of the paged KV vLLM holds for the request while decoding: its blocks,
+  ceil((N + steps) / block_size) * block_size slots * L * 2 (K, V) * H_kv * D * dtype bytes;
+  `kv_bytes_full` the same for the uncompressed prompt. Only image tokens shrink (text and the
+  question are computed per request), so the reduction is the images' share of the prompt times
+  (1 - b), rounded to blocks;
+- `decode_ms_per_token`: (wall time of a `steps`-token request - that of a 1-token request) /
+  (steps - 1), each with a fresh cache salt (no prefix-cache hit between them);
+- `kl_mean`: mean KL(p_ref || p) over the decode steps whose context is still the reference's
+  (every step up to and including the first differing token): vLLM cannot teacher-force;
+- `top1_match`: the first generated token equals the reference's (over the compressed prompt:
+  unlike the reference engine, the first token already sees the compressed images);
+- `token_agreement`: share of the `--steps` free-running greedy positions equal to the
+  reference's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import uuid
+from tempfile import mkdtemp
+from typing import Any
+
+import torch
+
+from mpic.benchmarks.offline import kl_divergence
+from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
+from mpic.engine.vllm.requests import EngineRequest, linked_request
+from mpic.linker.recipe import plan_prompt
+from mpic.prompt_parts import ImageRef, PromptPart
+from mpic.samples import interleaved_prompt, synthetic_png
+from mpic.storage.config import StorageConfig
+from mpic.types import CacheEntry
+
+
+class VllmCompressBench:
+    """A vLLM engine (full-vocabulary log-probs) with its uploaded entries."""
+
+    def __init__(self, model_dir: str | None = None, engine: VllmEngine | None = None) -> None:
+        """A new engine for `model_dir` (entries in a temporary store), or `engine` (started
+        with `max_logprobs=-1`)."""
+        if engine is None:
+            assert model_dir is not None
+            store = StorageConfig(
+                url=f"file://{mkdtemp(prefix='mpic-vllm-compress-')}", fsync=False
+            )
+            engine = VllmEngine(VllmEngineConfig(model=model_dir, max_logprobs=-1, storage=store))
+        self.engine = engine
+        self.spec = engine.spec
+        self.entries: dict[str, CacheEntry] = {}
+        # bytes of one token's K and V in every layer of vLLM's paged cache
+        dtype_bytes = torch.empty((), dtype=getattr(torch, engine.cfg.dtype)).element_size()
+        self.token_bytes = (
+            self.spec.num_layers * 2 * self.spec.num_kv_heads * self.spec.head_dim * dtype_bytes
+        )
+        self.block_size = engine.cfg.block_size
+
+    def prompts(self, count: int, per_prompt: int) -> list[list[PromptPart]]:
+        """`count` interleaved prompts of `per_prompt` synthetic images (uploaded by vLLM)."""
+        out = []
+        for p in range(count):
+            ids = []
+            for i in range(per_prompt):
+                entry = self.engine.cache_image(synthetic_png(100 * p + i))
+                self.entries[entry.entry_id] = entry
+                ids.append(entry.entry_id)
+            out.append(interleaved_prompt(ids))
+        return out
+
+    def pressed(self, parts: list[PromptPart], press: str, budget: float) -> list[PromptPart]:
+        """`parts` with every image replaced by its compressed entry (made on first use)."""
+        out: list[PromptPart] = []
+        for part in parts:
+            if isinstance(part, ImageRef):
+                entry = self.engine.press_entry(self.entries[part.entry_id], press, budget)
+                self.entries[entry.entry_id] = entry
+                part = ImageRef(entry.entry_id)
+            out.append(part)
+        return out
+
+    def _request(self, parts: list[PromptPart], policy: str, steps: int) -> EngineRequest:
+        planned = plan_prompt(self.spec, self.engine.processor, parts, self.entries, policy, None,
+                              steps)  # fmt: skip
+        req = linked_request(planned.plan, policy, self.spec)
+        req.cache_salt = f"mpic-bench-{uuid.uuid4().hex}"  # no prefix-cache hit between runs
+        return req
+
+    def run(self, parts: list[PromptPart], policy: str, steps: int) -> dict[str, Any]:
+        """Greedy `steps` tokens with per-step log-probs [V], KV bytes held and decode time."""
+        eng = self.engine
+        req = self._request(parts, policy, steps)
+        prompt, sampling = eng._submit_form(req, steps, True)
+        t0 = time.perf_counter()
+        (out,) = eng.llm.generate([prompt], [sampling], use_tqdm=False)
+        t_steps = time.perf_counter() - t0
+        one = self._request(parts, policy, steps)
+        t0 = time.perf_counter()
+        eng.generate([one], 1)
+        t_one = time.perf_counter() - t0
+        completion = out.outputs[0]
+        logits = []
+        for step in completion.logprobs:
+            lp = torch.full((self.spec.vocab_size,), float("-inf"))
+            for token_id, entry in step.items():
+                lp[token_id] = entry.logprob
+            logits.append(lp)
+        n = len(req.prompt_token_ids)
+        blocks = math.ceil((n + steps) / self.block_size)
+        return {
+            "tokens": list(completion.token_ids),
+            "logits": logits,
+            "prompt_tokens": n,
+            "kv_bytes": blocks * self.block_size * self.token_bytes,
+            "ms_per_token": 1e3 * max(t_steps - t_one, 0.0) / (steps - 1),
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _common_kl(ref: dict[str, Any], got: dict[str, Any]) -> float:
+    """Mean KL over the steps whose context equals the reference's (up to the first
+    differing token, inclusive)."""
+    kls = []
+    for r_lp, g_lp, r_t, g_t in zip(
+        ref["logits"], got["logits"], ref["tokens"], got["tokens"], strict=False
+    ):
+        kls.append(kl_divergence(r_lp, g_lp))
+        if r_t != g_t:
+            break
+    return statistics.mean(kls)
+
+
+def run_compress_vllm(
+    bench: VllmCompressBench,
+    prompts: list[list[PromptPart]],
+    policy: str,
+    presses: list[str],
+    budgets: list[float],
+    steps: int,
+) -> list[dict[str, Any]]:
+    """The rows of the table, as `mpic.benchmarks.compress.run_compress`'s."""
+    bench.run(prompts[0], policy, steps)  # warm-up (first decode steps), not counted
+    refs = [bench.run(p, policy, steps) for p in prompts]
+    full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
+    rows: list[dict[str, Any]] = []
+    if 1.0 in budgets:
+        rows.append(
+            {
+                "press": "none",
+                "budget": 1.0,
+                "kv_bytes": full_bytes,
+                "kv_bytes_full": full_bytes,
+                "kv_reduction": 0.0,
+                "decode_ms_per_token": statistics.mean(r["ms_per_token"] for r in refs),
+                "kl_mean": 0.0,
+                "top1_match": 1.0,
+                "token_agreement": 1.0,
+                "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in refs),
+            }
+        )
+    for press in presses:
+        for budget in [b for b in budgets if b < 1.0]:
+            runs = [bench.run(bench.pressed(p, press, budget), policy, steps) for p in prompts]
+            kv_bytes = statistics.mean(r["kv_bytes"] for r in runs)
+            rows.append(
+                {
+                    "press": press,
+                    "budget": budget,
+                    "kv_bytes": kv_bytes,
+                    "kv_bytes_full": full_bytes,
+                    "kv_reduction": 1.0 - kv_bytes / full_bytes,
+                    "decode_ms_per_token": statistics.mean(r["ms_per_token"] for r in runs),
+                    "kl_mean": statistics.mean(
+                        _common_kl(ref, got) for ref, got in zip(refs, runs, strict=True)
+                    ),
+                    "top1_match": statistics.mean(
+                        float(ref["tokens"][0] == got["tokens"][0])
+                        for ref, got in zip(refs, runs, strict=True)
+                    ),
+                    "token_agreement": statistics.mean(
+                        statistics.mean(
+                            float(a == b) for a, b in zip(ref["tokens"], got["tokens"], strict=True)
+                        )
+                        for ref, got in zip(refs, runs, strict=True)
+                    ),
+                    "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in runs),
+                }
+            )
+    return rows
