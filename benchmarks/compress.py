@@ -105,6 +105,50 @@ def _run(
     }
 
 
+def baseline_row(refs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `none` row (budget 1.0) from the uncompressed runs (`kv_bytes`, `ms_per_token`,
+    `prompt_tokens` each)."""
+    full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
+    return press_row(
+        "none",
+        1.0,
+        [full_bytes],
+        full_bytes,
+        [r["ms_per_token"] for r in refs],
+        [0.0],
+        [1.0],
+        [1.0],
+        statistics.mean(r["prompt_tokens"] for r in refs),
+    )
+
+
+def press_row(
+    press: str,
+    budget: float,
+    kv_bytes: list[float],
+    full_bytes: float,
+    ms: list[float],
+    kl: list[float],
+    top1: list[float],
+    agree: list[float],
+    prompt_tokens: float,
+) -> dict[str, Any]:
+    """One table row from per-prompt figures (means over the prompts)."""
+    held = statistics.mean(kv_bytes)
+    return {
+        "press": press,
+        "budget": budget,
+        "kv_bytes": held,
+        "kv_bytes_full": full_bytes,
+        "kv_reduction": 1.0 - held / full_bytes,
+        "decode_ms_per_token": statistics.mean(ms),
+        "kl_mean": statistics.mean(kl),
+        "top1_match": statistics.mean(top1),
+        "token_agreement": statistics.mean(agree),
+        "prompt_tokens": prompt_tokens,
+    }
+
+
 def run_compress(
     runner: ReferenceRunner,
     prompts: list[list[PromptPart]],
@@ -119,20 +163,7 @@ def run_compress(
     full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
     n_tokens = statistics.mean(r["prompt_tokens"] for r in refs)
     if 1.0 in budgets:
-        rows.append(
-            {
-                "press": "none",
-                "budget": 1.0,
-                "kv_bytes": full_bytes,
-                "kv_bytes_full": full_bytes,
-                "kv_reduction": 0.0,
-                "decode_ms_per_token": statistics.mean(r["ms_per_token"] for r in refs),
-                "kl_mean": 0.0,
-                "top1_match": 1.0,
-                "token_agreement": 1.0,
-                "prompt_tokens": n_tokens,
-            }
-        )
+        rows.append(baseline_row(refs))
     for press in presses:
         for budget in [b for b in budgets if b < 1.0]:
             kl, top1, agree, kvb, ms = [], [], [], [], []
@@ -153,21 +184,7 @@ def run_compress(
                 )
                 kvb.append(free["kv_bytes"])
                 ms.append(free["ms_per_token"])
-            kv_bytes = statistics.mean(kvb)
-            rows.append(
-                {
-                    "press": press,
-                    "budget": budget,
-                    "kv_bytes": kv_bytes,
-                    "kv_bytes_full": full_bytes,
-                    "kv_reduction": 1.0 - kv_bytes / full_bytes,
-                    "decode_ms_per_token": statistics.mean(ms),
-                    "kl_mean": statistics.mean(kl),
-                    "top1_match": statistics.mean(top1),
-                    "token_agreement": statistics.mean(agree),
-                    "prompt_tokens": n_tokens,
-                }
-            )
+            rows.append(press_row(press, budget, kvb, full_bytes, ms, kl, top1, agree, n_tokens))
             logger.info("%s @ %s done", press, budget)
     return rows
 

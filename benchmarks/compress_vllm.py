@@ -15,7 +15,7 @@ budget; not timed). Per (press, budget), means over the prompts, in the columns 
   question are computed per request), so the reduction is the images' share of the prompt times
   (1 - b), rounded to blocks;
 - `decode_ms_per_token`: (wall time of a `steps`-token request - that of a 1-token request) /
-  (steps - 1), each with a fresh cache salt (no prefix-cache hit between them);
+  (steps - 1), both without log-probs and with a fresh cache salt (no prefix-cache hit);
 - `kl_mean`: mean KL(p_ref || p) over the decode steps whose context is still the reference's
   (every step up to and including the first differing token): vLLM cannot teacher-force;
 - `top1_match`: the first generated token equals the reference's (over the compressed prompt:
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mpic.benchmarks.compress import baseline_row, press_row
 from mpic.benchmarks.offline import kl_divergence
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, linked_request
@@ -101,13 +102,14 @@ class VllmCompressBench:
         """Greedy `steps` tokens with per-step log-probs [V], KV bytes held and decode time."""
         eng = self.engine
         req = self._request(parts, policy, steps)
-        prompt, sampling = eng._submit_form(req, steps, True)
-        t0 = time.perf_counter()
+        prompt, sampling = eng._submit_form(req, steps, True)  # untimed: per-step log-probs
         (out,) = eng.llm.generate([prompt], [sampling], use_tqdm=False)
-        t_steps = time.perf_counter() - t0
-        one = self._request(parts, policy, steps)
+        # timed without log-probs (building a vocabulary-sized dict per step would dominate)
         t0 = time.perf_counter()
-        eng.generate([one], 1)
+        eng.generate([self._request(parts, policy, steps)], steps)
+        t_steps = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eng.generate([self._request(parts, policy, steps)], 1)
         t_one = time.perf_counter() - t0
         completion = out.outputs[0]
         logits = []
@@ -155,48 +157,25 @@ def run_compress_vllm(
     bench.run(prompts[0], policy, steps)  # warm-up (first decode steps), not counted
     refs = [bench.run(p, policy, steps) for p in prompts]
     full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
-    rows: list[dict[str, Any]] = []
-    if 1.0 in budgets:
-        rows.append(
-            {
-                "press": "none",
-                "budget": 1.0,
-                "kv_bytes": full_bytes,
-                "kv_bytes_full": full_bytes,
-                "kv_reduction": 0.0,
-                "decode_ms_per_token": statistics.mean(r["ms_per_token"] for r in refs),
-                "kl_mean": 0.0,
-                "top1_match": 1.0,
-                "token_agreement": 1.0,
-                "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in refs),
-            }
-        )
+    rows: list[dict[str, Any]] = [baseline_row(refs)] if 1.0 in budgets else []
     for press in presses:
         for budget in [b for b in budgets if b < 1.0]:
             runs = [bench.run(bench.pressed(p, press, budget), policy, steps) for p in prompts]
-            kv_bytes = statistics.mean(r["kv_bytes"] for r in runs)
+            pairs = list(zip(refs, runs, strict=True))
             rows.append(
-                {
-                    "press": press,
-                    "budget": budget,
-                    "kv_bytes": kv_bytes,
-                    "kv_bytes_full": full_bytes,
-                    "kv_reduction": 1.0 - kv_bytes / full_bytes,
-                    "decode_ms_per_token": statistics.mean(r["ms_per_token"] for r in runs),
-                    "kl_mean": statistics.mean(
-                        _common_kl(ref, got) for ref, got in zip(refs, runs, strict=True)
-                    ),
-                    "top1_match": statistics.mean(
-                        float(ref["tokens"][0] == got["tokens"][0])
-                        for ref, got in zip(refs, runs, strict=True)
-                    ),
-                    "token_agreement": statistics.mean(
-                        statistics.mean(
-                            float(a == b) for a, b in zip(ref["tokens"], got["tokens"], strict=True)
-                        )
-                        for ref, got in zip(refs, runs, strict=True)
-                    ),
-                    "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in runs),
-                }
+                press_row(
+                    press,
+                    budget,
+                    [r["kv_bytes"] for r in runs],
+                    full_bytes,
+                    [r["ms_per_token"] for r in runs],
+                    [_common_kl(ref, got) for ref, got in pairs],
+                    [float(ref["tokens"][0] == got["tokens"][0]) for ref, got in pairs],
+                    [
+                        statistics.mean(float(a == b) for a, b in zip(*tok, strict=True))
+                        for tok in ((ref["tokens"], got["tokens"]) for ref, got in pairs)
+                    ],
+                    statistics.mean(r["prompt_tokens"] for r in runs),
+                )
             )
     return rows

@@ -65,6 +65,17 @@ def observed(adapter, kv: DenseLinkedKV, observer: PrefillObserver):  # noqa: AN
     return ObservedAdapter(adapter, observer), ObservedKV(kv, observer)
 
 
+def press_context(plan: LinkPlan, adapter) -> PressContext:  # noqa: ANN001
+    """The `PressContext` of a prefilled plan (visual = tokens from entries)."""
+    return PressContext(
+        num_tokens=plan.num_tokens,
+        is_visual=plan.source_entry >= 0,
+        next_position=next_position(plan.positions),
+        mrope=plan.positions.dim() == 2,
+        adapter=adapter,
+    )
+
+
 def compress_dense(
     req: PressRequest,
     kv: DenseLinkedKV,
@@ -78,13 +89,7 @@ def compress_dense(
     n = plan.num_tokens
     keys = [kv.keys[layer, :n].transpose(0, 1) for layer in range(adapter.num_layers)]
     values = [kv.values[layer, :n].transpose(0, 1) for layer in range(adapter.num_layers)]
-    ctx = PressContext(
-        num_tokens=n,
-        is_visual=plan.source_entry >= 0,
-        next_position=next_position(plan.positions),
-        mrope=plan.positions.dim() == 2,
-        adapter=adapter,
-    )
+    ctx = press_context(plan, adapter)
     with torch.inference_mode():
         return req.press.compress(keys, values, observer.layers, ctx, req.budget, extra)
 
@@ -129,13 +134,7 @@ def press_item_entry(
         link_and_prefill(obs_adapter, planned, obs_kv)
         index = torch.arange(n, device=adapter.device)
         keys = [kv.read_keys(layer, index).transpose(0, 1) for layer in range(adapter.num_layers)]
-        ctx = PressContext(
-            num_tokens=n,
-            is_visual=plan.source_entry >= 0,
-            next_position=next_position(plan.positions),
-            mrope=plan.positions.dim() == 2,
-            adapter=adapter,
-        )
+        ctx = press_context(plan, adapter)
         kept = p.uniform_keep(keys, keys, observer.layers, ctx, b, span=(n - t, n))
     return compress_entry(entry, kept, press, b)
 
