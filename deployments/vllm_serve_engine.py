@@ -67,8 +67,11 @@ class VllmServeEngine(ServeEngine):
         self.cfg = cfg
         self.spec = ModelSpec.from_pretrained(cfg.model)
         self.processor = AutoProcessor.from_pretrained(cfg.model)
-        context = canonical_context_ids(self.processor, cfg.system_prompt, self.spec.image_token_id)
-        self._context_ids = list(context)
+        self._context_ids = (  # a text-only model caches documents only
+            canonical_context_ids(self.processor, cfg.system_prompt, self.spec.image_token_id)
+            if self.spec.takes_images
+            else []
+        )
         self.vllm = None
         if role == "worker":
             from mpic.engine.vllm.async_engine import AsyncVllmEngine
@@ -94,7 +97,10 @@ class VllmServeEngine(ServeEngine):
         return self.spec.fingerprint
 
     def encode_image(self, image_bytes: bytes) -> EncodedImage:
-        """Validate (415) and identify the image; vLLM encodes it inside `compute_entry`."""
+        """Validate (415) and identify the image; vLLM encodes it inside `compute_entry`.
+        InvalidRequestError (400) for a text-only model."""
+        if not self.spec.takes_images:
+            raise InvalidRequestError("this model takes no images (a text-only model)")
         content_hash, media_type = identify_image(image_bytes)
         return EncodedImage(image_bytes, content_hash, media_type, None)
 
@@ -113,6 +119,13 @@ class VllmServeEngine(ServeEngine):
         entry = self.vllm.cache_image(image.media, self.cfg.system_prompt)
         assert entry.entry_id == entry_id, "vLLM and the serving layer name entries alike"
         return entry
+
+    def compute_document_entry(self, text: str) -> CacheEntry:
+        """A text document's canonical entry computed by vLLM's own forward (its token ids after
+        the canonical context; same ids, address and `extra` as the reference engine's), written
+        to the store by the connector. Blocks the calling thread."""
+        assert self.vllm is not None, "compute_document_entry runs in the LLM worker"
+        return self.vllm.cache_document(text, self.cfg.system_prompt)
 
     def engine_stats(self) -> dict[str, int]:
         """vLLM's batching and fallback counters: `peak_running` (most requests its scheduler
@@ -148,8 +161,8 @@ class VllmServeEngine(ServeEngine):
         plan, refs = planned.plan, planned.refs
 
         def exact() -> EngineRequest:  # the prompt with its images (pixels read only now)
-            try:
-                images = [load_image(media[r]()) for r in refs]
+            try:  # documents' token ids are in the plan's prompt already
+                images = [load_image(media[r]()) for r in refs if table[r].media_type == "image"]
             except ObjectNotFoundError:
                 raise InvalidRequestError("an entry and its media are gone") from None
             return exact_request(plan, self.spec.image_token_id, images)

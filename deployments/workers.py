@@ -127,6 +127,7 @@ class LLMWorker:
             entry=entry,
             ttl_s=ttl_s,
             purpose=purpose,
+            entry_stored=self.engine.stores_entries,
         )
         self.store_metrics.export()
         return file_object(rec)

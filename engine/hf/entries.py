@@ -130,6 +130,29 @@ def document_bytes(text: str) -> bytes:
     return b"text:" + text.encode("utf-8")
 
 
+def document_item(
+    tokenizer: ChatTokenizer,
+    spec: ModelSpec,
+    text: str,
+    system_prompt: str | None = None,
+    max_len: int | None = None,
+) -> tuple[list[int], list[int], str]:
+    """(token ids, canonical context ids, entry id) of a text document: what every engine
+    caches for it (the reference runner here, vLLM's upload path in `mpic.engine.vllm`).
+    InvalidRequestError for an empty document; PromptTooLongError when context + tokens exceed
+    `max_len` (default: the model's maximum length)."""
+    limit = max_len or spec.max_model_len
+    ids = document_token_ids(tokenizer, text)
+    context_ids = document_context_ids(tokenizer, system_prompt)
+    if len(context_ids) + len(ids) > limit:
+        raise PromptTooLongError(
+            f"the document has {len(ids)} tokens; with its context that is over the model's "
+            f"maximum of {limit}",
+            param="file",
+        )
+    return ids, context_ids, entry_address(spec.fingerprint, context_ids, document_bytes(text))
+
+
 def cache_document(
     tokenizer: ChatTokenizer,
     adapter: LayerAdapter,
@@ -140,15 +163,7 @@ def cache_document(
     """Tokenize and compute the entry of one text document (an uploaded .txt/.md file or a
     library passage). InvalidRequestError for an empty document; PromptTooLongError when its
     canonical context + tokens exceed the model's maximum length (before any computation)."""
-    ids = document_token_ids(tokenizer, text)
-    context_ids = document_context_ids(tokenizer, system_prompt)
-    if len(context_ids) + len(ids) > spec.max_model_len:
-        raise PromptTooLongError(
-            f"the document has {len(ids)} tokens; with its context that is over the model's "
-            f"maximum of {spec.max_model_len}",
-            param="file",
-        )
-    entry_id = entry_address(spec.fingerprint, context_ids, document_bytes(text))
+    ids, context_ids, entry_id = document_item(tokenizer, spec, text, system_prompt)
     embeds = adapter.embed_tokens(torch.tensor(ids, dtype=torch.int64))
     entry = compute_entry(adapter, spec, context_ids, embeds, entry_id, document_ids=ids)
     entry.extra["line_breaks"] = line_break_offsets(tokenizer, ids)

@@ -136,6 +136,13 @@ class AsyncVllmEngine(VllmFrontEnd):
         self._call(self._run_entry(*self._entry_form(ids, mm, span, entry_id, extra)))
         return self.store.get(entry_id)
 
+    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
+        """Upload path of a text document (blocks the calling thread): its entry computed by
+        vLLM's own forward, batched with requests in flight, written to the store."""
+        ids, mm, span, entry_id, extra = self._document_form(text, system_prompt)
+        self._call(self._run_entry(*self._entry_form(ids, mm, span, entry_id, extra)))
+        return self.store.get(entry_id)
+
     def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
         """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's
         worker on first use, batched with requests in flight (blocks the calling thread;

@@ -85,16 +85,22 @@ class VllmEngine(VllmFrontEnd):
         """Upload path: the cache entry of an image computed by vLLM and written to the store."""
         return self.compute_entry(*self._upload_form(media, system_prompt))
 
+    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
+        """Upload path of a text document: its entry (the KV of its own token ids after its
+        canonical context) computed by vLLM and written to the store."""
+        return self.compute_entry(*self._document_form(text, system_prompt))
+
     def compute_entry(
         self,
         prompt_token_ids: list[int],
-        multi_modal_data: dict[str, Any],
+        multi_modal_data: dict[str, Any] | None,
         span: tuple[int, int],
         entry_id: str,
         extra: dict[str, Any] | None = None,
     ) -> CacheEntry:
-        """Run a prompt (one placeholder per image) with its images through vLLM and store the
-        KV of the expanded prompt's tokens [span) as `entry_id` (`mpic.engine.vllm.upload`)."""
+        """Run a prompt (one placeholder per image) with its images (None: a text document)
+        through vLLM and store the KV of the expanded prompt's tokens [span) as `entry_id`
+        (`mpic.engine.vllm.upload`)."""
         prompt, sampling = self._entry_form(
             prompt_token_ids, multi_modal_data, span, entry_id, extra
         )

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.addressing import entry_address
+from mpic.engine.hf.entries import document_item, line_break_offsets
 from mpic.engine.hf.loader import resolve_model_dir
 from mpic.engine.hf.vision import image_layout, load_image
 from mpic.engine.vllm import params as vllm_params
@@ -224,24 +225,48 @@ class VllmFrontEnd:
         span = (len(context), len(context) + layout.num_tokens)
         return ids, {"image": image}, span, entry_id, extra
 
+    def _document_form(
+        self, text: str, system_prompt: str | None
+    ) -> tuple[list[int], None, tuple[int, int], str, dict[str, Any]]:
+        """(ids, None, span, entry id, extra) of a text document's canonical upload prompt
+        (its canonical context, then its own token ids): the same token ids, content address and
+        `extra` as the reference runner's entry (`mpic.engine.hf.entries.document_item`);
+        InvalidRequestError when empty, PromptTooLongError over the engine's context limit."""
+        limit = self.cfg.max_model_len or self.spec.max_model_len
+        doc, context, entry_id = document_item(
+            self.processor, self.spec, text, system_prompt, max_len=limit
+        )
+        extra: dict[str, Any] = {
+            "context_token_ids": list(context),
+            "token_ids": list(doc),
+            "line_breaks": line_break_offsets(self.processor, doc),
+        }
+        span = (len(context), len(context) + len(doc))
+        return context + doc, None, span, entry_id, extra
+
     def _entry_form(
         self,
         prompt_token_ids: list[int],
-        multi_modal_data: dict[str, Any],
+        multi_modal_data: dict[str, Any] | None,
         span: tuple[int, int],
         entry_id: str,
         extra: dict[str, Any] | None = None,
     ) -> tuple[dict, Any]:
         """The vLLM request that stores the KV of its expanded prompt's tokens [span) as
-        `entry_id` (`mpic.engine.vllm.upload`; a unique salt: the prefix cache never skips it)."""
+        `entry_id` (`mpic.engine.vllm.upload`; a unique salt: the prefix cache never skips it).
+        No multi-modal data: a text document's entry (media type "text")."""
         from vllm import SamplingParams
 
-        params = vllm_upload.upload_params(entry_id, self.spec.fingerprint, *span, extra=extra)
-        prompt = {
+        media_type = "image" if multi_modal_data else "text"
+        params = vllm_upload.upload_params(
+            entry_id, self.spec.fingerprint, *span, media_type=media_type, extra=extra
+        )
+        prompt: dict[str, Any] = {
             "prompt_token_ids": list(prompt_token_ids),
-            "multi_modal_data": multi_modal_data,
             "cache_salt": f"mpic-upload-{entry_id}-{uuid.uuid4().hex}",
         }
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
         sampling = SamplingParams(
             temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": params}
         )
