@@ -89,6 +89,11 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Every call offers all the ranks there are: when none of them has room, Serve must
+            # sleep (exponential backoff) before the next call. Without this flag its routing
+            # loop retries at once, flooding busy or starting replicas with queue-length probes.
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         fallback = power_of_two(candidate_replicas)

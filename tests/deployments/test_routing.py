@@ -112,6 +112,16 @@ def test_routed_requests_are_remembered_until_reported(router) -> None:
     assert request_entry_ids(prompt("x", "y", "x")) == ["x", "y", "x"]
 
 
+def test_every_choice_asks_serve_to_back_off(router) -> None:
+    # without the flag Serve's routing loop re-probes at once when no rank has room (a probe
+    # storm that starved a starting replica: an n=2 chat hung for 10 minutes)
+    a, b = FakeReplica("a", {"memory": ["e1"]}), FakeReplica("b")
+    for pending in (prompt("e1"), prompt("e9"), prompt()):
+        assert not pending.routing_context.should_backoff
+        choose(router, [a, b], pending)
+        assert pending.routing_context.should_backoff
+
+
 def test_config_selects_the_router() -> None:
     from mpic.deployments.app import build_app
 
