@@ -70,15 +70,15 @@ def _parts(entries: list[CacheEntry]) -> list:
     return [*parts, "Which one is brighter?"]
 
 
-def _generate(s: Setup, entries: list[CacheEntry], tokens: int = 10):  # noqa: ANN202
+def _generate(s: Setup, entries: list[CacheEntry], tokens: int = 10, policy: str = POLICY):  # noqa: ANN202
     """(reference generation, vLLM result) of the same prompt linking `entries`."""
     from mpic.engine.vllm.requests import linked_request
 
     for entry in entries:
         s.ref.add_entry(entry)
-    expected = s.ref.generate(_parts(entries), POLICY, max_new_tokens=tokens, stop_at_eos=False)
+    expected = s.ref.generate(_parts(entries), policy, max_new_tokens=tokens, stop_at_eos=False)
     plan = expected.prefilled.plan
-    (got,) = s.engine.generate([linked_request(plan, POLICY, s.engine.spec)], tokens)
+    (got,) = s.engine.generate([linked_request(plan, policy, s.engine.spec)], tokens)
     return expected, got
 
 
@@ -96,6 +96,15 @@ def test_press_on_vllm_equals_reference_variant(setup: Setup, press: str) -> Non
         torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=1e-4)
         assert torch.equal(got.positions, want.positions)
     expected, got = _generate(setup, pressed)
+    assert got.token_ids == expected.tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "full-reuse", "cacheblend-15", "mpic-1"])
+def test_compressed_entries_compose_with_policies(setup: Setup, policy: str) -> None:
+    order = [setup.entries[i] for i in (1, 2)]
+    pressed = [setup.engine.press_entry(e, "mm-shiftkv", BUDGET) for e in order]
+    expected, got = _generate(setup, pressed, 8, policy)
     assert got.token_ids == expected.tokens
 
 
