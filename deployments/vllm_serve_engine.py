@@ -49,7 +49,7 @@ from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
 from mpic.linker.recipe import plan_prompt
 from mpic.model_spec import ModelSpec
-from mpic.prompt_parts import ImageRef, PromptPart
+from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
 from mpic.storage.config import StorageConfig
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.static_library import media_key
@@ -180,9 +180,19 @@ class VllmServeEngine(ServeEngine):
         """`parts` with every image linked as its compressed entry (the presses' uniform
         variant, `mpic.engine.vllm.presses`: made by vLLM's worker on first use of (entry,
         press, budget), then read from the store), so the prompt, vLLM's paged KV and decoding
-        shrink. 400 (`mpic.press`) for an M-RoPE model. Documents stay whole. The exact
-        fallback of a failed link is the uncompressed prompt with its images."""
+        shrink. 400 (`mpic.press`) for an M-RoPE model and for a prompt with documents or
+        without images (vLLM compresses only images: the press would be ignored there). The
+        exact fallback of a failed link is the uncompressed prompt with its images."""
         check_press(self.spec, press, budget)
+        if any(isinstance(p, DocumentRef) for p in parts) or not any(
+            isinstance(p, ImageRef) for p in parts
+        ):
+            raise InvalidRequestError(
+                "mpic.press: the vLLM engine compresses images only (text and documents are "
+                "computed per request); this prompt links documents or no image. Use the "
+                "reference engine to compress them",
+                param="mpic.press",
+            )
         out: list[PromptPart] = []
         for part in parts:
             if isinstance(part, ImageRef):

@@ -247,3 +247,8 @@ def test_press_on_vllm_worker_links_compressed_images(vllm_url, files, runner) -
     saved = 2 * (16 - keep_count(0.3, 16))
     assert got["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] - saved
     assert got["usage"]["prompt_tokens"] == gen.prefilled.plan.num_tokens
+    # no image: vLLM would compress nothing, so the press is refused, not ignored
+    body["messages"] = [{"role": "user", "content": "no image here"}]
+    resp = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "mpic.press"
