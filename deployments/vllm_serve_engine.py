@@ -188,9 +188,9 @@ class VllmServeEngine(ServeEngine):
             isinstance(p, ImageRef) for p in parts
         ):
             raise InvalidRequestError(
-                "mpic.press: the vLLM engine compresses images only (text and documents are "
-                "computed per request); this prompt links documents or no image. Use the "
-                "reference engine to compress them",
+                "mpic.press: the vLLM engine compresses cached images only (text is computed "
+                "per request, documents are linked whole); this prompt links documents or no "
+                "image. Use the reference engine to compress them",
                 param="mpic.press",
             )
         out: list[PromptPart] = []
