@@ -252,3 +252,47 @@ def test_press_on_vllm_worker_links_compressed_images(vllm_url, files, runner) -
     resp = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "mpic.press"
+
+
+def test_text_files_and_an_image_on_the_vllm_worker(vllm_url, serve_app, files, runner) -> None:
+    """Issue 11 on the vLLM worker: two uploaded text files (purpose user_data, their entries
+    computed by vLLM's own forward) and an image in one chat answer as the offline reference
+    runner; a corrupt document entry is recomputed by the worker through vLLM."""
+    from mpic.prompt_parts import DocumentRef, ImageRef
+
+    notes = ("red squares sit left of\nthe blue circles", "# Shopping\n- two apples\n- bread")
+    doc_ids = []
+    for text, name in zip(notes, ("notes.txt", "list.md"), strict=True):
+        resp = httpx.post(
+            f"{vllm_url}/v1/files",
+            headers=ALICE,
+            timeout=300,
+            files={"file": (name, text.encode(), "text/plain")},
+            data={"purpose": "user_data"},
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["tokens"] == len(runner.cache_document(text).extra["token_ids"])
+        doc_ids.append(resp.json()["id"])
+    media, ids = files
+    content = _content(["read", "look", "and", "what now?"], [doc_ids[0], ids[0], doc_ids[1]])
+    e1, e2 = (runner.cache_document(t).entry_id for t in notes)
+    ei = runner.cache_image(media[0]).entry_id
+    parts = ["read", DocumentRef(e1), "look", ImageRef(ei), "and", DocumentRef(e2), "what now?"]
+    for policy in ("full", "mpic-4", "boundary-2"):
+        got = _chat(vllm_url, content, policy)
+        gen = runner.generate(parts, policy, 6, stop_at_eos=False)
+        want = runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+        assert got["choices"][0]["message"]["content"] == want, policy
+        assert got["usage"]["prompt_tokens"] == gen.prefilled.plan.num_tokens
+    # A document uploaded through the reference app (never loaded here), then corrupted.
+    text = "a third note\nabout nothing"
+    resp = upload(serve_app, "alice-key", text.encode(), "third.txt", purpose="user_data")
+    assert resp.status_code == 200, resp.text
+    entry_id = runner.cache_document(text).entry_id
+    blob = _blob(serve_app, entry_id)
+    blob.write_bytes(b"not an entry" + blob.read_bytes()[12:])
+    got = _chat(vllm_url, _content(["see", "well?"], [resp.json()["id"]]), "mpic-4")
+    assert got["mpic"]["fallbacks"] == 1
+    gen = runner.generate(["see", DocumentRef(entry_id), "well?"], "mpic-4", 6, stop_at_eos=False)
+    want = runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    assert got["choices"][0]["message"]["content"] == want
