@@ -64,7 +64,7 @@ class ServeEngine(ABC):
         its content address. Engines that do not cache documents answer 415."""
         raise UnreadableMediaError(
             f"the {type(self).__name__} engine does not cache text documents; serve with the "
-            "reference engine",
+            "reference or the vLLM engine",
             param="file",
         )
 

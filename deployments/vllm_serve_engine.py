@@ -4,7 +4,8 @@
 
 vLLM runs its own vision tower inside the request that computes an entry (the upload path of
 `mpic.engine.vllm.upload`), so the Encoder replica here only validates and identifies the image
-(no vLLM is started for role "encoder") and the worker computes the entry from the bytes. A query
+(no vLLM is started for role "encoder") and the worker computes the entry from the bytes; a text
+document's entry is computed by vLLM's forward over its token ids alike. A query
 is linked as in the reference runner (render -> plan -> policy depths) and submitted as a linked
 request whose KV the connector assembles from the shared entry store inside vLLM's worker.
 A request with a press (`mpic.press`/`mpic.budget`) links its images' compressed entries

@@ -2,7 +2,8 @@
 
 MPIC section 3.1 (Fig. 5): on upload the LLM worker computes the KV of [canonical context + item]
 and writes it to the store. Here the canonical prompt runs as an ordinary vLLM request (with its
-image, through vLLM's vision tower) whose `kv_transfer_params` carry `{"mpic_upload": {...}}`:
+image, through vLLM's vision tower; a text document is its own token ids, no multimodal data,
+media type "text") whose `kv_transfer_params` carry `{"mpic_upload": {...}}`:
 entry id, model fingerprint and the item's token span [start, end). In the worker the connector
 arms `KVCapture` around that step's forward: forward pre-hooks on the first decoder layer (input
 embeddings, positions) and on every layer's `Attention` module (post-RoPE K and V, exactly what vLLM
