@@ -1,12 +1,14 @@
 """`mpic-admin` (CLI process): the administrator's view of the dynamic library (MPIC section 3.1,
-component 3) - refresh a collection from a folder or S3 prefix of images, list collections, show
-versions and items, roll back, and search. Works on the object store directly (`--store URL` or
-MPIC_STORE_URL; default: the embedded filesystem store under `.mpic/store`) or, for refresh, list,
-show and rollback, through a running server's admin routes (`--server URL` + `--api-key`, or
-MPIC_SERVER_URL / MPIC_ADMIN_KEY; the server then computes the entries with its own engine and
-SOURCE must be readable by the server). Search has no HTTP route: it always reads the store.
+component 3) - refresh a collection from a folder or S3 prefix of images and .txt/.md text
+passages, list collections, show versions and items, roll back, and search. Works on the object
+store directly (`--store URL` or MPIC_STORE_URL; default: the embedded filesystem store under
+`.mpic/store`) or, for refresh, list, show and rollback, through a running server's admin routes
+(`--server URL` + `--api-key`, or MPIC_SERVER_URL / MPIC_ADMIN_KEY; the server then computes the
+entries with its own engine and SOURCE must be readable by the server). Search has no HTTP route:
+it always reads the store.
 
-Bad input (missing folder, unreadable image, unknown collection or version) prints
+Bad input (missing folder, unreadable image, a passage that is not UTF-8 text, unknown collection
+or version) prints
 `error: ...` on stderr and exits with status 2; nothing is written in that case.
 """
 
@@ -76,9 +78,11 @@ def _client(server: str, api_key: str | None):
 
 def _engine(
     model_dir: Path | None, system_prompt: str | None
-) -> tuple[Callable[[bytes], object], str]:
-    """(compute_entry, fingerprint of model + canonical context) of the HF model folder
-    (reference runner, CPU f32); entries are cached after `system_prompt` (None: the template's).
+) -> tuple[Callable[[bytes], object], Callable[[str], object], str]:
+    """(compute_entry of an image, compute_document of a text passage, fingerprint of model +
+    canonical context) of the HF model folder (reference runner, CPU f32: `cache_image` and
+    `cache_document`, the recipes of uploaded files); entries are cached after `system_prompt`
+    (None: the template's).
 
     Default: the serving app's default model (`EngineConfig().model`, the embedded tiny LLaVA),
     written on first use, so the entries match what the default server links.
@@ -86,7 +90,7 @@ def _engine(
     from mpic.addressing import library_fingerprint
     from mpic.deployments.config import EngineConfig
     from mpic.engine.hf.adapters import make_adapter
-    from mpic.engine.hf.entries import cache_image
+    from mpic.engine.hf.entries import cache_document, cache_image
     from mpic.engine.hf.loader import load_hf_model
 
     if model_dir is None:
@@ -103,13 +107,19 @@ def _engine(
     fingerprint = library_fingerprint(spec.fingerprint, system_prompt)
     return (
         lambda media: cache_image(model, processor, adapter, spec, media, system_prompt),
+        lambda text: cache_document(processor, adapter, spec, text, system_prompt),
         fingerprint,
     )
 
 
 @library_app.command("refresh")
 def refresh(
-    source: Annotated[str, typer.Argument(help="Image folder or s3://bucket/prefix?endpoint=...")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="Folder or s3://bucket/prefix?endpoint=... of images and .txt/.md passages."
+        ),
+    ],
     collection: CollectionOpt,
     captions: Annotated[Path | None, typer.Option(help="JSONL of {file, caption}.")] = None,
     model: Annotated[Path | None, typer.Option(help="HF model folder computing the KV.")] = None,
@@ -150,7 +160,7 @@ def refresh(
         }
         retriever = _retriever(store, **cfgs)
         retriever.library(collection)  # validate the name before loading a model
-        compute_entry, fingerprint = _engine(model, system_prompt)
+        compute_entry, compute_document, fingerprint = _engine(model, system_prompt)
         return retriever.refresh(
             collection,
             src,
@@ -158,6 +168,7 @@ def refresh(
             model_fingerprint=fingerprint,
             captions=caps,
             progress=progress,
+            compute_document=compute_document,
         )
 
     report = _run(go)
@@ -228,7 +239,8 @@ def show(
         return
     typer.echo(f"items of {info['version']}:")
     for it in info["items"]:
-        typer.echo(f"  {it['item_id']}  {it['extra'].get('name', '')}  {it['caption']}")
+        name = it["extra"].get("name", "")
+        typer.echo(f"  {it['item_id']}  {it['media_type']:8}  {name}  {it['caption']}")
 
 
 @library_app.command("rollback")
@@ -268,7 +280,8 @@ def search(
     store: StoreOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Search the current version of COLLECTION with an image or a text."""
+    """Search the current version of COLLECTION (images and text passages) with an image or a
+    text; each hit says its media type."""
     if (image is None) == (text is None):
         raise _fail("give exactly one of --image PATH or --text STR")
     if image is not None and not image.is_file():
@@ -284,7 +297,7 @@ def search(
         return
     typer.echo(f"{result.collection}@{result.version}")
     for h in result.hits:
-        typer.echo(f"{h.score:+.4f}  {h.item_id}  {h.name}  {h.caption}")
+        typer.echo(f"{h.score:+.4f}  {h.item_id}  {h.media_type:8}  {h.name}  {h.caption}")
 
 
 @app.command("sweep")

@@ -16,7 +16,8 @@ import threading
 from typing import TYPE_CHECKING, Literal
 
 from mpic.deployments.schemas import FileList, FileObject
-from mpic.errors import ExpiredError, InvalidRequestError, UnreadableMediaError
+from mpic.documents import document_suffix_type
+from mpic.errors import ExpiredError, InvalidRequestError
 from mpic.storage.config import StorageConfig
 from mpic.storage.factory import make_object_store
 from mpic.storage.object_store import ObjectNotFoundError
@@ -68,30 +69,16 @@ def file_object(rec: FileRecord, lost: bool = False) -> FileObject:
     )
 
 
-DOCUMENT_SUFFIXES = {".txt": "text/plain", ".md": "text/markdown", ".markdown": "text/markdown"}
-"""Uploads cached as text documents (purpose `user_data`) rather than images."""
-
-
 def document_media_type(name: str, content_type: str | None, purpose: str) -> str | None:
     """The MIME type of an upload that is a text document (a .txt/.md file, or a `text/plain` /
     `text/markdown` part, with purpose `user_data`), else None (it is an image)."""
     if purpose != "user_data":
         return None
-    suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    if suffix in DOCUMENT_SUFFIXES:
-        return DOCUMENT_SUFFIXES[suffix]
+    by_suffix = document_suffix_type(name)
+    if by_suffix is not None:
+        return by_suffix
     base = (content_type or "").split(";")[0].strip().lower()
     return base if base in ("text/plain", "text/markdown") else None
-
-
-def decode_document(data: bytes) -> str:
-    """A document upload's text: UTF-8 (a BOM is dropped); 415 for other bytes."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise UnreadableMediaError(
-            f"the text file is not UTF-8 ({exc.reason} at byte {exc.start})", param="file"
-        ) from None
 
 
 def is_document(media_type: str) -> bool:

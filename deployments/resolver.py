@@ -3,7 +3,8 @@
 Resolution happens in the CALLER's namespace only: a file id of another user is "not found"
 (404, the same answer as an unknown id), an expired one 410. Inline `image_url` parts are
 encoded for this request only (not cached) and travel to the worker as ObjectRefs; MRAG
-retrieval asks the Retriever deployment and links its hits before the last user turn's text.
+retrieval asks the Retriever deployment and links its hits (images, and text passages as
+documents) before the last user turn's text.
 The link plan itself (token ids, positions, policy selection) is built in the LLM worker, next
 to the KV it indexes (docs/design.md "Link plan").
 """
@@ -136,6 +137,9 @@ class Resolver:
         if not users:
             raise InvalidRequestError("retrieval needs a user message to search with")
         query = " ".join(s.text for s in users[-1].segments if s.kind == "text").strip()
-        hits: list[tuple[str, str]] = await self.retriever.search.remote(spec, query)
-        users[-1].segments[:0] = [Segment("entry", entry_id=e, content_hash=h) for e, h in hits]
-        return [e for e, _ in hits]
+        hits: list[tuple[str, str, str]] = await self.retriever.search.remote(spec, query)
+        users[-1].segments[:0] = [  # a text passage is linked as a document, an image as one
+            Segment("entry", entry_id=e, content_hash=h, document=kind == "document")
+            for e, h, kind in hits
+        ]
+        return [e for e, _, _ in hits]

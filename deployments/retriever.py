@@ -3,9 +3,10 @@ library (collections, versions, refresh, rollback), wrapping one
 `mpic.retriever.service.RetrievalService` (CLIP + FAISS over immutable collection versions; every
 search answers from one version).
 
-A refresh needs the KV entry of each new image: the replica asks the LLM worker deployment
-(`LLMWorker.make_entry`), so the entries are computed by the serving engine on the serving model
-and written once to the shared object store.
+A refresh needs the KV entry of each new image and text passage: the replica asks the LLM worker
+deployment (`LLMWorker.make_entry` for an image, `LLMWorker.make_document_entry` for a passage),
+so the entries are computed by the serving engine on the serving model and written once to the
+shared object store.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ class Retriever:
         self.system_prompt = config.engine.system_prompt
         self.worker = worker
 
-    def search(self, spec: RetrievalSpec, query: str) -> list[tuple[str, str]]:
-        """(entry key, media sha256) of the hits `spec` links for a text query, best first."""
+    def search(self, spec: RetrievalSpec, query: str) -> list[tuple[str, str, str]]:
+        """(entry key, media sha256, media type: "image" or "document") of the hits `spec`
+        links for a text query, best first."""
         found = retrieve(self.service, spec, text=query)
-        return [(h.entry_key, h.content_hash) for h in found.hits if h.entry_key]
+        return [(h.entry_key, h.content_hash, h.media_type) for h in found.hits if h.entry_key]
 
     def collections(self) -> dict[str, Any]:
         """Collections and their current versions."""
@@ -60,12 +62,16 @@ class Retriever:
         def make_entry(media: bytes) -> CacheEntry:
             return self.worker.make_entry.remote(media).result()
 
+        def make_document_entry(text: str) -> CacheEntry:
+            return self.worker.make_document_entry.remote(text).result()
+
         report = self.service.refresh(
             collection,
             open_source(source),
             make_entry,
             model_fingerprint=library_fingerprint(fingerprint, self.system_prompt),
             captions=read_captions(captions),
+            compute_document=make_document_entry,
         )
         return {
             "collection": report.collection,
@@ -75,6 +81,7 @@ class Retriever:
             "computed": report.computed,
             "reused": report.reused,
             "removed": report.removed,
+            "documents": report.documents,
         }
 
     def rollback(self, collection: str, version: str) -> dict[str, Any]:

@@ -23,17 +23,12 @@ import ray
 from mpic.deployments.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engine import build_engine
-from mpic.deployments.files import (
-    FileLostError,
-    Sweeper,
-    decode_document,
-    file_object,
-    open_library,
-)
+from mpic.deployments.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.limits import check_image_pixels
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.metrics import StoreMetricsExporter
 from mpic.deployments.schemas import FileObject
+from mpic.documents import decode_document
 from mpic.errors import InvalidRequestError, MPICError
 from mpic.linker.policies import get_policy
 from mpic.storage.entry_store import EntryStore
@@ -141,6 +136,10 @@ class LLMWorker:
         return self.engine.compute_entry(
             self.engine.entry_id(media), self.engine.encode_image(media)
         )
+
+    def make_document_entry(self, text: str) -> CacheEntry:
+        """The canonical entry of a text passage (dynamic-library refresh); not stored here."""
+        return self.engine.compute_document_entry(text)
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (400) for an unknown policy name."""

@@ -1,5 +1,6 @@
-"""CLIP embedder on open_clip: images and texts to L2-normalised vectors (MPIC section 3.1,
-component 4, the retriever's "relocation table" keys).
+"""CLIP embedder on open_clip: images, text passages and text queries to L2-normalised vectors
+in CLIP's shared image-text space (MPIC section 3.1, component 4, the retriever's "relocation
+table" keys), so one index holds images and passages and a text query finds both.
 
 Runs in the CLI process (`mpic-admin library refresh/search`) and in the Serve replica that
 answers retrieval. Weights come from a local file or an object-store key; with neither, the model
@@ -152,8 +153,47 @@ class ClipEmbedder:
         return self._encode(pixels, torch.stack, self.model.encode_image)
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
-        """Strings -> float32 [n, d], unit rows."""
+        """Strings -> float32 [n, d], unit rows (queries: the tokenizer truncates each to the
+        text tower's context, 77 tokens for CLIP)."""
         return self._encode(list(texts), self.tokenizer, self.model.encode_text)
+
+    def embed_passages(
+        self, texts: Sequence[str], names: Sequence[str] | None = None
+    ) -> np.ndarray:
+        """Text passages of any length -> float32 [n, d], unit rows (library passages).
+
+        The text tower reads at most C tokens (C = context_length: 77 for CLIP, 32 for
+        mpic-tiny-clip), so a passage's BPE tokens are cut into windows of C - 2 (between the
+        start and end tokens), every window is encoded, and the passage's vector is the
+        normalised mean of its windows' unit vectors: v = normalize(sum_w u_w / W). A passage
+        that fits in one window gets exactly `embed_texts`' vector. Tokenizers without
+        open_clip's BPE interface (HF, SigLIP) embed the first window only (their own
+        truncation). InvalidRequestError naming (by `names`, else index) a passage with no
+        tokens.
+        """
+        names = names or [str(i) for i in range(len(texts))]
+        tok = self.tokenizer
+        bpe = hasattr(tok, "encode") and getattr(tok, "reduction_fn", None) is None
+        tokens = [tok.encode(t) if bpe else t.strip() for t in texts]
+        for got, name in zip(tokens, names, strict=True):
+            if not got:
+                raise InvalidRequestError(f"{name}: the passage has no text", param="source")
+        if not bpe:
+            return self.embed_texts(texts)
+        ctx = tok.context_length
+        windows: list[torch.Tensor] = []
+        owner: list[int] = []
+        for i, ids in enumerate(tokens):
+            for start in range(0, len(ids), ctx - 2):
+                row = torch.zeros(ctx, dtype=torch.long)
+                chunk = [tok.sot_token_id, *ids[start : start + ctx - 2], tok.eot_token_id]
+                row[: len(chunk)] = torch.tensor(chunk)
+                windows.append(row)
+                owner.append(i)
+        units = self._encode(windows, torch.stack, self.model.encode_text)  # [windows, d]
+        sums = np.zeros((len(texts), self.dim), dtype=np.float32)
+        np.add.at(sums, np.asarray(owner, dtype=np.int64), units)
+        return sums / np.linalg.norm(sums, axis=1, keepdims=True)
 
 
 def decode_image(data: bytes, name: str = "image"):

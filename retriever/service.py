@@ -22,8 +22,14 @@ from pydantic import BaseModel, Field
 from mpic.errors import InvalidRequestError, NotFoundError
 from mpic.retriever.embedder import ClipEmbedder, EmbedderConfig
 from mpic.retriever.index import IndexConfig, VectorIndex
-from mpic.retriever.refresh import INDEX_BLOB, ComputeEntry, RefreshReport, refresh_collection
-from mpic.retriever.sources import ImageSource
+from mpic.retriever.refresh import (
+    INDEX_BLOB,
+    ComputeDocument,
+    ComputeEntry,
+    RefreshReport,
+    refresh_collection,
+)
+from mpic.retriever.sources import MediaSource
 from mpic.storage.dynamic_library import DynamicLibrary, Manifest, ManifestItem
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import ObjectStore
@@ -37,8 +43,11 @@ class Hit(BaseModel):
     item_id: str = Field(description="Item id in the collection version.")
     score: float = Field(description="Cosine similarity to the query (higher is closer).")
     entry_key: str | None = Field(description="Content address of the item's KV cache entry.")
-    content_hash: str | None = Field(description="sha256 of the image bytes.")
-    media_key: str | None = Field(description="Object key of the image bytes.")
+    content_hash: str | None = Field(description="sha256 of the media bytes.")
+    media_key: str | None = Field(description="Object key of the media bytes.")
+    media_type: str = Field(
+        "image", description='"image", or "document" for a text passage (linked as a document).'
+    )
     name: str = Field("", description="File name in the refresh source.")
     caption: str = Field("", description="Caption from the captions JSONL.")
 
@@ -131,7 +140,8 @@ class RetrievalService:
         top_k: int = 5,
         min_score: float | None = None,
     ) -> SearchResult:
-        """The `top_k` items of the current version closest to a text or an image query."""
+        """The `top_k` items of the current version closest to a text or an image query: images
+        and text passages alike (one index in CLIP's shared space; `Hit.media_type` says which)."""
         if (text is None) == (image is None):
             raise InvalidRequestError("give exactly one of a text or an image query")
         loaded = self.load(collection)
@@ -156,6 +166,7 @@ class RetrievalService:
                     entry_key=it.entry_key,
                     content_hash=it.content_hash,
                     media_key=it.media_key,
+                    media_type=it.media_type,
                     name=it.extra.get("name", ""),
                     caption=it.caption,
                 )
@@ -166,14 +177,16 @@ class RetrievalService:
     def refresh(
         self,
         collection: str,
-        source: ImageSource,
+        source: MediaSource,
         compute_entry: ComputeEntry,
         *,
         model_fingerprint: str,
         captions: dict[str, str] | None = None,
         progress: bool = False,
+        compute_document: ComputeDocument | None = None,
     ) -> RefreshReport:
-        """New current version of `collection` from `source` (see `mpic.retriever.refresh`)."""
+        """New current version of `collection` from `source` (see `mpic.retriever.refresh`):
+        `compute_entry` computes an image's entry, `compute_document` a text passage's."""
         return refresh_collection(
             self.library(collection),
             source,
@@ -183,6 +196,7 @@ class RetrievalService:
             index_cfg=self.index_cfg,
             captions=captions,
             progress=progress,
+            compute_document=compute_document,
         )
 
     def versions(self, collection: str) -> tuple[list[str], str | None]:

@@ -1,9 +1,11 @@
-"""Where a dynamic-library refresh reads its reference images: a local folder or an S3 prefix,
-plus an optional captions JSONL (runs in the admin CLI process or the Retriever Serve replica).
+"""Where a dynamic-library refresh reads its references: a local folder or an S3 prefix of images
+and text passages, plus an optional captions JSONL (runs in the admin CLI process or the
+Retriever Serve replica).
 
-A source is listed once (names in sorted order) and read lazily, one image at a time, so a large
-collection is never held in memory whole. Only files with an image extension are taken; a file
-that has one but does not decode fails the refresh before anything is written.
+A source is listed once (names in sorted order) and read lazily, one file at a time, so a large
+collection is never held in memory whole. Only files with an image extension or a text-document
+one (.txt, .md, .markdown: UTF-8 passages) are taken; a file that has one but does not decode
+fails the refresh before anything is written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from mpic.documents import DOCUMENT_SUFFIXES, document_suffix_type
 from mpic.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -24,34 +27,42 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
 @dataclass(frozen=True)
-class ImageSource:
-    """Named images: `names` (relative, '/'-separated, sorted) and `read(name) -> bytes`."""
+class MediaSource:
+    """Named images and text passages: `names` (relative, '/'-separated, sorted) and
+    `read(name) -> bytes`."""
 
     location: str
     names: list[str]
     read: Callable[[str], bytes]
 
 
-def _is_image(name: str) -> bool:
+def media_type(name: str) -> str | None:
+    """The kind of a reference file by its name's suffix: "image", "document" (a text passage)
+    or None (another file, or a hidden one: its name starts with a dot)."""
     base = name.rsplit("/", 1)[-1]
-    return not base.startswith(".") and base.lower().endswith(IMAGE_SUFFIXES)
+    if base.startswith("."):
+        return None
+    if base.lower().endswith(IMAGE_SUFFIXES):
+        return "image"
+    return "document" if document_suffix_type(base) else None
 
 
-def open_source(location: str) -> ImageSource:
+def open_source(location: str) -> MediaSource:
     """A local folder path or `s3://bucket/prefix?endpoint=host:port&secure=false`.
 
-    Raises InvalidRequestError for a missing folder, an unreachable bucket, or no images.
+    Raises InvalidRequestError for a missing folder, an unreachable bucket, or no images or
+    passages.
     """
     if location.startswith("s3://"):
         from mpic.storage.factory import make_object_store
 
         try:
             store = make_object_store(location)
-            names = [k for k in store.list("") if _is_image(k)]
+            names = [k for k in store.list("") if media_type(k)]
         except (ValueError, OSError) as exc:
             log.warning("cannot list source %s: %s", location, exc)
             raise InvalidRequestError(f"cannot list {location}", param="source") from None
-        source = ImageSource(location, names, store.get)
+        source = MediaSource(location, names, store.get)
     else:
         root = Path(location)
         if not root.is_dir():
@@ -59,12 +70,14 @@ def open_source(location: str) -> ImageSource:
         names = sorted(
             p.relative_to(root).as_posix()
             for p in root.rglob("*")
-            if p.is_file() and _is_image(p.relative_to(root).as_posix())
+            if p.is_file() and media_type(p.relative_to(root).as_posix())
         )
-        source = ImageSource(str(root), names, lambda name: (root / name).read_bytes())
+        source = MediaSource(str(root), names, lambda name: (root / name).read_bytes())
     if not source.names:
         raise InvalidRequestError(
-            f"no images ({', '.join(IMAGE_SUFFIXES)}) under {location}", param="source"
+            f"no images ({', '.join(IMAGE_SUFFIXES)}) or text passages "
+            f"({', '.join(DOCUMENT_SUFFIXES)}) under {location}",
+            param="source",
         )
     return source
 

@@ -40,6 +40,11 @@ class LocalResponse:
     def __await__(self):
         return self._result().__await__()
 
+    def result(self) -> Any:
+        """The value, waited for from a thread without an event loop (as a sync Serve method
+        calls `handle.method.remote(...).result()`)."""
+        return asyncio.run(self._result())
+
     def _to_object_ref(self) -> LocalResponse:
         return self  # awaiting it gives the value itself (no object store in-process)
 

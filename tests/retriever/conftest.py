@@ -1,5 +1,6 @@
-"""Fixtures of the retriever tests: a folder of distinct reference images, the tiny LLaVA's real
-entry computation (wrapped to count engine calls) and helpers to build a Retriever on a store."""
+"""Fixtures of the retriever tests: a folder of distinct reference images (and text passages),
+the tiny LLaVA's real entry computation of images and documents (wrapped to count engine calls)
+and helpers to build a Retriever on a store."""
 
 from __future__ import annotations
 
@@ -37,18 +38,43 @@ def write_images(folder: Path, seeds: list[int]) -> dict[str, bytes]:
     return out
 
 
+PASSAGES = {
+    "pool.txt": "The hotel has a heated outdoor pool open from May to September.",
+    "breakfast.md": "# Breakfast\nServed from seven to ten in the garden room.",
+    "notes/parking.txt": "Parking is free for guests; the garage closes at midnight.",
+}
+"""Text passages of a reference folder: {name relative to the folder: text}."""
+
+
+def write_passages(folder: Path, passages: dict[str, str] | None = None) -> dict[str, str]:
+    """Write `passages` (default PASSAGES) as UTF-8 files under `folder`; returns them."""
+    passages = PASSAGES if passages is None else passages
+    for name, text in passages.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text, encoding="utf-8")
+    return passages
+
+
 class CountingEngine:
-    """The real tiny-LLaVA `cache_image`, counting calls; `fail_at` raises on that call."""
+    """The real tiny-LLaVA `cache_image` (call it) and `cache_document` (`document`), counting
+    calls; `fail_at` raises on that image call."""
 
     def __init__(self, hf: tuple[Any, Any, Any]) -> None:
         from mpic.engine.hf.adapters import make_adapter
-        from mpic.engine.hf.entries import cache_image
+        from mpic.engine.hf.entries import cache_document, cache_image
 
         model, processor, self.spec = hf
         adapter = make_adapter(model)
         self._compute = lambda media: cache_image(model, processor, adapter, self.spec, media)
+        self._document = lambda text: cache_document(processor, adapter, self.spec, text)
         self.calls: list[bytes] = []
+        self.doc_calls: list[str] = []
         self.fail_at: int | None = None
+
+    def document(self, text: str) -> CacheEntry:
+        """The entry of a text passage (the engine's document recipe), counted."""
+        self.doc_calls.append(text)
+        return self._document(text)
 
     @property
     def fingerprint(self) -> str:

@@ -24,7 +24,7 @@ def test_every_image_is_its_own_top1_and_entries_are_exact(tmp_path, engine, mak
     images = write_images(tmp_path / "src", list(range(6)))
     (tmp_path / "src" / "sub").mkdir()
     (tmp_path / "src" / "sub" / "copy.png").write_bytes(images["img-002.png"])
-    (tmp_path / "src" / "notes.txt").write_text("not an image, ignored")
+    (tmp_path / "src" / "notes.csv").write_text("neither an image nor a passage, ignored")
     caps = tmp_path / "captions.jsonl"
     caps.write_text("\n".join(json.dumps({"file": n, "caption": f"cap {n}"}) for n in images))
     retriever = make_retriever()
@@ -146,19 +146,27 @@ def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
     images = {f"img-{s}.png": png_bytes(s) for s in range(3)}
     for name, data in images.items():
         src.put(f"batch/{name}", data)
-    src.put("batch/readme.txt", b"ignored")
+    src.put("batch/readme.txt", b"Reference pictures of the hotel, taken in 2026.")
+    src.put("batch/data.csv", b"ignored")
     url = (
         f"s3://{src_cfg.bucket}/refs/2026?endpoint={s3_server.endpoint}&secure=false"
         "&access_key=testing&secret_key=testing&region=us-east-1"
     )
     source = open_source(url)
-    assert source.names == [f"batch/{n}" for n in sorted(images)]
+    assert source.names == [f"batch/{n}" for n in sorted(images)] + ["batch/readme.txt"]
     # moto serves from a thread of this process: allow for a busy machine
     retriever = RetrievalService(
         S3ObjectStore(s3_server.config().model_copy(update={"timeout_s": 30.0}))
     )
-    report = retriever.refresh("s3refs", source, engine, model_fingerprint=engine.fingerprint)
-    assert report.items == 3 and retriever.collections() == ["s3refs"]
+    report = retriever.refresh(
+        "s3refs",
+        source,
+        engine,
+        model_fingerprint=engine.fingerprint,
+        compute_document=engine.document,
+    )
+    assert (report.items, report.documents) == (4, 1) and retriever.collections() == ["s3refs"]
+    assert engine.doc_calls == ["Reference pictures of the hotel, taken in 2026."]
     man = retriever.library("s3refs").current()
     assert INDEX_BLOB in man.blobs
     for name, data in images.items():
@@ -167,7 +175,7 @@ def test_refresh_from_s3_prefix_into_s3_store(s3_server, engine):
 
 def test_image_changing_during_refresh_fails_before_writing(tmp_path, engine, make_retriever):
     from mpic.errors import InvalidRequestError
-    from mpic.retriever.sources import ImageSource
+    from mpic.retriever.sources import MediaSource
 
     write_images(tmp_path / "a", [0, 1])
     real = open_source(str(tmp_path / "a"))
@@ -181,7 +189,7 @@ def test_image_changing_during_refresh_fails_before_writing(tmp_path, engine, ma
     with pytest.raises(InvalidRequestError, match="changed during the refresh"):
         retriever.refresh(
             "refs",
-            ImageSource(real.location, real.names, read),
+            MediaSource(real.location, real.names, read),
             engine,
             model_fingerprint=engine.fingerprint,
         )
