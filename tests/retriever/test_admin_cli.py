@@ -107,3 +107,36 @@ def test_bad_input_exits_non_zero_with_a_message(tmp_path, cli) -> None:
     assert name.exit_code == 2 and "collection name" in name.stderr
     rb = cli("library", "rollback", "v0", "--collection", "ghost")
     assert rb.exit_code == 2 and "unknown collection" in rb.stderr
+
+
+def test_refresh_a_folder_of_images_and_passages_and_search_text(tmp_path, cli) -> None:
+    from tests.retriever.conftest import PASSAGES, write_passages
+
+    write_images(tmp_path / "src", [0, 1])
+    write_passages(tmp_path / "src")
+    out = cli("library", "refresh", str(tmp_path / "src"), "--collection", "mix", "--no-progress")
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert (report["items"], report["documents"], report["computed"]) == (5, 3, 5)
+    shown = json.loads(cli("library", "show", "--collection", "mix", "--json").stdout)
+    kinds = sorted((i["extra"]["name"], i["media_type"]) for i in shown["items"])
+    assert kinds == sorted(
+        [("img-000.png", "image"), ("img-001.png", "image")] + [(n, "document") for n in PASSAGES]
+    )
+    query = PASSAGES["breakfast.md"]
+    found = cli("library", "search", "-c", "mix", "--text", query, "--top-k", "5", "--json")
+    hits = json.loads(found.stdout)["hits"]
+    assert (hits[0]["name"], hits[0]["media_type"]) == ("breakfast.md", "document")
+    assert hits[0]["score"] == pytest.approx(1.0, abs=1e-4) and len(hits) == 5
+    text = cli("library", "search", "-c", "mix", "--text", query, "--top-k", "5")
+    lines = text.stdout.splitlines()[1:]
+    assert text.exit_code == 0 and len(lines) == 5
+    assert lines[0].split()[2:4] == ["document", "breakfast.md"]
+    assert sum(line.split()[2] == "document" for line in lines) == 3
+
+    (tmp_path / "src" / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    bad = cli("library", "refresh", str(tmp_path / "src"), "--collection", "mix", "--no-progress")
+    assert bad.exit_code == 2 and "bad.txt is not UTF-8" in bad.stderr
+    assert json.loads(cli("library", "show", "-c", "mix", "--json").stdout)["versions"] == [
+        report["version"]
+    ]
