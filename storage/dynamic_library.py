@@ -42,7 +42,9 @@ class ManifestItem(BaseModel):
     item_id: str = Field(description="Stable id of the reference inside the collection.")
     content_hash: str | None = Field(None, description="sha256 hex of the media bytes.")
     media_key: str | None = Field(None, description="Object key of the original media.")
-    media_type: str = Field("image", description="Kind of media.")
+    media_type: str = Field(
+        "image", description='Kind of media: "image", or "document" (a text passage).'
+    )
     entry_key: str | None = Field(None, description="Content address of the KV entry.")
     token_count: int | None = Field(None, description="Tokens the item occupies.")
     caption: str = Field("", description="Text stored with the reference.")
