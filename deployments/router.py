@@ -126,6 +126,24 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         while len(self._sent) > self._history_size:
             self._sent.popitem(last=False)
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
+        """Give `replica` to the request it was chosen for (the routing task's own request,
+        whose metadata object is `request_metadata`). Serve's default matches by internal
+        request id, which every call made while serving one HTTP request shares (the `n`
+        generate calls of one chat): only the first of them is indexed, so the others were
+        never fulfilled and routed forever."""
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                if self._pending_requests_by_id.get(request_metadata.internal_request_id) is (
+                    pending
+                ):
+                    self._remove_pending_request_from_indices(pending)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         for held in self._sent.values():

@@ -122,6 +122,26 @@ def test_every_choice_asks_serve_to_back_off(router) -> None:
         assert pending.routing_context.should_backoff
 
 
+def test_calls_sharing_a_request_id_each_get_their_replica(router) -> None:
+    # the n generate calls of one chat share Serve's internal request id: each routing task
+    # must fulfil its own call (Serve's default fulfilled the first one only)
+    a, b = FakeReplica("a"), FakeReplica("b")
+    loop = router.test_loop
+
+    async def run() -> tuple:
+        first, second = prompt("e1"), prompt("e1")
+        for pending in (first, second):
+            pending.reset_future()
+            router._pending_requests_to_fulfill.append(pending)
+            router._add_pending_request_to_indices(pending)
+        router._fulfill_next_pending_request(b, second.metadata)
+        assert second.future.done() and not first.future.done()
+        router._fulfill_next_pending_request(a, first.metadata)
+        return await first.future, await second.future
+
+    assert loop.run_until_complete(run()) == (a, b)
+
+
 def test_config_selects_the_router() -> None:
     from mpic.deployments.app import build_app
 
