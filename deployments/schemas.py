@@ -104,7 +104,9 @@ class ImageURL(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description='Only "auto" (the model\'s own resolution); low/high: 400.'
+    )
 
 
 class ImagePart(BaseModel):
@@ -140,7 +142,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
-    name: str | None = None
+    name: str | None = Field(None, description="Participant names are not supported: 400.")
 
 
 class MPICOptions(BaseModel):
@@ -268,6 +270,21 @@ class ChatCompletionRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise InvalidRequestError("stop: at most 4 non-empty strings", param="stop")
+        for i, message in enumerate(self.messages):
+            if message.name is not None:
+                raise InvalidRequestError(
+                    "name: participant names are not supported (the chat template has no "
+                    "place for them)",
+                    param=f"messages.{i}.name",
+                )
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                detail = part.image_url.detail if isinstance(part, ImagePart) else None
+                if detail not in (None, "auto"):
+                    raise InvalidRequestError(
+                        f"image_url.detail {detail!r}: images are encoded at the model's own "
+                        'resolution (only "auto")',
+                        param=f"messages.{i}.content.{j}.image_url.detail",
+                    )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.n > 1 and self.stream:

@@ -1,7 +1,8 @@
 """docs/serving.md's table of chat request fields covers the request model exactly (fast, no Ray):
-every field of `ChatCompletionRequest` (and of its `stream_options` and `mpic` objects) is named
-in the table with a verdict, "honoured" (with how) or a restriction/rejection with its 400, and
-the table names no field the model lacks."""
+every field of `ChatCompletionRequest` (and of its `stream_options` and `mpic` objects, and the
+message-level `name` and `image_url` fields) is named in the table with a verdict, "honoured"
+(with how) or a restriction/rejection with its 400, and the table names no field the model
+lacks; the message-level rejections are checked on the request model itself."""
 
 from __future__ import annotations
 
@@ -56,3 +57,30 @@ def test_nested_objects_are_covered() -> None:
     mpic_how = rows["mpic"][1]
     for name in MPICOptions.model_fields:
         assert f"`{name}`" in mpic_how, f"mpic.{name} is not described in the mpic row"
+
+
+def test_message_level_fields_are_honoured_or_rejected() -> None:
+    import pytest
+
+    from mpic.errors import InvalidRequestError
+
+    rows = field_table()
+    for name in ("messages.name", "messages.content.image_url.detail"):
+        assert name in rows and "400" in rows[name][1], name
+    assert rows["messages.content.image_url.url"][0] == "honoured"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    for detail in (None, "auto"):
+        part = {**image, "image_url": {**image["image_url"], "detail": detail}}
+        msgs = [{"role": "user", "content": [part]}]
+        ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+    bad = [
+        ({"role": "user", "content": "hi", "name": "ann"}, "messages.0.name"),
+        (
+            {"role": "user", "content": [{**image, "image_url": {"url": "x", "detail": "high"}}]},
+            "messages.0.content.0.image_url.detail",
+        ),
+    ]
+    for message, param in bad:
+        with pytest.raises(InvalidRequestError) as exc:
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
+        assert exc.value.param == param and exc.value.status == 400
