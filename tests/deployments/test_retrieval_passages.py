@@ -112,3 +112,39 @@ def test_fake_engine_refuses_passages(tmp_path: Path) -> None:
         assert "pool.txt" in resp.json()["error"]["message"]
         listing = fake.client.get("/v1/admin/collections", headers=fake.headers(ADMIN_KEY))
         assert listing.json()["data"] == []  # nothing was committed
+
+
+@pytest.mark.slow
+def test_passages_over_ray_serve(serve_app, offline, tmp_path_factory) -> None:
+    """The same on the session's real Ray Serve app: the Retriever replica asks the LLM worker
+    replica for each passage's entry (`make_document_entry` over a Serve handle)."""
+    import httpx
+
+    from mpic.prompt_parts import DocumentRef, ImageRef
+    from tests.deployments.conftest import chat
+
+    source = _source(tmp_path_factory.mktemp("ray-passages") / "refs")
+    resp = httpx.post(
+        f"{serve_app.url}/v1/admin/collections/passages/refresh",
+        json={"source": str(source)},
+        headers=serve_app.headers(ADMIN_KEY),
+        timeout=300,
+    )
+    assert resp.status_code == 200, resp.text
+    assert (resp.json()["items"], resp.json()["documents"]) == (3, 2)
+    question = PASSAGES["rooms/breakfast.md"]
+    spec = {"collection": "passages", "top_k": 2, "min_score": -1.0}
+    got = chat(
+        serve_app,
+        "alice-key",
+        [{"type": "text", "text": question}],
+        mpic={"policy": "mpic-4", "retrieval": spec},
+    )
+    assert got.status_code == 200, got.text
+    refs = {offline.cache_document(t).entry_id: DocumentRef for t in PASSAGES.values()}
+    refs[offline.cache_image(IMAGE).entry_id] = ImageRef
+    retrieved = got.json()["mpic"]["retrieved"]
+    assert retrieved[0] == offline.cache_document(question).entry_id and len(retrieved) == 2
+    gen = offline.generate([refs[e](e) for e in retrieved] + [question], "mpic-4", 6)
+    want = offline.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    assert got.json()["choices"][0]["message"]["content"] == want
