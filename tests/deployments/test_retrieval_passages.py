@@ -63,14 +63,9 @@ def test_refresh_route_caches_passages_with_the_serving_engine(refreshed, offlin
     assert (refreshed["items"], refreshed["documents"], refreshed["computed"]) == (3, 2, 3)
 
 
-@pytest.mark.parametrize("policy", ["full", "mpic-4"])
-def test_retrieved_passages_link_as_documents_like_offline(
-    app, refreshed, offline, policy: str
-) -> None:
-    from mpic.prompt_parts import DocumentRef, ImageRef
-
-    question = PASSAGES["pool.txt"]  # its own passage is the best hit (cosine 1)
-    resp = app.client.post(
+def _ask(app, question: str, policy: str, top_k: int):
+    """A chat whose only text is `question`, retrieving `top_k` items of "hotel"."""
+    return app.client.post(
         "/v1/chat/completions",
         headers=app.headers("alice-key"),
         json={
@@ -79,10 +74,20 @@ def test_retrieved_passages_link_as_documents_like_offline(
             "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}],
             "mpic": {
                 "policy": policy,
-                "retrieval": {"collection": "hotel", "top_k": 3, "min_score": -1.0},
+                "retrieval": {"collection": "hotel", "top_k": top_k, "min_score": -1.0},
             },
         },
     )
+
+
+@pytest.mark.parametrize("policy", ["full", "mpic-4"])
+def test_retrieved_passages_link_as_documents_like_offline(
+    app, refreshed, offline, policy: str
+) -> None:
+    from mpic.prompt_parts import DocumentRef, ImageRef
+
+    question = PASSAGES["pool.txt"]  # its own passage is the best hit (cosine 1)
+    resp = _ask(app, question, policy, top_k=3)
     assert resp.status_code == 200, resp.text
     body = resp.json()
     refs = {offline.cache_document(t).entry_id: DocumentRef for t in PASSAGES.values()}
@@ -97,6 +102,21 @@ def test_retrieved_passages_link_as_documents_like_offline(
     assert body["usage"]["prompt_tokens"] == gen.prefilled.plan.num_tokens
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert (cached == 0) if policy == "full" else (cached > 0)
+
+
+def test_lost_passage_entry_is_recomputed_as_a_document(app, refreshed, offline) -> None:
+    from mpic.prompt_parts import DocumentRef
+
+    question = PASSAGES["rooms/breakfast.md"]
+    entry = offline.cache_document(question).entry_id
+    app.worker.entries.delete(entry)  # every tier: recomputed from the stored passage bytes
+    resp = _ask(app, question, "mpic-4", top_k=1)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["mpic"]["retrieved"] == [entry] and body["mpic"]["fallbacks"] == 1
+    gen = offline.generate([DocumentRef(entry), question], "mpic-4", 6)
+    want = offline.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    assert body["choices"][0]["message"]["content"] == want
 
 
 def test_fake_engine_refuses_passages(tmp_path: Path) -> None:
