@@ -257,6 +257,7 @@ def build_prompts(
 
 def _run_vllm(
     model: str,
+    items: str,
     prompts: int,
     count: int,
     policy: str,
@@ -265,7 +266,7 @@ def _run_vllm(
     steps: int,
 ) -> list[dict[str, Any]]:
     """The rows on vLLM: the presses' uniform variant as compressed image entries
-    (`mpic.benchmarks.compress_vllm`); exit 2 for a model whose images vLLM cannot shorten."""
+    (`mpic.benchmarks.compress_vllm`); exit 2 for a model whose items vLLM cannot shorten."""
     from mpic.benchmarks.compress_vllm import VllmCompressBench, run_compress_vllm
     from mpic.engine.vllm.presses import check_press
     from mpic.errors import InvalidRequestError
@@ -278,8 +279,8 @@ def _run_vllm(
         raise typer.Exit(code=2) from exc
     bench = VllmCompressBench(model)
     try:
-        return run_compress_vllm(bench, bench.prompts(prompts, count), policy, names, budgets,
-                                 steps)  # fmt: skip
+        return run_compress_vllm(bench, bench.prompts(prompts, count, items), policy, names,
+                                 budgets, steps)  # fmt: skip
     finally:
         bench.close()
 
@@ -317,10 +318,6 @@ def command(
             raise ValueError(f"--engine {engine!r}: reference or vllm")
         if items not in ("images", "documents"):
             raise ValueError("--items must be images or documents")
-        if engine == "vllm" and items != "images":
-            raise ValueError(
-                "--engine vllm compresses cached images only (docs/presses.md, vLLM path)"
-            )
         if not names or not bs:
             raise ValueError("--presses and --budgets must not be empty")
         if not Path(model, "config.json").is_file():
@@ -332,7 +329,7 @@ def command(
     if threads:
         torch.set_num_threads(threads)
     if engine == "vllm":
-        rows = _run_vllm(model, prompts, count, policy, names, bs, steps)
+        rows = _run_vllm(model, items, prompts, count, policy, names, bs, steps)
     else:
         from mpic.engine.hf.reference_runner import ReferenceRunner
 

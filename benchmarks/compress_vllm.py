@@ -1,18 +1,21 @@
 """`mpic bench compress --engine vllm` (CLI process; vLLM's engine core and worker are its child
-processes): the presses' uniform-across-layers variant on vLLM, i.e. compressed image entries
-(`mpic.engine.vllm.presses`), per press and budget against the uncompressed linked run.
+processes): the presses' uniform-across-layers variant on vLLM, i.e. compressed image and
+document entries (`mpic.engine.vllm.presses`), per press and budget against the uncompressed
+linked run.
 
-Prompts: `--prompts` interleaved prompts of `--images` synthetic images, uploaded through vLLM's
-own forward. Per prompt the uncompressed run (same policy, full entries) decodes `--steps` greedy
-tokens with the whole vocabulary's log-probs and is the reference; every (press, budget) run
-links the images' compressed entries instead (made by vLLM's worker once per image, press and
-budget; not timed). Per (press, budget), means over the prompts, in the columns of
+Prompts: `--prompts` interleaved prompts of `--images` synthetic images, or `--documents`
+standard-library passages cached as text documents with a question (`--items documents`, for a
+model with a trained language model), their entries computed by vLLM's own forward. Per prompt
+the uncompressed run (same policy, full entries) decodes `--steps` greedy tokens with the whole
+vocabulary's log-probs and is the reference; every (press, budget) run links the items'
+compressed entries instead (made by vLLM's worker once per item, press and budget; not timed).
+Per (press, budget), means over the prompts, in the columns of
 `mpic.benchmarks.compress`:
 
 - `kv_bytes`: bytes of the paged KV vLLM holds for the request while decoding: its blocks,
   ceil((N + steps) / block_size) * block_size slots * L * 2 (K, V) * H_kv * D * dtype bytes;
-  `kv_bytes_full` the same for the uncompressed prompt. Only image tokens shrink (text and the
-  question are computed per request), so the reduction is the images' share of the prompt times
+  `kv_bytes_full` the same for the uncompressed prompt. Only item tokens shrink (text and the
+  question are computed per request), so the reduction is the items' share of the prompt times
   (1 - b), rounded to blocks;
 - `decode_ms_per_token`: (wall time of a `steps`-token request - that of a 1-token request) /
   (steps - 1), both without log-probs and with a fresh cache salt (no prefix-cache hit);
@@ -40,7 +43,7 @@ from mpic.benchmarks.offline import kl_divergence
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, linked_request
 from mpic.linker.recipe import plan_prompt
-from mpic.prompt_parts import ImageRef, PromptPart
+from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
 from mpic.samples import interleaved_prompt, synthetic_png
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
@@ -68,9 +71,24 @@ class VllmCompressBench:
         )
         self.block_size = engine.cfg.block_size
 
-    def prompts(self, count: int, per_prompt: int) -> list[list[PromptPart]]:
-        """`count` interleaved prompts of `per_prompt` synthetic images (uploaded by vLLM)."""
+    def prompts(self, count: int, per_prompt: int, items: str = "images") -> list[list[PromptPart]]:
+        """`count` prompts of `per_prompt` synthetic images, or standard-library passages cached
+        as text documents with a question (`items="documents"`, as the reference benchmark's),
+        their entries computed by vLLM."""
         out = []
+        if items == "documents":
+            from mpic.benchmarks.fidelity import passages, question_parts
+
+            docs = passages(per_prompt * count)
+            for p in range(count):
+                mine = docs[p * per_prompt : (p + 1) * per_prompt]
+                ids = []
+                for d in mine:
+                    entry = self.engine.cache_document(d.text)
+                    self.entries[entry.entry_id] = entry
+                    ids.append(entry.entry_id)
+                out.append(question_parts(mine, ids, p))
+            return out
         for p in range(count):
             ids = []
             for i in range(per_prompt):
@@ -81,13 +99,14 @@ class VllmCompressBench:
         return out
 
     def pressed(self, parts: list[PromptPart], press: str, budget: float) -> list[PromptPart]:
-        """`parts` with every image replaced by its compressed entry (made on first use)."""
+        """`parts` with every image and document replaced by its compressed entry (made on
+        first use)."""
         out: list[PromptPart] = []
         for part in parts:
-            if isinstance(part, ImageRef):
+            if isinstance(part, ImageRef | DocumentRef):
                 entry = self.engine.press_entry(self.entries[part.entry_id], press, budget)
                 self.entries[entry.entry_id] = entry
-                part = ImageRef(entry.entry_id)
+                part = type(part)(entry.entry_id)
             out.append(part)
         return out
 

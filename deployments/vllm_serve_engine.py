@@ -8,8 +8,9 @@ vLLM runs its own vision tower inside the request that computes an entry (the up
 document's entry is computed by vLLM's forward over its token ids alike. A query
 is linked as in the reference runner (render -> plan -> policy depths) and submitted as a linked
 request whose KV the connector assembles from the shared entry store inside vLLM's worker.
-A request with a press (`mpic.press`/`mpic.budget`) links its images' compressed entries
-(`mpic.engine.vllm.presses`: the presses' uniform-across-layers variant, fewer tokens per image).
+A request with a press (`mpic.press`/`mpic.budget`) links its images' and documents' compressed
+entries (`mpic.engine.vllm.presses`: the presses' uniform-across-layers variant, fewer tokens per
+item).
 
 No lock: every query is its own vLLM request, streamed token by token as vLLM decodes it, and
 vLLM's scheduler batches the requests in flight (continuous batching). A linked request whose
@@ -178,30 +179,28 @@ class VllmServeEngine(ServeEngine):
         press: str,
         budget: float | None,
     ) -> list[PromptPart]:
-        """`parts` with every image linked as its compressed entry (the presses' uniform
-        variant, `mpic.engine.vllm.presses`: made by vLLM's worker on first use of (entry,
-        press, budget), then read from the store), so the prompt, vLLM's paged KV and decoding
-        shrink. 400 (`mpic.press`) for an M-RoPE model and for a prompt with documents or
-        without images (vLLM compresses only images: the press would be ignored there). The
-        exact fallback of a failed link is the uncompressed prompt with its images."""
+        """`parts` with every image and document linked as its compressed entry (the presses'
+        uniform variant, `mpic.engine.vllm.presses`: made by vLLM's worker on first use of
+        (entry, press, budget), then read from the store), so the prompt, vLLM's paged KV and
+        decoding shrink. 400 (`mpic.press`) for an M-RoPE model and for a prompt without cached
+        items (vLLM compresses only those: the press would be ignored there). The exact
+        fallback of a failed link carries the images whole and the documents' kept tokens."""
         check_press(self.spec, press, budget)
-        if any(isinstance(p, DocumentRef) for p in parts) or not any(
-            isinstance(p, ImageRef) for p in parts
-        ):
+        if not any(isinstance(p, ImageRef | DocumentRef) for p in parts):
             raise InvalidRequestError(
-                "mpic.press: the vLLM engine compresses cached images only (text is computed "
-                "per request, documents are linked whole); this prompt links documents or no "
-                "image. Use the reference engine to compress them",
+                "mpic.press: the vLLM engine compresses cached images and documents only (text "
+                "is computed per request) and this prompt links none; use the reference engine "
+                "to compress text",
                 param="mpic.press",
             )
         out: list[PromptPart] = []
         for part in parts:
-            if isinstance(part, ImageRef):
+            if isinstance(part, ImageRef | DocumentRef):
                 entry = self.vllm.press_entry(table[part.entry_id], press, budget or 1.0)
                 table[entry.entry_id] = entry
                 if part.entry_id in media:
                     media[entry.entry_id] = media[part.entry_id]
-                part = ImageRef(entry.entry_id)
+                part = type(part)(entry.entry_id)
             out.append(part)
         return out
 

@@ -103,6 +103,33 @@ def test_press_on_vllm_equals_reference_variant(setup: Setup, press: str) -> Non
 
 
 @pytest.mark.slow
+def test_compressed_documents_equal_reference_variant(setup: Setup) -> None:
+    from mpic.engine.vllm.requests import linked_request
+    from mpic.prompt_parts import DocumentRef
+
+    texts = [
+        "The red squares sit left of the blue circles; the green triangles are above them all.",
+        "Shopping list: two apples, bread, milk, a bag of rice and three onions for the soup.",
+    ]
+    docs = [setup.engine.cache_document(t, SYSTEM) for t in texts]
+    parts: list = ["Read"]
+    for doc in docs:
+        setup.ref.add_entry(doc)
+        got = setup.engine.press_entry(doc, "elastic", BUDGET)
+        want = setup.ref.press_entry(doc.entry_id, "elastic", BUDGET)
+        assert got.extra["press"]["kept"] == want.extra["press"]["kept"]
+        kept = got.extra["press"]["kept"]
+        assert got.extra["token_ids"] == [doc.extra["token_ids"][i] for i in kept]
+        assert got.num_tokens == keep_count(BUDGET, doc.num_tokens)
+        setup.ref.add_entry(want)
+        parts += [DocumentRef(got.entry_id), "and"]
+    expected = setup.ref.generate([*parts, "what is left?"], POLICY, 8, stop_at_eos=False)
+    plan = expected.prefilled.plan
+    (out,) = setup.engine.generate([linked_request(plan, POLICY, setup.engine.spec)], 8)
+    assert out.token_ids == expected.tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "full-reuse", "cacheblend-15", "mpic-1"])
 def test_compressed_entries_compose_with_policies(setup: Setup, policy: str) -> None:
     order = [setup.entries[i] for i in (1, 2)]

@@ -56,7 +56,6 @@ def test_json_table_and_plot(bench, tiny_llava_dir):
         ["--budgets", "0"],
         ["--budgets", "1.5"],
         ["--engine", "tgi"],
-        ["--engine", "vllm", "--items", "documents"],  # vLLM compresses cached images only
         ["--policy", "nope"],
         ["--items", "video"],
     ],
