@@ -1,4 +1,4 @@
-"""Data contracts shared by the linker, engine, storage and deployments (docs/design.md "Contracts").
+"""Data contracts shared by linker, engine, storage and deployments (docs/design.md "Contracts").
 
 Runs in every process. Only torch and the standard library are imported here, so storage, linker
 and retriever code can use these types without vLLM.
@@ -70,7 +70,7 @@ class CacheEntry:
 
 @dataclass
 class LinkPlan:
-    """How a prompt of N tokens is assembled from text and cached entries (docs/design.md "Link plan").
+    """How a prompt of N tokens is built from text and cached entries (docs/design.md "Link plan").
 
     Text tokens have no stored KV: their slots are the dummy (zero) cache and they are always
     recomputed. A token's `recompute_depth` is the number of leading layers at which it is

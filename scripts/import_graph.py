@@ -84,7 +84,8 @@ def violations() -> list[str]:
                 continue  # `from pkg import name` also yields pkg.name: keep real modules only
             other = package_of(target)
             if other != own and PACKAGES[other][1] >= PACKAGES[own][1]:
-                found.append(f"{module}: imports {target} (floor {PACKAGES[other][1]} >= {PACKAGES[own][1]})")
+                floors = f"floor {PACKAGES[other][1]} >= {PACKAGES[own][1]}"
+                found.append(f"{module}: imports {target} ({floors})")
             sub, sub_other = _sub(module), _sub(target)
             if sub and sub_other and sub != sub_other and SUBFLOORS[sub_other] >= SUBFLOORS[sub]:
                 found.append(f"{module}: imports {target} (engine subpackage above or beside)")
