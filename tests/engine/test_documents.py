@@ -158,39 +158,56 @@ def test_all_document_tokens_recomputed_is_exact_when_moved(smollm2_runner, docs
 
 
 def test_reuse_equals_an_independent_transformers_implementation(smollm2_runner, docs) -> None:
-    """mpic-0 (text recomputed with the cached document in view, document KV reused) equals the
-    same recipe written with transformers alone: the document's KV from the model's own forward
-    over its canonical context, keys rotated by the position shift with the model's own rotary
-    embedding, prepended by the exact prefix KV in a DynamicCache, the suffix run on top."""
+    """mpic-0 (text recomputed with the cached documents in view, documents' KV reused) equals the
+    same recipe written with transformers alone, over two documents with text around and between
+    them: each document's KV from the model's own forward over its canonical context, keys
+    rotated by the position shift with the model's own rotary embedding and appended to a
+    DynamicCache, each text run computed on top of everything before it (so every text token sees
+    exactly the tokens at lower prompt indices)."""
     from transformers import DynamicCache
 
-    run, (a, _) = smollm2_runner, docs
-    parts = ["A preface that moves the document elsewhere. Read:\n", DocumentRef(a.entry_id), "?"]
+    run, (a, b) = smollm2_runner, docs
+    parts = [
+        "A preface that moves the documents elsewhere. Read:\n",
+        DocumentRef(a.entry_id),
+        "\nand then this one:\n",
+        DocumentRef(b.entry_id),
+        "\nWhat do they say?",
+    ]
     plan = run.plan(parts, "full").plan
-    ids, is_doc = plan.token_ids, plan.source_entry >= 0
-    s, t = int(is_doc.nonzero()[0]), int(is_doc.sum())
-    ctx = a.extra["context_token_ids"]
+    ids, source = plan.token_ids, plan.source_entry.tolist()
+    by_id = {a.entry_id: a, b.entry_id: b}
     model = run.model
+
+    def rotated(k: torch.Tensor, shift: int) -> torch.Tensor:  # [1, H, T, D], rotate-half RoPE
+        cos, sin = model.model.rotary_emb(torch.zeros(1), torch.tensor([[shift]]))
+        half = k.shape[-1] // 2
+        turned = torch.cat([-k[..., half:], k[..., :half]], -1)
+        return k * cos[:, None] + turned * sin[:, None]
+
+    cache, start, runs = DynamicCache(), 0, 0
     with torch.inference_mode():
-        canonical = model(torch.tensor([ctx + a.extra["token_ids"]]), use_cache=True)
-        prefix = model(ids[None, :s], use_cache=True).past_key_values
-        cos, sin = model.model.rotary_emb(torch.zeros(1), torch.tensor([[s - len(ctx)]]))
-
-        def rotated(k: torch.Tensor) -> torch.Tensor:  # [1, H, T, D], rotate-half RoPE
-            half = k.shape[-1] // 2
-            turned = torch.cat([-k[..., half:], k[..., :half]], -1)
-            return k * cos[:, None] + turned * sin[:, None]
-
-        cache = DynamicCache()
-        for layer in range(len(model.model.layers)):
-            dk = canonical.past_key_values.layers[layer].keys[:, :, len(ctx) :]
-            dv = canonical.past_key_values.layers[layer].values[:, :, len(ctx) :]
-            pk, pv = prefix.layers[layer].keys, prefix.layers[layer].values
-            cache.update(torch.cat([pk, rotated(dk)], 2), torch.cat([pv, dv], 2), layer)
-        position_ids = torch.arange(s + t, len(ids))[None]
-        expected = model(ids[None, s + t :], past_key_values=cache, position_ids=position_ids)
+        while start < len(source):
+            end = start
+            while end < len(source) and source[end] == source[start]:
+                end += 1
+            if source[start] < 0:  # a text run on top of the cache
+                position_ids = torch.arange(start, end)[None]
+                out = model(ids[None, start:end], past_key_values=cache, position_ids=position_ids)
+                expected = out.logits[0, -1]
+            else:  # a document: its canonical KV, moved to its place in this prompt
+                entry = by_id[plan.entry_ids[source[start]]]
+                ctx = entry.extra["context_token_ids"]
+                canon = model(torch.tensor([ctx + entry.extra["token_ids"]])).past_key_values
+                assert end - start == entry.num_tokens
+                for layer in range(len(model.model.layers)):
+                    k = canon.layers[layer].keys[:, :, len(ctx) :]
+                    v = canon.layers[layer].values[:, :, len(ctx) :]
+                    cache.update(rotated(k, start - len(ctx)), v, layer)
+            start, runs = end, runs + 1
+    assert runs == 5  # text, document, text, document, text
     got = run.prefill(parts, "mpic-0").logits
-    assert torch.allclose(got, expected.logits[0, -1], atol=2e-4)
+    assert torch.allclose(got, expected, atol=2e-4)
     assert not torch.allclose(got, run.prefill(parts, "full").logits, atol=1e-2)
 
 
