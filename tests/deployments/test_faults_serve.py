@@ -25,14 +25,16 @@ ALICE = {"Authorization": "Bearer alice-key"}
 
 
 def _worker_pids(app_name: str) -> list[int]:
-    """Pids of the live LLM-worker replica processes (Ray titles them `ray::ServeReplica:...`)."""
+    """Pids of the live LLM-worker replica processes (Ray titles them `ray::ServeReplica:...`)
+    of this test's Ray cluster (started by `ray.init` in this process, so its workers are our
+    descendants; another Ray cluster on the machine is not looked at)."""
     import psutil
 
     title = f"ServeReplica:{app_name}:LLMWorker"
     pids = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.Process().children(recursive=True):
         try:
-            if title in " ".join(proc.info["cmdline"] or []) and proc.status() != "zombie":
+            if title in " ".join(proc.cmdline()) and proc.status() != "zombie":
                 pids.append(proc.pid)
         except psutil.Error:
             continue
@@ -224,7 +226,10 @@ def test_closed_by_default_over_real_serve(serve_app: ServeApp, tmp_path: Path) 
     except httpx.HTTPError:  # the server answered and closed while we were still sending
         status = 401
     took = time.perf_counter() - t0
-    assert status == 401 and took < 1.0, (status, took)
+    # The app answers from the headers (the fake-app test checks that it reads at most what the
+    # transport buffered); Serve's proxy still drains the client's body (Ray's code), so the time
+    # here is loopback transfer time: 0.4 s on a quiet 2-core host, bounded loosely for busy CI.
+    assert status == 401 and took < 5.0, (status, took, sent)
     for key in ("mpic-dev-alice", "mpic-dev-bob", "mpic-dev-admin"):
         r = httpx.get(f"{serve_app.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 401
