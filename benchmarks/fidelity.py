@@ -36,6 +36,7 @@ import logging
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
+    from rich.progress import Progress
+
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import PromptPart
 
@@ -227,8 +230,11 @@ def run_fidelity(
     policies: list[str],
     questions: int,
     chars: int = 700,
+    advance: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """The result rows (one per policy and document count, means over `questions`)."""
+    """The result rows (one per policy and document count, means over `questions`). `advance`
+    is called after each generation (`len(document_counts) * questions * len(policies)` of
+    them, "full" counted once)."""
     from mpic.benchmarks.offline import kl_divergence
 
     docs = passages(max(document_counts), chars)
@@ -262,6 +268,8 @@ def run_fidelity(
                     }
                 )
                 logger.info("n=%d q=%d %s: %r", n, q, policy, text)
+                if advance is not None:
+                    advance()
         for policy in order:
             samples = per_policy[policy]
             row: dict[str, Any] = {"policy": policy, "documents": n}
@@ -279,11 +287,13 @@ def calibrate_vlcache_on_documents(
     documents: int,
     prompts: int,
     chars: int = 700,
+    progress: Progress | None = None,
 ) -> str:
     """VLCache's calibrated per-layer schedule for this model (the registry name), measured on
     `prompts` proxy prompts of `documents` passages disjoint from the benchmark's (VLCache
-    section 4.1, `mpic.linker.vlcache_calibration.calibrate`)."""
-    from mpic.linker.vlcache_calibration import ProxyPrompt, calibrate, parse_grid
+    section 4.1, `mpic.linker.vlcache_calibration.calibrate`); its prefill passes are counted
+    on `progress` when given."""
+    from mpic.linker.vlcache_calibration import ProxyPrompt, calibrate, count_passes, parse_grid
 
     # The benchmark uses the first passages; the proxy set takes the ones after its maximum (16).
     docs = passages(documents * prompts, chars, skip=16)
@@ -293,7 +303,13 @@ def calibrate_vlcache_on_documents(
         ids = [runner.cache_document(d.text).entry_id for d in chunk]
         planned = runner.plan(question_parts(chunk, ids, p))
         proxies.append(ProxyPrompt(planned.plan, planned.entries))
-    cal = calibrate(runner.adapter, proxies, target, parse_grid(grid))
+    levels = parse_grid(grid)
+    advance = None
+    if progress is not None:
+        total = count_passes(proxies, [0.0, *levels], runner.adapter.num_layers)
+        task = progress.add_task("VLCache calibration passes", total=total)
+        advance = lambda: progress.advance(task)  # noqa: E731
+    cal = calibrate(runner.adapter, proxies, target, levels, advance=advance)
     logger.info("calibrated %s: proxy %s", cal.policy, cal.proxy)
     return cal.policy
 
@@ -416,11 +432,22 @@ def command(
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
-    if calibrate_vlcache is not None:
-        name = calibrate_vlcache_on_documents(runner, calibrate_vlcache, calibration_grid, 4, 2)
-        typer.echo(f"calibrated VLCache schedule (r_bar {calibrate_vlcache:g}): {name}")
-        names.append(name)
-    rows = run_fidelity(runner, counts, names, questions, chars)
+    from rich.progress import Progress
+
+    with Progress() as progress:
+        if calibrate_vlcache is not None:
+            name = calibrate_vlcache_on_documents(
+                runner, calibrate_vlcache, calibration_grid, 4, 2, progress=progress
+            )
+            progress.console.print(
+                f"calibrated VLCache schedule (r_bar {calibrate_vlcache:g}): {name}"
+            )
+            names.append(name)
+        runs = len(counts) * questions * len({"full", *names})
+        task = progress.add_task("generations", total=runs)
+        rows = run_fidelity(
+            runner, counts, names, questions, chars, advance=lambda: progress.advance(task)
+        )
     print_table(rows, model)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
