@@ -58,6 +58,8 @@ def test_open_loop_overload_is_refused_fast(tmp_path: Path) -> None:
     assert res.rejected > 0 and set(res.rejected_by_status) == {"429"}
     assert res.rejected_without_retry_after == 0
     assert res.rejected_latency_p99_s < 2.0  # one process, 2 shared cores: still no queueing
-    assert res.requests >= 10 and res.ttft_p99_s < 1.0
-    assert res.after_abandon_s is not None and res.after_abandon_s < 1.0
+    # loose bounds (a fake engine: the point is that admitted requests do not queue behind the
+    # rejected or abandoned ones, which would take the whole run's 3 s)
+    assert res.requests >= 10 and res.ttft_p99_s < 2.0
+    assert res.after_abandon_s is not None and res.after_abandon_s < 2.0
     assert (tmp_path / "load.png").stat().st_size > 0
