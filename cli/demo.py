@@ -52,10 +52,11 @@ def command(
         help="Drive the reference engine in-process instead of the HTTP app (no Ray Serve).",
     ),
 ) -> None:
-    """Cache three images and ask one interleaved question with every policy.
+    """Cache three images, ask one question with every policy, then concurrent waves.
 
-    By default over HTTP: starts the Ray Serve app if none runs, uploads the images and queries
-    it (docs/serving.md); `--offline` times the reference engine in-process."""
+    By default over HTTP: starts the Ray Serve app if none runs, uploads the images, queries it
+    with every policy and then with 1, 2, 4, 8 requests in flight (TTFT, throughput;
+    docs/serving.md); `--offline` times the reference engine in-process."""
     if not offline:
         if model:
             typer.echo("error: --model needs --offline (the server runs its own model)", err=True)
