@@ -36,7 +36,6 @@ import logging
 import math
 import re
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,11 +229,10 @@ def run_fidelity(
     policies: list[str],
     questions: int,
     chars: int = 700,
-    advance: Callable[[], None] | None = None,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
-    """The result rows (one per policy and document count, means over `questions`). `advance`
-    is called after each generation (`len(document_counts) * questions * len(policies)` of
-    them, "full" counted once)."""
+    """The result rows (one per policy and document count, means over `questions`); each
+    generation is counted on `progress` when given."""
     from mpic.benchmarks.offline import kl_divergence
 
     docs = passages(max(document_counts), chars)
@@ -242,6 +240,8 @@ def run_fidelity(
     eos = runner.spec.eos_token_id
     tok = getattr(runner.processor, "tokenizer", runner.processor)
     order = ["full"] + [p for p in policies if p != "full"]
+    total = len(document_counts) * questions * len(order)
+    task = progress.add_task("generations", total=total) if progress is not None else None
     rows = []
     for n in document_counts:
         per_policy: dict[str, list[dict[str, float]]] = {p: [] for p in order}
@@ -268,8 +268,8 @@ def run_fidelity(
                     }
                 )
                 logger.info("n=%d q=%d %s: %r", n, q, policy, text)
-                if advance is not None:
-                    advance()
+                if progress is not None:
+                    progress.advance(task)
         for policy in order:
             samples = per_policy[policy]
             row: dict[str, Any] = {"policy": policy, "documents": n}
@@ -293,7 +293,12 @@ def calibrate_vlcache_on_documents(
     `prompts` proxy prompts of `documents` passages disjoint from the benchmark's (VLCache
     section 4.1, `mpic.linker.vlcache_calibration.calibrate`); its prefill passes are counted
     on `progress` when given."""
-    from mpic.linker.vlcache_calibration import ProxyPrompt, calibrate, count_passes, parse_grid
+    from mpic.linker.vlcache_calibration import (
+        ProxyPrompt,
+        calibrate,
+        calibrate_with_progress,
+        parse_grid,
+    )
 
     # The benchmark uses the first passages; the proxy set takes the ones after its maximum (16).
     docs = passages(documents * prompts, chars, skip=16)
@@ -304,12 +309,10 @@ def calibrate_vlcache_on_documents(
         planned = runner.plan(question_parts(chunk, ids, p))
         proxies.append(ProxyPrompt(planned.plan, planned.entries))
     levels = parse_grid(grid)
-    advance = None
-    if progress is not None:
-        total = count_passes(proxies, [0.0, *levels], runner.adapter.num_layers)
-        task = progress.add_task("VLCache calibration passes", total=total)
-        advance = lambda: progress.advance(task)  # noqa: E731
-    cal = calibrate(runner.adapter, proxies, target, levels, advance=advance)
+    if progress is None:
+        cal = calibrate(runner.adapter, proxies, target, levels)
+    else:
+        cal = calibrate_with_progress(runner.adapter, proxies, target, levels, progress)
     logger.info("calibrated %s: proxy %s", cal.policy, cal.proxy)
     return cal.policy
 
@@ -443,11 +446,7 @@ def command(
                 f"calibrated VLCache schedule (r_bar {calibrate_vlcache:g}): {name}"
             )
             names.append(name)
-        runs = len(counts) * questions * len({"full", *names})
-        task = progress.add_task("generations", total=runs)
-        rows = run_fidelity(
-            runner, counts, names, questions, chars, advance=lambda: progress.advance(task)
-        )
+        rows = run_fidelity(runner, counts, names, questions, chars, progress=progress)
     print_table(rows, model)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ def command(
 
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.errors import MPICError
-    from mpic.linker.vlcache_calibration import calibrate, count_passes, parse_grid
+    from mpic.linker.vlcache_calibration import calibrate_with_progress, parse_grid
 
     try:
         levels = parse_grid(grid)
@@ -125,12 +125,8 @@ def command(
     except MPICError as exc:  # e.g. PromptTooLongError: too many images for the model
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
-    total = count_passes(proxies, [0.0, *levels], runner.adapter.num_layers)
     with Progress() as progress:
-        task = progress.add_task("sensitivity passes", total=total)
-        cal = calibrate(
-            runner.adapter, proxies, target, levels, advance=lambda: progress.advance(task)
-        )
+        cal = calibrate_with_progress(runner.adapter, proxies, target, levels, progress)
     print_result(cal, proxies[0].entries[0].num_tokens)
     if json_out:
         doc = {

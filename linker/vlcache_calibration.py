@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -270,3 +271,17 @@ def calibrate(
         scored = proxy_fidelity(adapter, proxies, policy, make_kv)
         cal.proxy[policy.name] = {**scored, "objective": objective(scores, sens.levels, rs)}
     return cal
+
+
+def calibrate_with_progress(
+    adapter: LayerAdapter,
+    proxies: Sequence[ProxyPrompt],
+    target: float,
+    grid: Sequence[float],
+    progress: Any,
+) -> Calibration:
+    """`calibrate` with its sensitivity passes counted on `progress` (a `rich.progress.Progress`:
+    `add_task`, `advance`), for the commands that run it."""
+    total = count_passes(proxies, [0.0, *grid], adapter.num_layers)
+    task = progress.add_task("VLCache sensitivity passes", total=total)
+    return calibrate(adapter, proxies, target, grid, advance=lambda: progress.advance(task))
