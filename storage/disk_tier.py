@@ -20,12 +20,18 @@ import mmap
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpic.errors import CorruptEntryError
 from mpic.storage.entry_codec import decode
 from mpic.storage.fs_store import FileSystemObjectStore
 from mpic.storage.object_store import ObjectNotFoundError
+from mpic.storage.tier import Admitted, StorageTier, TierHit
 from mpic.types import CacheEntry
+
+if TYPE_CHECKING:
+    from mpic.storage.config import StorageConfig
+    from mpic.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,7 @@ _MAP_MIN = 8 << 20
 """Files at least this large are memory-mapped instead of read."""
 
 
-class DiskTier:
+class DiskTier(StorageTier):
     """LRU-by-bytes cache of entry blobs under `root` (keys are entry keys)."""
 
     name = "disk"
@@ -50,6 +56,23 @@ class DiskTier:
         self.evicted = 0
         self.write_errors = 0
         self.store.clean_tmp(older_than_s=0.0)
+
+    @classmethod
+    def from_config(cls, cfg: StorageConfig, objects: ObjectStore) -> DiskTier | None:
+        if cfg.disk_cache_dir is None:
+            return None
+        return cls(cfg.disk_cache_dir, cfg.disk_bytes)
+
+    def fetch(self, key: str, *, pin: bool = False) -> TierHit | None:
+        found = self.get(key)
+        return None if found is None else TierHit(found[0], found[1])
+
+    def admit(self, key: str, entry: CacheEntry, blob: bytes, *, pin: bool = False) -> Admitted:
+        """A full or failing disk drops the write (`dropped`): the entry stays durable in the
+        object store."""
+        if self.put(key, blob):
+            return Admitted(entry, written=len(blob))
+        return Admitted(entry, dropped=len(blob) <= self.capacity)
 
     def get(self, key: str) -> tuple[CacheEntry, int] | None:
         """(verified entry, blob bytes), or None if absent; CorruptEntryError after deleting a

@@ -1,11 +1,11 @@
 """The tiered cache-entry store (the process that serves KV: Serve replica or vLLM worker).
 
 Tiers, in lookup order (MPIC section 3.2: KV "on GPU memory, ... CPU memory or disks"; LMCache
-v1's ordered tier list): memory (decoded entries, LRU by bytes, pinnable), local disk (encoded
-blobs, LRU by bytes, optional) and the object store (durable, shared by every node). Reads
-promote into the faster tiers; writes go through to the object store first, so an entry is
-durable before any tier advertises it. Every tier's hits, misses, bytes and latency are
-Prometheus metrics (`StoreMetrics`).
+v1's ordered tier list, `factory.TIERS`): memory (decoded entries, LRU by bytes, pinnable), local
+disk (encoded blobs, LRU by bytes, optional) and the object store (durable, shared by every
+node). The store only walks the list (`tier.StorageTier`): reads promote into the faster tiers;
+writes go through to the durable tier first, so an entry is durable before any tier advertises
+it. Every tier's hits, misses, bytes and latency are Prometheus metrics (`StoreMetrics`).
 """
 
 from __future__ import annotations
@@ -13,30 +13,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from mpic.errors import CorruptEntryError
 from mpic.storage.config import StorageConfig
 from mpic.storage.disk_tier import DiskTier
-from mpic.storage.entry_codec import encode, read_entry
-from mpic.storage.factory import make_object_store
+from mpic.storage.entry_codec import encode
+from mpic.storage.factory import make_tiers
 from mpic.storage.keys import ENTRY_PREFIX, entry_object_key
 from mpic.storage.memory_tier import MemoryTier
 from mpic.storage.metrics import StoreMetrics
 from mpic.storage.object_store import ObjectNotFoundError, ObjectStore
+from mpic.storage.object_tier import ObjectTier
+from mpic.storage.tier import StorageTier
 from mpic.types import CacheEntry
 
 log = logging.getLogger(__name__)
 
-Tier = Literal["memory", "disk", "object"]
+Tier = str
+"""A tier's name: "memory", "disk", "object" (`StorageTier.name`)."""
 __all__ = ["ENTRY_PREFIX", "EntryStore", "entry_object_key"]
 
 
 class EntryStore:
-    """get / put / pin / locate / delete cache entries across memory, disk and object tiers."""
+    """get / put / pin / locate / delete cache entries across an ordered list of tiers."""
 
     def __init__(
         self,
@@ -46,10 +48,18 @@ class EntryStore:
         disk: DiskTier | None = None,
         metrics: StoreMetrics | None = None,
     ) -> None:
-        self.objects = objects
-        self.memory = MemoryTier(memory_bytes)
-        self.disk = disk
-        self.metrics = metrics or StoreMetrics()
+        """The default tiers over `objects`: memory, `disk` if given, the object store."""
+        tiers = [MemoryTier(memory_bytes), disk, ObjectTier(objects)]
+        self._use([t for t in tiers if t is not None], metrics)
+
+    @classmethod
+    def from_tiers(
+        cls, tiers: Sequence[StorageTier], metrics: StoreMetrics | None = None
+    ) -> EntryStore:
+        """A store over `tiers`, fastest first: a memory tier first, the durable tier last."""
+        store = cls.__new__(cls)
+        store._use(list(tiers), metrics)
+        return store
 
     @classmethod
     def from_config(
@@ -59,35 +69,33 @@ class EntryStore:
         objects: ObjectStore | None = None,
     ) -> EntryStore:
         """Build the tiers `cfg` describes (the object store from its URL unless given)."""
-        disk = (
-            DiskTier(cfg.disk_cache_dir, cfg.disk_bytes) if cfg.disk_cache_dir is not None else None
-        )
-        return cls(
-            objects or make_object_store(cfg),
-            memory_bytes=cfg.memory_bytes,
-            disk=disk,
-            metrics=StoreMetrics(registry),
-        )
+        return cls.from_tiers(make_tiers(cfg, objects), StoreMetrics(registry))
+
+    def _use(self, tiers: list[StorageTier], metrics: StoreMetrics | None) -> None:
+        if not tiers or not isinstance(tiers[0], MemoryTier) or not tiers[-1].durable:
+            raise ValueError("tiers must start with a memory tier and end with a durable one")
+        if any(t.durable for t in tiers[:-1]):
+            raise ValueError("only the last tier may be durable")
+        self.tiers = tiers
+        self.memory: MemoryTier = tiers[0]
+        disks = [t for t in tiers if isinstance(t, DiskTier)]
+        self.disk: DiskTier | None = disks[0] if disks else None
+        durable = tiers[-1]
+        self.objects: ObjectStore | None = getattr(durable, "objects", None)
+        self.metrics = metrics or StoreMetrics()
 
     def put(self, entry: CacheEntry, *, pin: bool = False) -> str:
-        """Write `entry` through every tier (object store first); returns its key (entry_id)."""
+        """Write `entry` through every tier (durable first); returns its key (entry_id)."""
         key = entry.entry_id
-        blob = encode(entry)
-        self.objects.put(entry_object_key(key), blob)
-        self.metrics.bytes_written.labels("object").inc(len(blob))
-        if self.disk is not None:
-            self._disk_put(key, blob)
-        self.memory.put(key, entry, pin=pin)
-        self._update_resident()
+        self._admit(key, entry, encode(entry), self.tiers, pin)
         return key
 
     def locate(self, key: str) -> Tier | None:
         """The fastest tier holding `key` now, or None (cheap: one stat on the object store)."""
-        if key in self.memory:
-            return "memory"
-        if self.disk is not None and key in self.disk:
-            return "disk"
-        return "object" if self.objects.exists(entry_object_key(key)) else None
+        for tier in self.tiers:
+            if key in tier:
+                return tier.name
+        return None
 
     def get(self, key: str, *, pin: bool = False) -> CacheEntry:
         """The verified entry from the fastest tier that has it, promoted into faster tiers.
@@ -98,68 +106,56 @@ class EntryStore:
     def load(self, key: str, *, pin: bool = False) -> tuple[CacheEntry, Tier]:
         """`get`, also naming the tier that served the entry."""
         m = self.metrics
-        t0 = time.perf_counter()
-        entry = self.memory.get(key, pin=pin)
-        if entry is not None:
-            m.hits.labels("memory").inc()
-            m.latency.labels("memory").observe(time.perf_counter() - t0)
-            return entry, "memory"
-        m.misses.labels("memory").inc()
-        if self.disk is not None:
+        for i, tier in enumerate(self.tiers):
             t0 = time.perf_counter()
             try:
-                found = self.disk.get(key)
+                hit = tier.fetch(key, pin=pin)
             except CorruptEntryError:
-                m.fallbacks.labels("disk_corrupt").inc()
-                found = None
-            if found is not None:
-                entry, size = found
-                self._record_load("disk", size, t0)
-                return self._promote(key, entry, pin), "disk"
-            m.misses.labels("disk").inc()
-        t0 = time.perf_counter()
-        try:
-            stream = self.objects.open_read(entry_object_key(key))
-        except ObjectNotFoundError:
-            m.misses.labels("object").inc()
-            raise
-        try:
-            entry, blob = read_entry(stream)
-        finally:
-            stream.close()
-        if entry.entry_id != key:
-            raise CorruptEntryError(f"object {key} holds entry {entry.entry_id}")
-        self._record_load("object", len(blob), t0)
-        if self.disk is not None:
-            self._disk_put(key, blob)
-        return self._promote(key, entry, pin), "object"
+                if tier.durable:
+                    raise
+                m.fallbacks.labels(f"{tier.name}_corrupt").inc()
+                hit = None
+            if hit is None:
+                m.misses.labels(tier.name).inc()
+                continue
+            m.hits.labels(tier.name).inc()
+            if hit.nbytes is not None:
+                m.bytes_read.labels(tier.name).inc(hit.nbytes)
+            m.latency.labels(tier.name).observe(time.perf_counter() - t0)
+            if i == 0:
+                return hit.entry, tier.name
+            faster = self.tiers[:i]
+            if hit.blob is None and any(not isinstance(t, MemoryTier) for t in faster):
+                blob = encode(hit.entry)
+            else:
+                blob = hit.blob
+            return self._admit(key, hit.entry, blob, faster, pin), tier.name
+        raise ObjectNotFoundError(entry_object_key(key))
 
-    def _disk_put(self, key: str, blob: bytes) -> None:
-        """Write through to the disk tier; a full or failing disk only counts a fallback
-        (`disk_write_failed`): the entry stays durable in the object store."""
-        if self.disk.put(key, blob):
-            self.metrics.bytes_written.labels("disk").inc(len(blob))
-        elif len(blob) <= self.disk.capacity:
-            self.metrics.fallbacks.labels("disk_write_failed").inc()
-
-    def _record_load(self, tier: Tier, size: int, t0: float) -> None:
-        self.metrics.hits.labels(tier).inc()
-        self.metrics.bytes_read.labels(tier).inc(size)
-        self.metrics.latency.labels(tier).observe(time.perf_counter() - t0)
-
-    def _promote(self, key: str, entry: CacheEntry, pin: bool) -> CacheEntry:
-        entry = self.memory.put(key, entry, pin=pin)
+    def _admit(
+        self, key: str, entry: CacheEntry, blob: bytes, tiers: list[StorageTier], pin: bool
+    ) -> CacheEntry:
+        """Write into `tiers` slowest first; returns the copy the fastest one holds. A tier that
+        drops the write only counts a fallback (`<tier>_write_failed`)."""
+        for tier in reversed(tiers):
+            done = tier.admit(key, entry, blob, pin=pin)
+            entry = done.entry
+            if done.written:
+                self.metrics.bytes_written.labels(tier.name).inc(done.written)
+            elif done.dropped:
+                self.metrics.fallbacks.labels(f"{tier.name}_write_failed").inc()
         self._update_resident()
         return entry
 
     def _update_resident(self) -> None:
-        self.metrics.resident.labels("memory").set(self.memory.used)
-        if self.disk is not None:
-            self.metrics.resident.labels("disk").set(self.disk.used)
+        for tier in self.tiers:
+            if tier.used is not None:
+                self.metrics.resident.labels(tier.name).set(tier.used)
 
     def unpin(self, key: str) -> None:
         """Release a pin taken by `get(pin=True)` / `put(pin=True)`."""
-        self.memory.unpin(key)
+        for tier in self.tiers:
+            tier.unpin(key)
         self._update_resident()
 
     @contextlib.contextmanager
@@ -177,9 +173,8 @@ class EntryStore:
                 self.unpin(key)
 
     def delete(self, key: str) -> None:
-        """Remove `key` from every tier (pinned memory copies live until unpinned)."""
-        self.objects.delete(entry_object_key(key))
-        if self.disk is not None:
-            self.disk.discard(key)
-        self.memory.discard(key)
+        """Remove `key` from every tier, durable first (pinned memory copies live until
+        unpinned)."""
+        for tier in reversed(self.tiers):
+            tier.discard(key)
         self._update_resident()

@@ -1,5 +1,5 @@
-"""Build the object store named by a `StorageConfig` (or a URL): the one place that knows the
-backends (every process that opens the store)."""
+"""Build the object store named by a `StorageConfig` (or a URL) and the entry store's tiers: the
+one place that knows the backends and the tier order (every process that opens the store)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,17 @@ from pydantic import SecretStr
 
 from mpic.config import MPICHome
 from mpic.storage.config import S3Config, StorageConfig
+from mpic.storage.disk_tier import DiskTier
 from mpic.storage.fs_store import FileSystemObjectStore
+from mpic.storage.memory_tier import MemoryTier
 from mpic.storage.object_store import ObjectStore
+from mpic.storage.object_tier import ObjectTier
+from mpic.storage.tier import StorageTier
 
 _TRUE = {"1", "true", "yes", "on"}
+
+TIERS: tuple[type[StorageTier], ...] = (MemoryTier, DiskTier, ObjectTier)
+"""The entry store's tiers in lookup order, fastest first; the last one is durable."""
 
 
 def s3_config_from_url(url: str) -> S3Config:
@@ -59,3 +66,11 @@ def make_object_store(cfg: StorageConfig | str | None = None) -> ObjectStore:
 
         return S3ObjectStore(s3_config_from_url(cfg.url))
     raise ValueError(f"unknown storage URL scheme {scheme!r} in {cfg.url!r}; valid: file, s3")
+
+
+def make_tiers(cfg: StorageConfig, objects: ObjectStore | None = None) -> list[StorageTier]:
+    """The tiers `cfg` enables, in `TIERS` order (the object store from `cfg` unless given)."""
+    if objects is None:
+        objects = make_object_store(cfg)
+    tiers = [t.from_config(cfg, objects) for t in TIERS]
+    return [t for t in tiers if t is not None]

@@ -13,8 +13,14 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from mpic.storage.tier import Admitted, StorageTier, TierHit
 from mpic.types import CacheEntry
+
+if TYPE_CHECKING:
+    from mpic.storage.config import StorageConfig
+    from mpic.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,7 @@ class _Slot:
     doomed: bool = False
 
 
-class MemoryTier:
+class MemoryTier(StorageTier):
     """LRU by bytes over decoded entries; thread-safe."""
 
     name = "memory"
@@ -45,6 +51,17 @@ class MemoryTier:
         self._lock = threading.Lock()
         self.used = 0
         self.evicted = 0
+
+    @classmethod
+    def from_config(cls, cfg: StorageConfig, objects: ObjectStore) -> MemoryTier:
+        return cls(cfg.memory_bytes)
+
+    def fetch(self, key: str, *, pin: bool = False) -> TierHit | None:
+        entry = self.get(key, pin=pin)
+        return None if entry is None else TierHit(entry)
+
+    def admit(self, key: str, entry: CacheEntry, blob: bytes, *, pin: bool = False) -> Admitted:
+        return Admitted(self.put(key, entry, pin=pin))
 
     def get(self, key: str, *, pin: bool = False) -> CacheEntry | None:
         """The entry (marked most recent, pinned if asked), or None."""
