@@ -84,11 +84,11 @@ def _engine(
     `cache_document`, the recipes of uploaded files); entries are cached after `system_prompt`
     (None: the template's).
 
-    Default: the serving app's default model (`EngineConfig().model`, the embedded tiny LLaVA),
-    written on first use, so the entries match what the default server links.
+    Default: the serving app's default model (`VllmServeEngineConfig().model`, the embedded
+    tiny LLaVA), written on first use, so the entries match what the default server links.
     """
     from mpic.addressing import library_fingerprint
-    from mpic.deployments.config import EngineConfig
+    from mpic.deployments.config import VllmServeEngineConfig
     from mpic.engine.hf.adapters import make_adapter
     from mpic.engine.hf.entries import cache_document, cache_image
     from mpic.engine.hf.loader import load_hf_model
@@ -96,7 +96,7 @@ def _engine(
     if model_dir is None:
         from mpic.engine.tiny.models import make_tiny
 
-        default = EngineConfig()
+        default = VllmServeEngineConfig()
         model_dir = Path(default.model)
         if not model_dir.exists():
             make_tiny(default.family, "tiny", model_dir)
@@ -182,7 +182,7 @@ def list_collections(
     api_key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Collections with their current version and item count (no count with --server)."""
+    """Collections with their current version and item count."""
 
     def go():
         if server:

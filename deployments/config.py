@@ -9,11 +9,12 @@ arguments of `serve.deployment(...)` (Ray Serve LLM style).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
+from mpic.engine.vllm.config import VllmOptions
 from mpic.errors import InvalidRequestError
 from mpic.storage.config import StorageConfig
 
@@ -75,8 +76,11 @@ class AuthConfig(BaseModel):
     )
 
 
-class EngineConfig(BaseModel):
-    """Which engine backs the LLM worker and the encoder, and on which model."""
+_FAMILIES = Literal["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"]
+
+
+class EngineCommon(BaseModel):
+    """What every engine kind shares: the model and how the server presents it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -104,19 +108,86 @@ class EngineConfig(BaseModel):
         description="System prompt of the canonical context entries are cached in (and of "
         "prompts without a system message); None: the chat template's default.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template (the text, or a path to a file holding it) used "
+        "instead of the model's own (vLLM's --chat-template); None: the model's.",
+    )
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every served model name, the reported one first."""
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names)
+
+
+class ReferenceEngineConfig(EngineCommon):
+    """`kind: reference`: the HF reference runner (transformers' modules, MPIC kernels)."""
+
+    kind: Literal["reference"] = "reference"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
     max_model_len: int | None = Field(
-        None, ge=1, description="vLLM: context limit (None: the model's)."
+        None, ge=1, description="Context limit (None: the model's max_position_embeddings)."
     )
-    max_num_seqs: int = Field(16, ge=1, description="vLLM: largest batch of running requests.")
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="vLLM: fraction of GPU memory vLLM may use."
-    )
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one model spans.")
-    enforce_eager: bool = Field(True, description="vLLM: no CUDA graphs / torch.compile.")
-    log_stats: bool = Field(True, description="vLLM: its own Prometheus stats.")
+
+
+class VllmServeEngineConfig(EngineCommon, VllmOptions):
+    """`kind: vllm` (the default): vLLM + the MPIC connector. vLLM's own settings are
+    `mpic.engine.vllm.config.VllmOptions`, embedded as they are (same names, same defaults),
+    except `log_stats`, on for serving (vLLM's stats feed `/metrics`)."""
+
+    kind: Literal["vllm"] = "vllm"
+    log_stats: bool = Field(True, description="vLLM's own Prometheus stats.")
+
+
+class FakeEngineConfig(EngineCommon):
+    """`kind: fake`: a deterministic model-free engine for HTTP tests."""
+
+    kind: Literal["fake"] = "fake"
     fake_token_delay_s: float = Field(
-        0.0, ge=0, description="fake engine only: sleep between tokens (streaming tests)."
+        0.0, ge=0, description="Sleep between tokens (streaming tests)."
     )
+    max_model_len: int | None = Field(None, ge=1, description="Context limit (None: 4096).")
+
+
+class CustomEngineConfig(EngineCommon):
+    """`kind: package.module:Class`: any `ServeEngine` subclass, with free-form `options`."""
+
+    kind: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    options: dict[str, Any] = Field(default_factory=dict, description="For that engine.")
+    fake_token_delay_s: float = Field(0.0, ge=0, description="For the fake engine's class.")
+    max_model_len: int | None = Field(None, ge=1, description="Context limit.")
+
+
+ENGINE_KINDS = ("vllm", "reference", "fake")
+"""Built-in engine kinds; the first is the default."""
+
+
+def _engine_tag(value: Any) -> str:
+    """The union member of an engine config (dict or model): its `kind` (default vllm), with
+    any 'module:Class' path mapped to `custom`."""
+    kind = value.get("kind", "vllm") if isinstance(value, dict) else getattr(value, "kind", None)
+    if kind in ENGINE_KINDS:
+        return kind
+    if isinstance(kind, str) and ":" in kind:
+        return "custom"
+    return str(kind)  # no such tag: pydantic names the kinds it knows
+
+
+EngineConfig = Annotated[
+    Annotated[VllmServeEngineConfig, Tag("vllm")]
+    | Annotated[ReferenceEngineConfig, Tag("reference")]
+    | Annotated[FakeEngineConfig, Tag("fake")]
+    | Annotated[CustomEngineConfig, Tag("custom")],
+    Discriminator(_engine_tag),
+]
+"""The engine config: a union discriminated by `kind` (vllm | reference | fake |
+'package.module:Class'); no `kind` means vllm, the one default."""
+
+
+def engine_config(**fields: Any) -> EngineConfig:
+    """An `EngineConfig` from keyword fields (`kind` picks the member; default vllm)."""
+    return TypeAdapter(EngineConfig).validate_python(fields)
 
 
 class LimitsConfig(BaseModel):
@@ -164,7 +235,9 @@ class ServeAppConfig(BaseModel):
 
     name: str = Field("mpic", description="Serve application name.")
     route_prefix: str = Field("/", description="HTTP route prefix of the ingress.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="Model and engine.")
+    engine: EngineConfig = Field(
+        default_factory=VllmServeEngineConfig, description="Model and engine (default: vllm)."
+    )
     store: StorageConfig = Field(
         default_factory=StorageConfig, description="Object store and tiers (mpic.storage)."
     )
@@ -188,8 +261,10 @@ class ServeAppConfig(BaseModel):
     log_encoding: Literal["JSON", "TEXT"] = Field(
         "JSON", description="Serve replica logs: JSON lines carrying the request id, or text."
     )
-    default_collection: str = Field(
-        "default", description='Collection `"retrieval": "auto"` searches.'
+    default_collection: str | None = Field(
+        None,
+        description='Collection `"retrieval": "auto"` searches; None: the collection an admin '
+        "refreshed last (400 naming this field while there is none).",
     )
     admin_sources: list[str] = Field(
         default_factory=list,
@@ -243,7 +318,7 @@ def load_config(path: str | Path | None) -> ServeAppConfig:
     a CPU machine) on the small random model, dev keys, file store; `engine.kind: reference` in a
     config file selects the HF reference runner instead."""
     if path is None:
-        return ServeAppConfig(auth=AuthConfig(mode="dev"), engine=EngineConfig(kind="vllm"))
+        return ServeAppConfig(auth=AuthConfig(mode="dev"))
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:

@@ -43,12 +43,13 @@ class Retriever:
         return [(h.entry_key, h.content_hash, h.media_type) for h in found.hits if h.entry_key]
 
     def collections(self) -> dict[str, Any]:
-        """Collections and their current versions."""
-        names = self.service.collections()
-        return {
-            "object": "list",
-            "data": [{"collection": n, "current": self.service.versions(n)[1]} for n in names],
-        }
+        """Collections with their current version and its item count."""
+        rows = []
+        for name in self.service.collections():
+            current = self.service.versions(name)[1]
+            items = len(self.service.library(name).manifest(current).items) if current else 0
+            rows.append({"collection": name, "current": current, "items": items})
+        return {"object": "list", "data": rows}
 
     def versions(self, collection: str) -> dict[str, Any]:
         """Versions of one collection, oldest first (404 for an unknown collection)."""

@@ -77,20 +77,11 @@ class VllmServeEngine(ServeEngine):
         self.vllm = None
         if role == "worker":
             from mpic.engine.vllm.async_engine import AsyncVllmEngine
-            from mpic.engine.vllm.engine import VllmEngineConfig
+            from mpic.engine.vllm.config import VllmEngineConfig, VllmOptions
 
+            options = cfg.model_dump(include=set(VllmOptions.model_fields))
             self.vllm = AsyncVllmEngine(
-                VllmEngineConfig(
-                    model=cfg.model,
-                    dtype=cfg.dtype,
-                    storage=store,
-                    max_model_len=cfg.max_model_len,
-                    max_num_seqs=cfg.max_num_seqs,
-                    gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    tensor_parallel_size=cfg.tensor_parallel_size,
-                    enforce_eager=cfg.enforce_eager,
-                    log_stats=cfg.log_stats,
-                )
+                VllmEngineConfig(**options, model=cfg.model, storage=store)
             )
 
     @property

@@ -37,7 +37,7 @@ class AdminClient:
         raise err
 
     def collections(self) -> list[dict[str, Any]]:
-        """[{"collection", "current"}] of every collection."""
+        """[{"collection", "current", "items"}] of every collection."""
         return self._call("GET", "/v1/admin/collections")["data"]
 
     def versions(self, collection: str) -> dict[str, Any]:

@@ -21,19 +21,18 @@ import os
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from mpic.addressing import entry_address
 from mpic.engine.hf.entries import document_item, line_break_offsets
 from mpic.engine.hf.loader import resolve_model_dir
 from mpic.engine.hf.vision import image_layout, load_image
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import upload as vllm_upload
+from mpic.engine.vllm.config import VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
+from mpic.engine.vllm.version import check_vllm_version
 from mpic.errors import CorruptEntryError
 from mpic.linker.prompt import canonical_context_ids
 from mpic.model_spec import ModelSpec
-from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
 
 logger = logging.getLogger(__name__)
@@ -41,52 +40,14 @@ logger = logging.getLogger(__name__)
 CONNECTOR = "MPICConnector"
 CONNECTOR_MODULE = "mpic.engine.vllm.connector"
 
-
-class VllmEngineConfig(BaseModel):
-    """How to start vLLM for MPIC."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="HF model folder (config, weights, tokenizer, processor).")
-    dtype: str = Field("float32", description="Model dtype; float32 on CPU (bf16 ~5x slower).")
-    block_size: int = Field(32, description="KV block size; a multiple of 32 on CPU.")
-    kv_cache_gib: int = Field(1, ge=1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
-    max_model_len: int | None = Field(None, description="Context limit (None: the model's).")
-    max_num_seqs: int = Field(16, ge=1, description="Largest batch of running requests.")
-    max_num_batched_tokens: int | None = Field(
-        None, description="Token budget of one step (None: vLLM's default)."
-    )
-    enable_prefix_caching: bool = Field(
-        True, description="vLLM's own prefix caching (the `prefix` baseline); keep it on."
-    )
-    num_blocks: int | None = Field(
-        None, ge=1, description="Override the KV block count (None: sized from kv_cache_gib)."
-    )
-    max_logprobs: int = Field(
-        20, ge=-1, description="Most log-probs a request may ask for (-1: the whole vocabulary)."
-    )
-    log_stats: bool = Field(False, description="vLLM's Prometheus stats (preemptions, ...).")
-    enforce_eager: bool = Field(True, description="No torch.compile (start-up in ~30-50 s).")
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (GPU only)."
-    )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over.")
-    seed: int = Field(0, description="Sampling seed.")
-    linking: bool = Field(True, description="Load the MPIC KV connector.")
-    storage: StorageConfig = Field(
-        default_factory=StorageConfig, description="Entry store the worker loads entries from."
-    )
-
-    @field_validator("block_size")
-    @classmethod
-    def _multiple_of_32(cls, value: int) -> int:
-        if value <= 0 or value % 32:
-            raise ValueError("block_size must be a positive multiple of 32 (vLLM CPU attention)")
-        return value
+__all__ = ["CONNECTOR", "CONNECTOR_MODULE", "VllmEngineConfig", "VllmFrontEnd", "engine_kwargs"]
 
 
 def prepare_environment(cfg: VllmEngineConfig) -> None:
-    """Set the process environment vLLM reads at start-up (see the module docstring)."""
+    """Check the installed vLLM's release (`mpic.engine.vllm.version`: stops outside the tested
+    range unless overridden) and set the process environment vLLM reads at start-up (see the
+    module docstring)."""
+    check_vllm_version(cfg.allow_untested_vllm)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
@@ -150,9 +111,14 @@ class VllmFrontEnd:
         max_tokens: int,
         logprobs: bool,
         sampling: dict[str, Any] | None = None,
+        ignore_eos: bool = False,
     ) -> tuple[dict, Any]:
         """(prompt, SamplingParams) of one request: greedy, or `sampling`'s SamplingParams
-        keywords (temperature, top_p, seed, penalties, logit_bias, logprobs) over that."""
+        keywords (temperature, top_p, seed, penalties, logit_bias, logprobs, ignore_eos) over
+        that. Decoding stops at the model's end ids (`ModelSpec.end_token_ids`: config,
+        generation config and the chat template's end token, the ids the reference runner stops
+        at), the EOS token included in the output; `ignore_eos` (benchmarks, or a request that
+        asks for it) decodes `max_tokens` whatever comes."""
         from vllm import SamplingParams
 
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
@@ -168,11 +134,13 @@ class VllmFrontEnd:
         params: dict[str, Any] = dict(
             temperature=0.0,
             max_tokens=max_tokens,
-            ignore_eos=True,
+            ignore_eos=ignore_eos,
             extra_args=extra,
             logprobs=-1 if logprobs else None,
         )
         params.update(sampling or {})
+        if not params["ignore_eos"]:  # vLLM checks stop_token_ids even with ignore_eos
+            params["stop_token_ids"] = list(self.spec.end_token_ids)
         return prompt, SamplingParams(**params)
 
     @staticmethod

@@ -34,6 +34,8 @@ def test_admin_cli_over_http(serve_app: ServeApp, tmp_path: Path) -> None:
     assert second.exit_code == 0, second.output
     listed = json.loads(run("list", "--json").output)
     row = next(r for r in listed if r["collection"] == "refs")
+    assert row["items"] == 3  # the current version's count, as the local list prints it
+    assert f"refs\t{row['current']}\t3 items" in run("list").output
     shown = json.loads(run("show", "--collection", "refs", "--json").output)
     assert (
         len(shown["versions"]) == 2 and shown["current"] == row["current"] == shown["versions"][-1]

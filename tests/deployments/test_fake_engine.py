@@ -10,7 +10,7 @@ from tests.deployments.conftest import png
 
 
 def test_registry_names_and_class_paths(tmp_path) -> None:
-    from mpic.deployments.config import EngineConfig
+    from mpic.deployments.config import engine_config
     from mpic.deployments.engine import build_engine
     from mpic.deployments.fake_engine import FakeServeEngine
     from mpic.errors import InvalidRequestError
@@ -18,13 +18,13 @@ def test_registry_names_and_class_paths(tmp_path) -> None:
 
     store = StorageConfig(url=tmp_path.as_uri())
     for kind in ("fake", "mpic.deployments.fake_engine:FakeServeEngine"):
-        assert isinstance(build_engine(EngineConfig(kind=kind), store, "worker"), FakeServeEngine)
+        assert isinstance(build_engine(engine_config(kind=kind), store, "worker"), FakeServeEngine)
     with pytest.raises(InvalidRequestError, match="not a ServeEngine"):
-        build_engine(EngineConfig(kind="mpic.deployments.config:EngineConfig"), store, "worker")
+        build_engine(engine_config(kind="mpic.deployments.config:EngineConfig"), store, "worker")
     with pytest.raises(InvalidRequestError, match="engine.kind"):
-        build_engine(EngineConfig(kind="mpic.nowhere:Engine"), store, "worker")
+        build_engine(engine_config(kind="mpic.nowhere:Engine"), store, "worker")
     with pytest.raises(ValueError):
-        EngineConfig(kind="not a path")
+        engine_config(kind="not a path")
 
 
 def test_cached_file_over_http(fake_app) -> None:
