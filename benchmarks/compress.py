@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from mpic.benchmarks.compress_rows import baseline_row, press_row
 from mpic.benchmarks.offline import kl_divergence
 from mpic.samples import interleaved_prompt, synthetic_png
 
@@ -102,50 +103,6 @@ def _run(
         "kv_bytes": kv.nbytes() if hasattr(kv, "nbytes") else kv.keys.nbytes + kv.values.nbytes,
         "prompt_tokens": pre.plan.num_tokens,
         "ms_per_token": per_token * 1e3,
-    }
-
-
-def baseline_row(refs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The `none` row (budget 1.0) from the uncompressed runs (`kv_bytes`, `ms_per_token`,
-    `prompt_tokens` each)."""
-    full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
-    return press_row(
-        "none",
-        1.0,
-        [full_bytes],
-        full_bytes,
-        [r["ms_per_token"] for r in refs],
-        [0.0],
-        [1.0],
-        [1.0],
-        statistics.mean(r["prompt_tokens"] for r in refs),
-    )
-
-
-def press_row(
-    press: str,
-    budget: float,
-    kv_bytes: list[float],
-    full_bytes: float,
-    ms: list[float],
-    kl: list[float],
-    top1: list[float],
-    agree: list[float],
-    prompt_tokens: float,
-) -> dict[str, Any]:
-    """One table row from per-prompt figures (means over the prompts)."""
-    held = statistics.mean(kv_bytes)
-    return {
-        "press": press,
-        "budget": budget,
-        "kv_bytes": held,
-        "kv_bytes_full": full_bytes,
-        "kv_reduction": 1.0 - held / full_bytes,
-        "decode_ms_per_token": statistics.mean(ms),
-        "kl_mean": statistics.mean(kl),
-        "top1_match": statistics.mean(top1),
-        "token_agreement": statistics.mean(agree),
-        "prompt_tokens": prompt_tokens,
     }
 
 

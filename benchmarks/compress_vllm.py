@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from mpic.benchmarks.compress import baseline_row, press_row
+from mpic.benchmarks.compress_rows import baseline_row, press_row
 from mpic.benchmarks.offline import kl_divergence
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, linked_request

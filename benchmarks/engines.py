@@ -12,25 +12,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from mpic.benchmarks.first_token import FirstToken
 from mpic.linker.prompt import PromptPart
-
-
-@dataclass
-class FirstToken:
-    """One timed prefill."""
-
-    ttft_s: float
-    logits: torch.Tensor
-    """float32 [vocab] first-token logits."""
-    prompt_tokens: int
-    recomputed_tokens: int
-    cpu_s: float | None = None
-    """Process CPU seconds of the prefill, where the engine can tell (busy shared hosts)."""
 
 
 class BenchEngine(Protocol):

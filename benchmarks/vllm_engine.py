@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from tempfile import mkdtemp
 
-from mpic.benchmarks.engines import FirstToken
+from mpic.benchmarks.first_token import FirstToken
 from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request

@@ -7,7 +7,8 @@ tokens issue queries, but they attend over all N linked keys (cached, rotated it
 KV of recomputed tokens). The query at prompt index i sees the key at index j iff j <= i.
 Grouped-query attention (H query heads sharing H_kv KV heads) is supported by every backend.
 
-The seam: one abstract `AttentionBackend`, one module per backend (as LMCache's
+The seam: one abstract `AttentionBackend` (`mpic.kernels.attention_backend`, which the
+backends import: no import circle), one module per backend (as LMCache's
 `v1/compute/attention`), picked by name (`get_backend`):
 
 - `sdpa_runs` (`mpic.kernels.sdpa_runs`): one SDPA call per contiguous run of queries with a mask
@@ -26,39 +27,17 @@ passes a different query-index tensor object, so layers that share an index shar
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
+
+from mpic.kernels.attention_backend import AttentionBackend
 
 BACKENDS: tuple[str, ...] = ("sdpa_runs", "flex")
 """Backend names `get_backend` accepts."""
 
 BACKEND_ENV = "MPIC_ATTENTION_BACKEND"
 """Environment variable that overrides the default backend (one of `BACKENDS`)."""
-
-
-class AttentionBackend(ABC):
-    """Causal-by-prompt-index attention of selected queries over linked keys."""
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def prepare(self, q_index: torch.Tensor, num_keys: int) -> Any:
-        """State for queries at prompt indices `q_index` (int64 [S], ascending, on the keys'
-        device) over `num_keys` linked keys: built once, reused by every layer."""
-
-    @abstractmethod
-    def attend(
-        self,
-        state: Any,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        """q [S, H, D], keys/values [N, H_kv, D] indexed by prompt index (H % H_kv == 0),
-        scale (default D ** -0.5) -> [S, H, D] in q's dtype. No host<->device syncs."""
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from mpic.kernels.attention import AttentionBackend
+from mpic.kernels.attention_backend import AttentionBackend
 
 _COMPILED: dict[str, Any] = {}
 

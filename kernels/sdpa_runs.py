@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mpic.kernels.attention import AttentionBackend
+from mpic.kernels.attention_backend import AttentionBackend
 
 
 def query_runs(q_index: torch.Tensor) -> list[tuple[int, int]]:

@@ -1,10 +1,12 @@
 """Check the import graph of the project's packages (CLI and test, no project imports).
 
 Floors, lowest first: a module may import its own package and any package on a lower floor,
-never one on its own floor or above. `vllm` is imported only under engine/vllm/. No import cycle
-between modules (module-level imports; a function-level import still counts for the floors).
+never one on its own floor or above. `vllm` is imported only under engine/vllm/. No import
+circle between modules at any depth: every executed import statement counts, at module level or
+inside a function (a function-level import that closes a circle only hides it until the function
+runs); imports under `if TYPE_CHECKING:` never run and count for the floors only.
 
-Run: python scripts/import_graph.py  (exit 1 and a list of violations if any)
+Run: python scripts/import_graph.py  (exit 1 and the violations and circles if any)
 """
 
 from __future__ import annotations
@@ -54,11 +56,15 @@ def package_of(module: str) -> str:
     return best
 
 
-def imports(path: Path) -> Iterator[tuple[str, bool]]:
-    """(imported module, at module level) for each import statement of the file."""
+def imports(path: Path, *, typing_only: bool = True) -> Iterator[tuple[str, bool]]:
+    """(imported module, at module level) for each import statement of the file, at any depth;
+    without `typing_only`, leaves out those under `if TYPE_CHECKING:` (never executed)."""
     tree = ast.parse(path.read_text(), str(path))
     top = {id(node) for node in tree.body}
+    skip = set() if typing_only else _typing_only(tree)
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, id(node) in top
@@ -68,14 +74,25 @@ def imports(path: Path) -> Iterator[tuple[str, bool]]:
                 yield node.module, id(node) in top
 
 
+def _typing_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) bodies."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def violations() -> list[str]:
-    """Every rule broken, as readable lines."""
+    """Every floor or vllm rule broken, as readable lines (circles: `circles()`)."""
     found: list[str] = []
     names = dict(modules())
-    graph: dict[str, set[str]] = {m: set() for m in names}
     for module, path in names.items():
         own = package_of(module)
-        for target, top_level in imports(path):
+        for target, _ in imports(path):
             if target.split(".")[0] == "vllm" and not module.startswith("mpic.engine.vllm"):
                 found.append(f"{module}: imports {target} outside engine/vllm/")
             if not target.startswith("mpic.") and target != "mpic":
@@ -89,10 +106,25 @@ def violations() -> list[str]:
             sub, sub_other = _sub(module), _sub(target)
             if sub and sub_other and sub != sub_other and SUBFLOORS[sub_other] >= SUBFLOORS[sub]:
                 found.append(f"{module}: imports {target} (engine subpackage above or beside)")
-            if top_level and target != module:
-                graph[module].add(target)
-    found += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
     return found
+
+
+def graph(*, module_level_only: bool = False) -> dict[str, set[str]]:
+    """module -> project modules it imports when run (module and function level unless asked
+    otherwise; `if TYPE_CHECKING:` imports left out)."""
+    names = dict(modules())
+    edges: dict[str, set[str]] = {m: set() for m in names}
+    for module, path in names.items():
+        for target, top_level in imports(path, typing_only=False):
+            if target in names and target != module and (top_level or not module_level_only):
+                edges[module].add(target)
+    return edges
+
+
+def circles() -> list[list[str]]:
+    """The import circles counting executed imports at every depth, one per strongly connected
+    component of more than one module (its modules, sorted)."""
+    return _cycles(graph())
 
 
 def _sub(module: str) -> str | None:
@@ -136,10 +168,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main() -> int:
     found = violations()
+    rings = circles()
     for line in found:
         print(line)
-    print(f"{len(found)} violation(s)")
-    return 1 if found else 0
+    for ring in rings:
+        print(f"import circle: {' <-> '.join(ring)}")
+    print(f"{len(found)} violation(s), {len(rings)} circle(s) (function-level imports counted)")
+    return 1 if found or rings else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The package floors hold: no upward import, no cycle, vllm only under engine/vllm/."""
+"""The package floors hold: no upward import, no import circle at any depth (function-level
+imports counted), vllm only under engine/vllm/."""
 
 from __future__ import annotations
 
@@ -17,6 +18,24 @@ def _checker():
 
 def test_no_upward_imports_cycles_or_stray_vllm() -> None:
     assert _checker().violations() == []
+
+
+def test_no_import_circles_at_any_depth() -> None:
+    assert _checker().circles() == []
+
+
+def test_function_level_imports_are_read(tmp_path) -> None:  # noqa: ANN001
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import a\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import b\n"
+        "def f():\n    from c import d\n"
+    )
+    found = set(_checker().imports(source))
+    assert {("a", True), ("b", False), ("c.d", False), ("c", False)} <= found
+    run = set(_checker().imports(source, typing_only=False))
+    assert ("c.d", False) in run and ("b", False) not in run
 
 
 def test_cycle_finder_reports_a_cycle() -> None:
