@@ -121,11 +121,12 @@ class VllmCompressBench:
         """Greedy `steps` tokens with per-step log-probs [V], KV bytes held and decode time."""
         eng = self.engine
         req = self._request(parts, policy, steps)
-        prompt, sampling = eng._submit_form(req, steps, True)  # untimed: per-step log-probs
+        # untimed: per-step log-probs
+        prompt, sampling = eng._submit_form(req, steps, True, ignore_eos=True)
         (out,) = eng.llm.generate([prompt], [sampling], use_tqdm=False)
         # timed without log-probs (building a vocabulary-sized dict per step would dominate)
         t0 = time.perf_counter()
-        eng.generate([self._request(parts, policy, steps)], steps)
+        eng.generate([self._request(parts, policy, steps)], steps, ignore_eos=True)
         t_steps = time.perf_counter() - t0
         t0 = time.perf_counter()
         eng.generate([self._request(parts, policy, steps)], 1)

@@ -94,7 +94,7 @@ class VllmBenchEngine:
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Exactly `max_new_tokens` greedy tokens under `policy`."""
         request, _, _ = self._request(parts, policy)
-        (result,) = self.engine.generate([request], max_tokens=max_new_tokens)
+        (result,) = self.engine.generate([request], max_tokens=max_new_tokens, ignore_eos=True)
         return result.token_ids
 
 

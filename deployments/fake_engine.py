@@ -124,10 +124,11 @@ class FakeServeEngine(ServeEngine):
             logits[index[echo[n]] if n < len(echo) else 0] += ECHO_BONUS
             token = sampler(logits)
             n += 1
-            if token == 0:
+            if token == 0 and not prompt.sampling.ignore_eos:
                 finish = "stop"
                 break
-            piece, stopped = stops.push(vocab[token] if n == 1 else " " + vocab[token])
+            word = vocab[token] if token else ""  # EOS decoded past (ignore_eos): no text
+            piece, stopped = stops.push(word if n == 1 or not word else " " + word)
             if self.cfg.fake_token_delay_s:
                 await asyncio.sleep(self.cfg.fake_token_delay_s)
             else:

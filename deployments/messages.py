@@ -57,6 +57,8 @@ class Sampling:
     """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> bias added to its logit before sampling (OpenAI `logit_bias`)."""
+    ignore_eos: bool = False
+    """Decode past the model's end token up to `max_tokens` (vLLM's option; benchmarks)."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
+from typing import Literal
 
 import torch
 from starlette.concurrency import iterate_in_threadpool
@@ -42,6 +43,16 @@ from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _finish_reason(
+    tokens: list[int], prompt: LinkedPrompt, stopped: bool, end_ids: tuple[int, ...]
+) -> Literal["stop", "length"]:
+    """ "stop" at a stop string or an end id (unless `ignore_eos`), else "length" once
+    `max_tokens` tokens ran (vLLM's rule, so both engines report alike)."""
+    if stopped or (tokens and tokens[-1] in end_ids and not prompt.sampling.ignore_eos):
+        return "stop"
+    return "length" if len(tokens) >= prompt.max_tokens else "stop"
 
 
 class ReferenceServeEngine(ServeEngine):
@@ -143,6 +154,7 @@ class ReferenceServeEngine(ServeEngine):
                         pick=sampler,
                         press=prompt.press,
                         budget=prompt.budget,
+                        stop_at_eos=not prompt.sampling.ignore_eos,
                     ):
                         out.put((token, pre, sampler.take()))
                         if cancel.is_set():
@@ -176,6 +188,6 @@ class ReferenceServeEngine(ServeEngine):
             prompt_tokens=pre.plan.num_tokens,
             cached_tokens=stored_linked_tokens(pre.plan),
             completion_tokens=len(tokens),
-            finish_reason="length" if len(tokens) >= prompt.max_tokens and not stopped else "stop",
+            finish_reason=_finish_reason(tokens, prompt, stopped, self.runner.spec.end_token_ids),
             ttft_s=pre.ttft_s,
         )

@@ -230,6 +230,11 @@ class ChatCompletionRequest(BaseModel):
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
     )
     logprobs: bool | None = Field(None, description="Return the chosen tokens' logprobs.")
+    ignore_eos: bool = Field(
+        False,
+        description="vLLM extension: decode max_tokens tokens past the model's end token "
+        "(benchmarks); default: stop at it.",
+    )
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -308,6 +313,7 @@ class ChatCompletionRequest(BaseModel):
             stop=stops,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            ignore_eos=self.ignore_eos,
         )
 
 

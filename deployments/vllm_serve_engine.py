@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
@@ -46,7 +46,12 @@ from mpic.deployments.prompting import (
 )
 from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.presses import check_press
-from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
+from mpic.engine.vllm.requests import (
+    EngineRequest,
+    EngineResult,
+    exact_request,
+    linked_request,
+)
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
 from mpic.linker.recipe import plan_prompt
@@ -58,6 +63,14 @@ from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry, LinkPlan
 
 logger = logging.getLogger(__name__)
+
+
+def _finish_reason(result: EngineResult | None, stopped: bool) -> Literal["stop", "length"]:
+    """OpenAI's finish reason: "stop" at a stop string or where vLLM stopped at an end id,
+    "length" where it ran to `max_tokens` (the reference engine reports alike)."""
+    if stopped or result is None:
+        return "stop"
+    return "length" if result.finish_reason == "length" else "stop"
 
 
 class VllmServeEngine(ServeEngine):
@@ -213,6 +226,7 @@ class VllmServeEngine(ServeEngine):
             "frequency_penalty": s.frequency_penalty,
             "logit_bias": dict(s.logit_bias) or None,
             "logprobs": s.logprobs,
+            "ignore_eos": s.ignore_eos,
         }
 
     def _logprobs(self, steps: list[dict], tokens: list[int], k: int) -> list[TokenLogprob]:
@@ -241,7 +255,7 @@ class VllmServeEngine(ServeEngine):
         plan, request = await asyncio.to_thread(self._request, prompt, entries)
         logger.debug("request %s: submitted to vLLM", prompt.request_id)
         detok, stops = Detokenizer(self.processor.tokenizer), StopMatcher(prompt.sampling.stop)
-        ttft, result, stopped = None, None, False
+        ttft, result, stopped = None, None, False  # stopped: by a stop string
         stream = self.vllm.stream(request, prompt.max_tokens, sampling)
         try:
             async for result in stream:
@@ -268,7 +282,7 @@ class VllmServeEngine(ServeEngine):
             prompt_tokens=plan.num_tokens,
             cached_tokens=0 if fell_back else stored_linked_tokens(plan),
             completion_tokens=n,
-            finish_reason="length" if n >= prompt.max_tokens and not stopped else "stop",
+            finish_reason=_finish_reason(result, stopped),
             ttft_s=ttft if ttft is not None else time.perf_counter() - start,
             fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
         )

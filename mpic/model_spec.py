@@ -79,6 +79,17 @@ class ModelSpec:
     """Prepended to every prompt when not None (LLaVA/Llama); Qwen2-VL prompts have no BOS."""
     eos_token_id: int | None = None
     """Ends an assistant turn: `</s>` (LLaVA) or `<|im_end|>` (Qwen2-VL)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Every id that ends generation on both engines: the config's `eos_token_id` (int or
+    list), the generation config's, and the tokenizer's end token (the chat template's turn end);
+    `end_token_ids` falls back to `eos_token_id` when empty."""
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """The ids decoding stops at (EOS), unless a request or benchmark ignores EOS."""
+        if self.eos_token_ids:
+            return self.eos_token_ids
+        return () if self.eos_token_id is None else (self.eos_token_id,)
 
     @property
     def takes_images(self) -> bool:
@@ -121,6 +132,7 @@ class ModelSpec:
             "max_model_len": int(text["max_position_embeddings"]),
             "rope": rope,
             "eos_token_id": _first(text.get("eos_token_id")),
+            "eos_token_ids": _end_ids(root, text.get("eos_token_id")),
         }
         if family in TEXT_FAMILIES:
             return cls(
@@ -181,6 +193,30 @@ def _first(value: Any) -> int | None:
     if isinstance(value, list):
         value = value[0] if value else None
     return None if value is None else int(value)
+
+
+def _ids(value: Any) -> list[int]:
+    """An HF token id field (int, list of ints or None) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _end_ids(root: Path, config_eos: Any) -> tuple[int, ...]:
+    """End-of-sequence ids, in order and unique: the config's, `generation_config.json`'s, and
+    the tokenizer's `eos_token` (looked up among `tokenizer.json`'s added tokens)."""
+    ids = _ids(config_eos)
+    generation = root / "generation_config.json"
+    if generation.is_file():
+        ids += _ids(_read_json(generation).get("eos_token_id"))
+    tok_cfg, tok = root / "tokenizer_config.json", root / "tokenizer.json"
+    if tok_cfg.is_file() and tok.is_file():
+        eos = _read_json(tok_cfg).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        for added in _read_json(tok).get("added_tokens", []):
+            if eos is not None and added.get("content") == eos:
+                ids.append(int(added["id"]))
+    return tuple(dict.fromkeys(ids))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -195,7 +195,8 @@ class ReferenceRunner:
     ) -> Iterator[tuple[int, Prefilled]]:
         """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
         temperature is 0, else seeded sampling; `pick(logits [V]) -> token id` replaces both,
-        e.g. the serving layer's sampler); stops after EOS or `max_new_tokens`."""
+        e.g. the serving layer's sampler); stops after an end id (`ModelSpec.end_token_ids`, the
+        same ids the vLLM engine stops at; the end token is yielded) or `max_new_tokens`."""
         pre = self.prefill(parts, policy, max_new_tokens, system_prompt, press, budget)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
@@ -203,7 +204,7 @@ class ReferenceRunner:
         for step in range(max_new_tokens):
             token = pick(logits) if pick is not None else _pick(logits, temperature, gen)
             yield token, pre
-            if (stop_at_eos and token == self.spec.eos_token_id) or step == max_new_tokens - 1:
+            if (stop_at_eos and token in self.spec.end_token_ids) or step == max_new_tokens - 1:
                 return
             pos = torch.tensor([pos0 + step])
             if pre.plan.positions.dim() == 2:

@@ -122,6 +122,7 @@ class AsyncVllmEngine(VllmFrontEnd):
             yield EngineResult(
                 token_ids=list(completion.token_ids),
                 num_cached_tokens=int(out.num_cached_tokens or 0),
+                finish_reason=completion.finish_reason,
                 extra={"logprobs": completion.logprobs} if completion.logprobs else {},
             )
 

@@ -34,13 +34,21 @@ class VllmEngine(VllmFrontEnd):
         self.llm = LLM(**engine_kwargs(cfg))
 
     def generate(
-        self, requests: list[EngineRequest], max_tokens: int = 8, logprobs: bool = False
+        self,
+        requests: list[EngineRequest],
+        max_tokens: int = 8,
+        logprobs: bool = False,
+        ignore_eos: bool = False,
     ) -> list[EngineResult]:
-        """Greedy-decode `requests` together (continuous batching); linked requests whose entries
-        fail to load are answered by their `fallback` (logged, counted in `self.fallbacks`).
-        With `logprobs`, each result carries the first token's log-probs over the vocabulary
-        (needs `max_logprobs=-1`)."""
-        forms = [self._submit_form(r, max_tokens, logprobs) for r in requests]
+        """Greedy-decode `requests` together (continuous batching) until EOS
+        (`ModelSpec.end_token_ids`, included in `token_ids`) or `max_tokens` (`ignore_eos`:
+        always `max_tokens`, as benchmarks do); linked requests whose entries fail to load are
+        answered by their `fallback` (logged, counted in `self.fallbacks`). With `logprobs`,
+        each result carries the first token's log-probs over the vocabulary (needs
+        `max_logprobs=-1`)."""
+        forms = [
+            self._submit_form(r, max_tokens, logprobs, ignore_eos=ignore_eos) for r in requests
+        ]
         outputs = self.llm.generate([f[0] for f in forms], [f[1] for f in forms], use_tqdm=False)
         results = []
         retry: list[int] = []
@@ -53,10 +61,11 @@ class VllmEngine(VllmFrontEnd):
                     token_ids=list(completion.token_ids),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
                     logprobs=self._first_logprobs(completion.logprobs) if logprobs else None,
+                    finish_reason=completion.finish_reason,
                 )
             )
         if retry:
-            self._recompute(requests, results, retry, max_tokens, logprobs)
+            self._recompute(requests, results, retry, max_tokens, logprobs, ignore_eos)
         return results
 
     def _first_logprobs(self, steps: Any) -> torch.Tensor | None:
@@ -74,9 +83,10 @@ class VllmEngine(VllmFrontEnd):
         retry: list[int],
         max_tokens: int,
         logprobs: bool,
+        ignore_eos: bool,
     ) -> None:
         exact = self._fallbacks([requests[i] for i in retry])
-        again = self.generate(exact, max_tokens, logprobs)
+        again = self.generate(exact, max_tokens, logprobs, ignore_eos)
         for i, res in zip(retry, again, strict=True):
             res.fell_back = True
             results[i] = res

@@ -51,6 +51,8 @@ class EngineResult:
     """True when a linked request failed to link and was answered by its exact fallback."""
     logprobs: torch.Tensor | None = None
     """float32 [vocab] log-probabilities of the first generated token (when asked for)."""
+    finish_reason: str | None = None
+    """vLLM's: "stop" (an end id or stop token), "length" (`max_tokens`), None while decoding."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -128,7 +128,7 @@ def test_document_upload_through_vllm_matches_reference_runner(setup: Setup) -> 
 
 def test_full_recompute_with_documents_equals_reference_and_plain_vllm(setup: Setup) -> None:
     parts = setup.parts("full")
-    expected = setup.ref.generate(parts, "full", max_new_tokens=8, stop_at_eos=False)
+    expected = setup.ref.generate(parts, "full", max_new_tokens=8)
     plan = expected.prefilled.plan
     for doc in setup.docs:  # the document's own token ids sit in the prompt at its position
         where = plan.source_entry == plan.entry_ids.index(doc.entry_id)
@@ -144,7 +144,7 @@ def test_full_recompute_with_documents_equals_reference_and_plain_vllm(setup: Se
 @pytest.mark.parametrize("policy", POLICIES)
 def test_policies_with_documents_match_reference_runner(setup: Setup, policy: str) -> None:
     parts = setup.parts(policy)
-    expected = setup.ref.generate(parts, policy, max_new_tokens=8, stop_at_eos=False)
+    expected = setup.ref.generate(parts, policy, max_new_tokens=8)
     plan = expected.prefilled.plan
     # prefix recomputes all after the first difference; CacheBlend's plan runs every token to
     # its check layer (all of a 2-layer tiny model) and selects in the pass

@@ -96,7 +96,7 @@ def test_mixed_sizes_every_policy_same_tokens_as_reference(setup: Setup) -> None
     parts, order = _mixed(setup)
     spec = setup.engine.spec
     for policy in POLICIES:
-        expected = setup.ref.generate(parts, policy, max_new_tokens=8, stop_at_eos=False)
+        expected = setup.ref.generate(parts, policy, max_new_tokens=8)
         plan = expected.prefilled.plan
         request = linked_request(plan, policy, spec)
         if spec.family in MROPE_FAMILIES:  # each image's own grid travels with the request

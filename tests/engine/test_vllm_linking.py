@@ -114,7 +114,7 @@ def test_full_recompute_equals_plain_vllm(setup: Setup) -> None:
 @pytest.mark.parametrize("policy", ["mpic-4", "mpic-1", "full-reuse", "cacheblend-15"])
 def test_policies_match_reference_runner(setup: Setup, policy: str) -> None:
     parts, items = _parts(setup, [2, 0, 3], policy)
-    expected = setup.ref.generate(parts, policy, max_new_tokens=10, stop_at_eos=False)
+    expected = setup.ref.generate(parts, policy, max_new_tokens=10)
     plan = expected.prefilled.plan
     assert torch.equal(plan.recompute_depth, setup.plan(parts, items, policy).recompute_depth)
     (got,) = setup.engine.generate([linked_request(plan, policy, setup.engine.spec)], 10)

@@ -79,7 +79,7 @@ def _generate(s: Setup, entries: list[CacheEntry], tokens: int = 10, policy: str
 
     for entry in entries:
         s.ref.add_entry(entry)
-    expected = s.ref.generate(_parts(entries), policy, max_new_tokens=tokens, stop_at_eos=False)
+    expected = s.ref.generate(_parts(entries), policy, max_new_tokens=tokens)
     plan = expected.prefilled.plan
     (got,) = s.engine.generate([linked_request(plan, policy, s.engine.spec)], tokens)
     return expected, got
@@ -123,7 +123,7 @@ def test_compressed_documents_equal_reference_variant(setup: Setup) -> None:
         assert got.num_tokens == keep_count(BUDGET, doc.num_tokens)
         setup.ref.add_entry(want)
         parts += [DocumentRef(got.entry_id), "and"]
-    expected = setup.ref.generate([*parts, "what is left?"], POLICY, 8, stop_at_eos=False)
+    expected = setup.ref.generate([*parts, "what is left?"], POLICY, 8)
     plan = expected.prefilled.plan
     (out,) = setup.engine.generate([linked_request(plan, POLICY, setup.engine.spec)], 8)
     assert out.token_ids == expected.tokens

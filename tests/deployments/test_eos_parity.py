@@ -1,0 +1,69 @@
+"""Both engines stop at the model's end token over HTTP (issue 22 item 1): the tiny Qwen2-VL
+emits `<|im_end|>` within a few tokens; the reference engine and the vLLM worker (in-process
+apps, no Ray, the same model folder and store; text-only chats) answer the same chat with the
+same text, the same completion token count (the end token included) and `finish_reason:
+"stop"`, well before `max_tokens`. `ignore_eos: true` decodes to `max_tokens` on both."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.deployments.conftest import ADMIN_KEY, KEYS
+from tests.deployments.inprocess import InProcessApp, fake_config, in_process_app
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 48
+ALICE = {"Authorization": "Bearer alice-key"}
+
+
+@pytest.fixture(scope="module")
+def apps(tiny_qwen2vl_dir: Path, tmp_path_factory) -> Iterator[dict[str, InProcessApp]]:
+    store = tmp_path_factory.mktemp("eos-store")
+    out: dict[str, InProcessApp] = {}
+    ref_cfg = fake_config(store, kind="reference", model=str(tiny_qwen2vl_dir))
+    vllm_cfg = fake_config(store, kind="vllm", model=str(tiny_qwen2vl_dir), max_model_len=1024)
+    with (
+        in_process_app(ref_cfg, KEYS, [ADMIN_KEY]) as ref,
+        in_process_app(vllm_cfg, KEYS, [ADMIN_KEY]) as vllm,
+    ):
+        out["reference"], out["vllm"] = ref, vllm
+        yield out
+
+
+def _chat(app: InProcessApp, text: str, ignore_eos: bool = False) -> dict:
+    """A text-only chat (both engines compute it whole: no entry made by either vision tower,
+    which differ on Qwen2-VL)."""
+    body = {
+        "model": "mpic",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": ignore_eos,
+        "mpic": {"policy": "full"},
+        "messages": [{"role": "user", "content": text}],
+    }
+    resp = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _answer(out: dict) -> tuple[str, int, str]:
+    choice = out["choices"][0]
+    return choice["message"]["content"], out["usage"]["completion_tokens"], choice["finish_reason"]
+
+
+def test_both_engines_stop_at_the_end_token(apps: dict[str, InProcessApp]) -> None:
+    # prompts on which the seeded tiny Qwen2-VL says <|im_end|> after 10, 20 and 42 tokens
+    for text in ["dog blue", "red two", "blue sun"]:
+        ref = _answer(_chat(apps["reference"], text))
+        got = _answer(_chat(apps["vllm"], text))
+        assert got == ref, text
+        assert ref[2] == "stop" and ref[1] < MAX_TOKENS, (text, ref)
+
+
+def test_ignore_eos_runs_to_max_tokens_on_both(apps: dict[str, InProcessApp]) -> None:
+    for name in ("reference", "vllm"):
+        _, tokens, finish = _answer(_chat(apps[name], "Describe it.", ignore_eos=True))
+        assert (tokens, finish) == (MAX_TOKENS, "length"), name
