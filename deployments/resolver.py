@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.files import FileCatalog
-from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.messages import EncodedImage, LinkedPrompt, LinkedTurn, Segment
 from mpic.deployments.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -60,7 +60,7 @@ class Resolver:
         if opts is not None and opts.retrieval is not None:
             spec = opts.retrieval
             if spec == "auto":
-                spec = RetrievalSpec(collection=self.cfg.default_collection, mode="auto")
+                spec = RetrievalSpec(collection=await self._auto_collection(), mode="auto")
             retrieved = await self._retrieve(turns, spec)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return LinkedPrompt(
@@ -132,12 +132,38 @@ class Resolver:
         ref = await self.encoder.encode.remote(data)._to_object_ref()  # not materialised here
         return Segment("inline", embeds=ref)
 
+    async def _auto_collection(self) -> str:
+        """The collection of `"retrieval": "auto"`: `default_collection`, else the one an admin
+        refreshed last; 400 saying which to set while there is neither."""
+        name = self.cfg.default_collection or await self.retriever.last_refreshed.remote()
+        if name is None:
+            raise InvalidRequestError(
+                '"retrieval": "auto" has no collection to search: set default_collection in '
+                "the server config, or refresh a collection first (mpic-admin library refresh "
+                "SOURCE --collection NAME)",
+                param="mpic.retrieval",
+            )
+        return name
+
     async def _retrieve(self, turns: list[LinkedTurn], spec: RetrievalSpec) -> list[str]:
+        """Search with the last user turn (its text and its images: inline or uploaded, each
+        embedded by the collection's CLIP model) and link the hits before that turn."""
         users = [t for t in turns if t.role == "user"]
         if not users:
             raise InvalidRequestError("retrieval needs a user message to search with")
         query = " ".join(s.text for s in users[-1].segments if s.kind == "text").strip()
-        hits: list[tuple[str, str, str]] = await self.retriever.search.remote(spec, query)
+        images: list[bytes] = []
+        hashes: list[str] = []
+        for seg in users[-1].segments:
+            if seg.kind == "inline":  # the Encoder's EncodedImage (an ObjectRef under Ray)
+                encoded = seg.embeds
+                encoded = encoded if isinstance(encoded, EncodedImage) else await encoded
+                images.append(encoded.media)
+            elif seg.kind == "entry" and not seg.document:
+                hashes.append(seg.content_hash)
+        hits: list[tuple[str, str, str]] = await self.retriever.search.remote(
+            spec, query, images, hashes
+        )
         users[-1].segments[:0] = [  # a text passage is linked as a document, an image as one
             Segment("entry", entry_id=e, content_hash=h, document=kind == "document")
             for e, h, kind in hits

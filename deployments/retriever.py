@@ -22,6 +22,7 @@ from mpic.retriever.service import RetrievalService
 from mpic.retriever.sources import open_source, read_captions
 from mpic.retriever.spec import RetrievalSpec
 from mpic.storage.entry_store import EntryStore
+from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry
 
 
@@ -36,11 +37,25 @@ class Retriever:
         self.system_prompt = config.engine.system_prompt
         self.worker = worker
 
-    def search(self, spec: RetrievalSpec, query: str) -> list[tuple[str, str, str]]:
+    def search(
+        self,
+        spec: RetrievalSpec,
+        query: str,
+        images: list[bytes] | None = None,
+        image_hashes: list[str] | None = None,
+    ) -> list[tuple[str, str, str]]:
         """(entry key, media sha256, media type: "image" or "document") of the hits `spec`
-        links for a text query, best first."""
-        found = retrieve(self.service, spec, text=query)
+        links for a query of text and/or images (inline image bytes, or the sha256 of uploaded
+        images, read from the store here), best first."""
+        pictures = list(images or [])
+        pictures += [self.service.objects.get(media_key(h)) for h in image_hashes or []]
+        found = retrieve(self.service, spec, text=query, images=pictures)
         return [(h.entry_key, h.content_hash, h.media_type) for h in found.hits if h.entry_key]
+
+    def last_refreshed(self) -> str | None:
+        """The collection an admin refreshed last (None: none yet): what `"retrieval": "auto"`
+        searches when the config names no `default_collection`."""
+        return self.service.last_refreshed()
 
     def collections(self) -> dict[str, Any]:
         """Collections with their current version and its item count."""

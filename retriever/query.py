@@ -2,6 +2,9 @@
 when triggered"): a request's `retrieval` field becomes dynamic-library references that the linker
 links like uploaded files. Runs in the Serve replica that prepares link plans (Resolver/Retriever).
 
+The query is the last user turn: its text, its images (inline or uploaded files), or both,
+embedded by the collection's CLIP model into one vector.
+
 Two modes:
 - explicit: `{"collection", "top_k", "min_score"}` always retrieves; hits under `min_score` drop.
 - auto: retrieves, but links the hits only when the best score reaches `threshold` (the query is
@@ -37,16 +40,23 @@ def retrieve(
     *,
     text: str | None = None,
     image: bytes | None = None,
+    images: list[bytes] | None = None,
 ) -> Retrieved:
-    """Search `spec.collection` with the query's text (or one image) and apply the mode.
+    """Search `spec.collection` with the query's text, its image(s), or both (one combined
+    query vector, `RetrievalService.search`) and apply the mode.
 
     NotFoundError for an unknown collection; InvalidRequestError for an empty query.
     """
-    if image is None and not (text and text.strip()):
+    pictures = [*([image] if image is not None else []), *(images or [])]
+    query_text = text if text and text.strip() else None
+    if query_text is None and not pictures:
         raise InvalidRequestError("retrieval needs query text or an image", param="retrieval")
-    query_text = None if image is not None else text
     result = retriever.search(
-        spec.collection, text=query_text, image=image, top_k=spec.top_k, min_score=spec.min_score
+        spec.collection,
+        text=query_text,
+        images=pictures,
+        top_k=spec.top_k,
+        min_score=spec.min_score,
     )
     best = max((h.score for h in result.hits), default=None)
     triggered = spec.mode == "explicit" or (best is not None and best >= spec.threshold)

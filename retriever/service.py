@@ -137,17 +137,37 @@ class RetrievalService:
         *,
         text: str | None = None,
         image: bytes | None = None,
+        images: list[bytes] | None = None,
         top_k: int = 5,
         min_score: float | None = None,
     ) -> SearchResult:
-        """The `top_k` items of the current version closest to a text or an image query: images
-        and text passages alike (one index in CLIP's shared space; `Hit.media_type` says which)."""
-        if (text is None) == (image is None):
-            raise InvalidRequestError("give exactly one of a text or an image query")
+        """The `top_k` items of the current version closest to a query of text, image(s) or
+        both: images and text passages alike (one index in CLIP's shared space; `Hit.media_type`
+        says which). Several query embeddings e_i (unit vectors) are combined into one query
+        q = sum_i e_i / ||sum_i e_i||, so an image and its question weigh alike."""
+        pictures = [*([image] if image is not None else []), *(images or [])]
+        if text is None and not pictures:
+            raise InvalidRequestError("give a text or an image query")
         loaded = self.load(collection)
         embedder = self.embedder(EmbedderConfig(**loaded.manifest.extra["embedder"]))
-        query = embedder.embed_texts([text]) if text is not None else embedder.embed_images([image])
-        return self.search_vector(loaded, query[0], top_k, min_score)
+        parts = []
+        if text is not None:
+            parts.append(embedder.embed_texts([text]))
+        if pictures:
+            parts.append(embedder.embed_images(pictures))
+        query = np.concatenate(parts).astype(np.float32).sum(axis=0)
+        query /= max(float(np.linalg.norm(query)), 1e-12)
+        return self.search_vector(loaded, query, top_k, min_score)
+
+    def last_refreshed(self) -> str | None:
+        """The collection whose newest version is the most recent (version ids sort by commit
+        time): the one an admin refreshed last; None when there is none."""
+        newest = {}
+        for name in self.collections():
+            versions = self.library(name).versions()
+            if versions:
+                newest[name] = versions[-1]
+        return max(newest, key=newest.__getitem__) if newest else None
 
     def search_vector(
         self, loaded: LoadedVersion, query: np.ndarray, top_k: int, min_score: float | None = None
