@@ -92,7 +92,6 @@ def test_pass_over_paged_blocks_equals_dense(mrope, backend, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 80, 128])
 def test_cuda_paged_flex_equals_dense_oracle(dtype, dim):

@@ -13,10 +13,7 @@ from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.prompt import ImageRef
 from mpic.linker.selective_prefill import run_layers
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 POLICIES = ["full", "mpic-2", "mpic-0", "vlcache-0.5:0.25", "cacheblend-15", "full-reuse"]
 FP32_TOL = 2e-3  # TF32-free matmuls, but cuDNN convolutions and kernel orders differ

@@ -133,7 +133,6 @@ def test_compiled_flex_on_cpu_equals_oracle():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_flex_on_cuda_equals_oracle(d, dtype):
