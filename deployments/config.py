@@ -228,6 +228,53 @@ class LimitsConfig(BaseModel):
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 from the budget.")
 
 
+class FidelityConfig(BaseModel):
+    """The live fidelity guarantee (`mpic.deployments.fidelity_monitor`, docs/fidelity.md): shadow
+    exact prefills of a sampled fraction of served requests, and the budget loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sample_rate: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Fraction of served requests that get a shadow exact prefill after their "
+        "answer (their first-token KL and top-1 agreement go to /metrics); 0 disables.",
+    )
+    shed_above: int = Field(
+        0,
+        ge=0,
+        description="A shadow is shed (counted, never run) while more than this many other "
+        "requests are admitted on the LLM-worker replica (running or waiting for the engine).",
+    )
+    max_pending: int = Field(1, ge=1, description="Shadows in flight per replica at most.")
+    top_k: int = Field(
+        20,
+        ge=1,
+        le=20,
+        description="vLLM: the served pass's top-k logprobs the shadow compares against (vLLM's "
+        "default max_logprobs is 20).",
+    )
+    seed: int | None = Field(None, description="Seed of the sampling draw (None: random).")
+    fidelity_target: float | None = Field(
+        None,
+        gt=0,
+        description="Closed loop: the mean sampled first-token KL (nats) to keep the default "
+        "recompute budget's answers under; None: the budget stays as configured.",
+    )
+    min_budget: float = Field(0.05, gt=0, le=1, description="Loop: lowest budget it sets.")
+    max_budget: float = Field(0.5, gt=0, le=1, description="Loop: highest budget it sets.")
+    step: float = Field(0.05, gt=0, le=1, description="Loop: budget change per decision.")
+    hysteresis: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="Loop: lower the budget only when the mean KL is below "
+        "fidelity_target * (1 - hysteresis).",
+    )
+    min_samples: int = Field(8, ge=1, description="Loop: samples per decision.")
+
+
 class ServeAppConfig(BaseModel):
     """Everything the application needs; one object for the app builder, YAML and k8s."""
 
@@ -284,6 +331,17 @@ class ServeAppConfig(BaseModel):
     )
     llm_worker: DeploymentConfig = Field(
         default_factory=DeploymentConfig, description="LLM worker (engine + MPIC linking)."
+    )
+    recompute_budget: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Default recompute budget (a fraction of the prompt) of a request that "
+        "names neither `mpic.policy` nor a budget; the fidelity loop moves it.",
+    )
+    fidelity: FidelityConfig = Field(
+        default_factory=FidelityConfig,
+        description="Shadow exact prefills of sampled requests and the budget loop.",
     )
     llm_router: Literal["cache-aware", "power-of-two"] = Field(
         "cache-aware",

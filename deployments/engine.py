@@ -18,7 +18,7 @@ import importlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
@@ -26,6 +26,9 @@ from mpic.errors import InvalidRequestError, UnreadableMediaError
 from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
+
+if TYPE_CHECKING:
+    from mpic.deployments.fidelity_monitor import FirstToken
 
 MAX_POLICY_NUMBER = 1 << 20
 """Largest number a policy name may carry (`mpic-<k>`: k selected tokens per item): more than
@@ -83,6 +86,18 @@ class ServeEngine(ABC):
     def engine_stats(self) -> dict[str, int]:
         """Engine-specific counters for tests and operators (none by default)."""
         return {}
+
+    supports_fidelity: bool = False
+    """True when `generate` honours `LinkedPrompt.capture_first_token` and
+    `exact_first_token` runs (the live fidelity monitor, docs/fidelity.md)."""
+
+    async def exact_first_token(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    ) -> FirstToken:
+        """The first-token distribution of an exact prefill (policy `full`) of `prompt`, off
+        the critical path: logits [V], or the logprobs of `served.token_ids` where the engine
+        returns logprobs only (vLLM)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no fidelity shadows")
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (listing the valid names) unless `policy` is a registered one."""

@@ -131,7 +131,7 @@ def _usage(done: DoneEvent, completion_tokens: int | None = None) -> Usage:
 
 def _mpic_info(prompt: LinkedPrompt, done: DoneEvent, ttft: float) -> dict:
     return {
-        "policy": prompt.policy,
+        "policy": done.policy or prompt.policy,
         "request_id": prompt.request_id,
         "ttft_s": ttft,
         "engine_ttft_s": done.ttft_s,
@@ -371,7 +371,9 @@ class Ingress:
         done = answers[0].done
         ttft = answers[0].t_first - t0
         for a in answers:
-            _metrics().record(prompt.policy, a.done, a.t_first - t0, a.t_last - a.t_first)
+            _metrics().record(
+                a.done.policy or prompt.policy, a.done, a.t_first - t0, a.t_last - a.t_first
+            )
         out = ChatCompletion(
             id=cid,
             created=created,
@@ -420,7 +422,8 @@ class Ingress:
                         yield chunk(Delta(content=ev.text), logprobs=lps)
                     continue
                 t_first = t_first or time.perf_counter()
-                _metrics().record(prompt.policy, ev, t_first - t0, time.perf_counter() - t_first)
+                policy = ev.policy or prompt.policy
+                _metrics().record(policy, ev, t_first - t0, time.perf_counter() - t_first)
                 yield chunk(Delta(), finish=ev.finish_reason)
                 if body.stream_options and body.stream_options.include_usage:
                     yield chunk(None, usage=_usage(ev))

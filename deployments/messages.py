@@ -77,6 +77,12 @@ class LinkedPrompt:
     """KV press applied after the prefill (`mpic.presses`), None for none."""
     budget: float | None = None
     """The press's budget, a fraction of the prompt's KV in (0, 1]."""
+    policy_defaulted: bool = False
+    """The request named neither a policy nor a recompute budget: the server's default applies
+    (the fidelity loop may move it, `mpic.deployments.fidelity_monitor`)."""
+    capture_first_token: bool = False
+    """Set by the LLM worker for a request sampled by the fidelity monitor: the engine returns
+    the served pass's first-token distribution in `DoneEvent.first_token`."""
 
     @property
     def entry_ids(self) -> list[str]:
@@ -131,3 +137,8 @@ class DoneEvent:
     """Entries served per storage tier, e.g. {"memory": 2, "disk": 1}."""
     fallbacks: int = 0
     """Entries that were missing or corrupt and were recomputed instead."""
+    policy: str = ""
+    """The policy the worker served (the fidelity loop may replace the default); "" unknown."""
+    first_token: Any = None
+    """Only inside the LLM worker, when `capture_first_token` was set: the served pass's
+    `mpic.deployments.fidelity_monitor.FirstToken` (the worker strips it)."""

@@ -12,6 +12,7 @@ computed for the request and never stored).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ from starlette.concurrency import iterate_in_threadpool
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
+from mpic.deployments.fidelity_monitor import FirstToken
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.deployments.prompting import (
     INLINE_PREFIX,
@@ -113,6 +115,34 @@ class ReferenceServeEngine(ServeEngine):
                 self.cfg.system_prompt,
             )
 
+    supports_fidelity = True
+
+    async def exact_first_token(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    ) -> FirstToken:
+        """Policy `full` over the same prompt (its system prompt, entries and inline images):
+        the first-token logits [V], on a thread under the runner's lock."""
+        return await asyncio.to_thread(self._exact_first_token, prompt, entries)
+
+    def _exact_first_token(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> FirstToken:
+        table = dict(entries)
+
+        def inline_entry(image: EncodedImage) -> str:
+            entry_id = INLINE_PREFIX + image.content_hash
+            table[entry_id] = self.compute_entry(entry_id, image)
+            return entry_id
+
+        system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        with self._lock:
+            self.runner.entries = table
+            try:
+                pre = self.runner.prefill(parts, "full", 0, system_prompt=system)
+            finally:
+                self.runner.entries = {}
+        return FirstToken.from_logits(pre.logits)
+
     def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
@@ -190,4 +220,6 @@ class ReferenceServeEngine(ServeEngine):
             completion_tokens=len(tokens),
             finish_reason=_finish_reason(tokens, prompt, stopped, self.runner.spec.end_token_ids),
             ttft_s=pre.ttft_s,
+            policy=prompt.policy,
+            first_token=FirstToken.from_logits(pre.logits) if prompt.capture_first_token else None,
         )

@@ -53,6 +53,8 @@ class Resolver:
         opts = req.mpic
         policy = opts.policy if opts and "policy" in opts.model_fields_set else None
         policy = policy or self.cfg.default_policy
+        named = opts.model_fields_set if opts is not None else set()
+        defaulted = not named & {"policy", "recompute_budget"}  # the server's default applies
         await self.worker.check_policy.remote(policy)
         press, budget = self._press(opts)
         turns = [await self._turn(user, m) for m in req.messages]
@@ -70,6 +72,7 @@ class Resolver:
             max_tokens=max_tokens or self.cfg.engine.max_tokens_default,
             press=press,
             budget=budget,
+            policy_defaulted=defaulted,
         )
 
     def _press(self, opts: MPICOptions | None) -> tuple[str | None, float | None]:

@@ -23,6 +23,7 @@ import ray
 from mpic.deployments.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engine import build_engine
+from mpic.deployments.fidelity_monitor import FidelityMonitor
 from mpic.deployments.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.limits import check_image_pixels
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
@@ -69,6 +70,9 @@ class LLMWorker:
             lim.max_requests_in_flight, lim.max_tokens_in_flight, lim.retry_after_s
         )
         self.health = EngineHealth(self.engine)
+        self.fidelity = FidelityMonitor(
+            config.fidelity, self.engine, lambda: self.budget.requests, config.recompute_budget
+        )
 
     def check_health(self) -> None:
         """Serve's health check (every `health_check_period_s`): fails once the engine died, so
@@ -190,11 +194,25 @@ class LLMWorker:
         the engine (vLLM's abort; the reference engine's decode thread stops) and frees its KV."""
         if self.health.dead():
             raise self.health.unavailable()
-        with self.budget.admit(self.cost(prompt)):
-            async for ev in self._generate(prompt):
-                yield ev
+        self.fidelity.default_policy(prompt)
+        shadow: dict | None = {} if self.fidelity.wants(prompt) else None
+        try:
+            with self.budget.admit(self.cost(prompt)):
+                async for ev in self._generate(prompt, shadow):
+                    yield ev
+        finally:  # the answer is out and the request left the budget: its shadow, if sampled
+            if shadow:
+                self.fidelity.submit(prompt, shadow["entries"], shadow["served"])
 
-    async def _generate(self, prompt: LinkedPrompt) -> AsyncIterator[TokenEvent | DoneEvent]:
+    def fidelity_stats(self) -> dict:
+        """The fidelity monitor's shadow counts, sampled drift and loop budget."""
+        return self.fidelity.stats()
+
+    async def _generate(
+        self, prompt: LinkedPrompt, shadow: dict | None = None
+    ) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """shadow: for a request sampled by the fidelity monitor, receives its `entries` and
+        the `served` first-token distribution (stripped from the DoneEvent)."""
         for turn in prompt.turns:
             for seg in turn.segments:
                 if isinstance(seg.embeds, ray.ObjectRef):
@@ -226,6 +244,10 @@ class LLMWorker:
                     if isinstance(ev, DoneEvent):
                         ev.tier_hits = dict(tiers)
                         ev.fallbacks += len(got.fallbacks)
+                        ev.policy = ev.policy or prompt.policy
+                        if shadow is not None:
+                            shadow.update(entries=entries, served=ev.first_token)
+                        ev.first_token = None
                     yield ev
             except MPICError:
                 raise

@@ -1,0 +1,329 @@
+"""The live fidelity guarantee (LLM-worker Serve replica): a sampled fraction of served requests
+gets a shadow exact prefill of the same prompt, off the critical path, and the drift of the
+served answer from the exact one goes to `/metrics`, the logs and the budget loop.
+
+Per served request (`FidelityMonitor`):
+1. `wants(prompt)`: sampled with probability `fidelity.sample_rate` (never for policy `full`,
+   which is exact already); a sampled request asks its engine to capture the served pass's
+   first-token distribution (`LinkedPrompt.capture_first_token`, returned in
+   `DoneEvent.first_token` and stripped by the worker before the ingress sees it).
+2. `submit(...)` after the answer finished (the worker's generator is done and the request has
+   left the admission budget): a background task, unless the replica is busy - more than
+   `fidelity.shed_above` other requests admitted (running or waiting for the engine), or a
+   shadow already pending - in which case the shadow is shed (counted, never queued). The load
+   is checked again right before the shadow starts.
+3. The shadow: `ServeEngine.exact_first_token` (policy `full`, max 1 token) and `compare`:
+   - reference engine: both passes' full first-token logits [V]; KL(exact || served) in float64
+     exactly as `mpic bench fidelity` computes it, and top-1 agreement;
+   - vLLM: vLLM returns logprobs, not logits. The served pass asks for its top-k raw logprobs
+     (`fidelity.top_k`, vLLM's `raw_logprobs`: before temperature and penalties); the shadow asks
+     for the exact logprobs of exactly those k token ids (`logprob_token_ids`). The reported
+     `topk` KL is KL(p_S || q_S) with both distributions renormalised over the served top-k set
+     S (not the full-vocabulary KL: the served pass's probabilities outside S are not returned);
+     top-1 agreement is exact (served rank-1 token vs the exact greedy token).
+4. Results: histograms `mpic_fidelity_kl{policy}` (full-vocabulary KL), `mpic_fidelity_topk_kl`
+   (vLLM's top-k KL), `mpic_fidelity_top1_agreement{policy}` (0 or 1 per sample: its mean is
+   the agreement rate); `mpic_fidelity_shadows{outcome}` counts run / shed_load / shed_pending
+   / failed; `mpic_fidelity_recompute_budget` is the loop's current default budget. `policy` is
+   the policy family (`mpic`, `cacheblend`, ...), bounded whatever a request names. One INFO log
+   line per sample names the request id. With `fidelity.fidelity_target` set, the samples of
+   requests served at the default budget (they named neither a policy nor a budget) feed the
+   `BudgetController` (`mpic.deployments.fidelity_control`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from mpic.deployments.config import FidelityConfig
+from mpic.deployments.fidelity_control import BudgetController, ControllerBounds, budget_policy
+from mpic.deployments.limits import policy_label
+from mpic.deployments.messages import LinkedPrompt
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpic.deployments.engine import ServeEngine
+    from mpic.types import CacheEntry
+
+logger = logging.getLogger(__name__)
+
+_KL_BUCKETS = [1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0]
+
+
+@dataclass
+class FirstToken:
+    """One pass's first-token distribution: full logits, or top-k logprobs (vLLM)."""
+
+    top1: int
+    """The most likely first token (argmax of the logits / rank-1 logprob)."""
+    logits: torch.Tensor | None = None
+    """float32 [V] of the last prompt position (reference engine), else None."""
+    token_ids: list[int] | None = None
+    """Top-k kind: the token ids of `logprobs` (vLLM)."""
+    logprobs: list[float] | None = None
+    """Top-k kind: log-probabilities of `token_ids` under the full softmax."""
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor) -> FirstToken:
+        """Full kind, from logits [V] (copied to CPU float32)."""
+        logits = logits.detach().float().cpu().reshape(-1)
+        return cls(top1=int(logits.argmax()), logits=logits)
+
+    @classmethod
+    def from_logprobs(cls, step: dict[int, Any], k: int) -> FirstToken:
+        """Top-k kind, from one vLLM step {token id: Logprob(logprob, rank)}: the entries of
+        rank <= k (vLLM adds the sampled token when it ranks lower)."""
+        top = sorted(
+            ((tid, lp) for tid, lp in step.items() if lp.rank is None or lp.rank <= k),
+            key=lambda kv: kv[1].rank if kv[1].rank is not None else math.inf,
+        )
+        return cls(
+            top1=int(top[0][0]),
+            token_ids=[int(t) for t, _ in top],
+            logprobs=[float(lp.logprob) for _, lp in top],
+        )
+
+
+@dataclass
+class FidelitySample:
+    """One shadow comparison."""
+
+    request_id: str
+    policy: str
+    kl: float
+    """KL(exact || served) in nats: full vocabulary (`kind` full) or over the top-k set."""
+    top1_agree: bool
+    kind: Literal["full", "topk"]
+    defaulted: bool = False
+    """The request was served at the default budget (only these samples feed the loop)."""
+
+
+def compare(exact: FirstToken, served: FirstToken) -> tuple[float, bool, Literal["full", "topk"]]:
+    """(KL(exact || served), top-1 agreement, kind). Both full: the full-vocabulary KL in
+    float64 (`mpic bench fidelity`'s formula). Served top-k: KL of the two distributions
+    renormalised over the served token ids, which `exact` must carry (in any order)."""
+    import torch
+
+    agree = exact.top1 == served.top1
+    if exact.logits is not None and served.logits is not None:
+        p = torch.log_softmax(exact.logits.double(), -1)
+        q = torch.log_softmax(served.logits.double(), -1)
+        return max(0.0, float((p.exp() * (p - q)).sum())), agree, "full"
+    if served.token_ids is None or served.logprobs is None:
+        raise ValueError("the served pass carries neither logits nor top-k logprobs")
+    if exact.logits is not None:
+        exact_lp = torch.log_softmax(exact.logits.double(), -1)[served.token_ids].tolist()
+    else:
+        table = dict(zip(exact.token_ids or [], exact.logprobs or [], strict=True))
+        missing = [t for t in served.token_ids if t not in table]
+        if missing:
+            raise ValueError(f"the exact pass lacks logprobs of served top-k tokens {missing}")
+        exact_lp = [table[t] for t in served.token_ids]
+    p = torch.log_softmax(torch.tensor(exact_lp, dtype=torch.float64), -1)
+    q = torch.log_softmax(torch.tensor(served.logprobs, dtype=torch.float64), -1)
+    return max(0.0, float((p.exp() * (p - q)).sum())), agree, "topk"
+
+
+class _Metrics:
+    """The monitor's Ray Serve series (no-ops outside a Ray cluster)."""
+
+    def __init__(self) -> None:
+        from ray.serve.metrics import Counter as RayCounter
+        from ray.serve.metrics import Gauge, Histogram
+
+        self.kl = Histogram(
+            "mpic_fidelity_kl",
+            description="Sampled first-token KL(exact || served), full vocabulary, nats.",
+            boundaries=_KL_BUCKETS,
+            tag_keys=("policy",),
+        )
+        self.topk_kl = Histogram(
+            "mpic_fidelity_topk_kl",
+            description="Sampled first-token KL(exact || served) over the served top-k tokens "
+            "(vLLM: logprobs, not logits, are returned), renormalised, nats.",
+            boundaries=_KL_BUCKETS,
+            tag_keys=("policy",),
+        )
+        self.top1 = Histogram(
+            "mpic_fidelity_top1_agreement",
+            description="1 when the served first token's argmax equals the exact one's, else 0.",
+            boundaries=[0.5],
+            tag_keys=("policy",),
+        )
+        self.shadows = RayCounter(
+            "mpic_fidelity_shadows",
+            description="Shadow exact prefills by outcome (run, shed_load, shed_pending, failed).",
+            tag_keys=("outcome",),
+        )
+        self.budget = Gauge(
+            "mpic_fidelity_recompute_budget",
+            description="The default recompute budget the fidelity loop currently applies.",
+        )
+
+
+class FidelityMonitor:
+    """Sampling, shedding, shadow passes and their accounting for one LLM-worker replica."""
+
+    def __init__(
+        self,
+        cfg: FidelityConfig,
+        engine: ServeEngine,
+        load: Callable[[], int],
+        start_budget: float | None,
+    ) -> None:
+        """load: requests admitted on this replica right now (the admission budget's count).
+        start_budget: the server's configured default recompute budget (None: none)."""
+        self.cfg, self.engine, self.load = cfg, engine, load
+        self.start_budget = start_budget
+        self._rng = random.Random(cfg.seed)
+        self.counts: Counter[str] = Counter()
+        self.samples: deque[FidelitySample] = deque(maxlen=1024)
+        self._pending = 0
+        self._tasks: set[asyncio.Task] = set()
+        self.metrics = _Metrics()
+        self.controller: BudgetController | None = None
+        if cfg.fidelity_target is not None:
+            bounds = ControllerBounds(
+                cfg.fidelity_target,
+                cfg.min_budget,
+                cfg.max_budget,
+                cfg.step,
+                cfg.hysteresis,
+                cfg.min_samples,
+            )
+            start = cfg.max_budget if start_budget is None else start_budget
+            self.controller = BudgetController(bounds, start)
+            self.metrics.budget.set(self.controller.budget)
+
+    @property
+    def enabled(self) -> bool:
+        """True when requests may be sampled (rate > 0 and the engine can run shadows)."""
+        return self.cfg.sample_rate > 0 and self.engine.supports_fidelity
+
+    def default_policy(self, prompt: LinkedPrompt) -> None:
+        """A request that named neither a policy nor a budget is served at the default
+        recompute budget: the loop's current one, else the configured `recompute_budget`
+        (`prompt.policy` rewritten in place; neither: the resolver's `default_policy` stays)."""
+        budget = self.controller.budget if self.controller is not None else self.start_budget
+        if budget is not None and prompt.policy_defaulted:
+            prompt.policy = budget_policy(budget)
+
+    def wants(self, prompt: LinkedPrompt) -> bool:
+        """Draw whether this request gets a shadow; marks the prompt to capture its served
+        first-token distribution when it does."""
+        if not self.enabled or prompt.policy == "full":
+            return False
+        if self._rng.random() >= self.cfg.sample_rate:
+            return False
+        prompt.capture_first_token = True
+        return True
+
+    def _shed(self) -> str | None:
+        if self._pending >= self.cfg.max_pending:
+            return "shed_pending"
+        if self.load() > self.cfg.shed_above:
+            return "shed_load"
+        return None
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        self.metrics.shadows.inc(1, tags={"outcome": outcome})
+
+    def submit(
+        self,
+        prompt: LinkedPrompt,
+        entries: dict[str, CacheEntry],
+        served: FirstToken | None,
+    ) -> asyncio.Task | None:
+        """After a sampled request finished: start its shadow in the background (the task), or
+        shed it (None). Call from the worker's event loop."""
+        if served is None:  # the engine did not capture it (e.g. an exact fallback served it)
+            self._count("not_captured")
+            return None
+        if (why := self._shed()) is not None:
+            self._count(why)
+            return None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a generator finalised outside its loop: nothing can run it
+            self._count("failed")
+            return None
+        self._pending += 1
+        task = loop.create_task(self._shadow(prompt, entries, served))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _shadow(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    ) -> FidelitySample | None:
+        try:
+            await asyncio.sleep(0)  # the answer's last bytes leave first
+            if self.load() > self.cfg.shed_above:  # load arrived meanwhile: shed
+                self._count("shed_load")
+                return None
+            self._count("run")
+            exact = await self.engine.exact_first_token(prompt, entries, served)
+            kl, agree, kind = compare(exact, served)
+        except Exception as exc:  # noqa: BLE001 - a shadow never hurts serving
+            self._count("failed")
+            logger.warning("request %s: fidelity shadow failed: %s", prompt.request_id, exc)
+            return None
+        finally:
+            self._pending -= 1
+        sample = FidelitySample(
+            prompt.request_id, prompt.policy, kl, agree, kind, prompt.policy_defaulted
+        )
+        return self.record(sample)
+
+    def record(self, sample: FidelitySample) -> FidelitySample:
+        """Metrics, log line and the budget loop for one sample."""
+        family = policy_label(sample.policy)
+        (self.metrics.kl if sample.kind == "full" else self.metrics.topk_kl).observe(
+            sample.kl, tags={"policy": family}
+        )
+        self.metrics.top1.observe(float(sample.top1_agree), tags={"policy": family})
+        self.samples.append(sample)
+        logger.info(
+            "request %s: fidelity %s KL %.6g, top-1 %s (policy %s)",
+            sample.request_id,
+            sample.kind,
+            sample.kl,
+            "agrees" if sample.top1_agree else "differs",
+            sample.policy,
+            extra={
+                "request_id": sample.request_id,
+                "fidelity_kl": sample.kl,
+                "fidelity_kind": sample.kind,
+                "fidelity_top1_agree": sample.top1_agree,
+                "policy": sample.policy,
+            },
+        )
+        if self.controller is not None and sample.defaulted:  # the budget serves these only
+            self.controller.observe(sample.kl)
+            self.metrics.budget.set(self.controller.budget)
+        return sample
+
+    async def drain(self) -> None:
+        """Wait for the shadows in flight (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts by outcome, the samples' mean KL and agreement, and the loop's budget."""
+        out: dict[str, Any] = {f"shadows_{k}": v for k, v in self.counts.items()}
+        out["samples"] = len(self.samples)
+        if self.samples:
+            out["kl_mean"] = sum(s.kl for s in self.samples) / len(self.samples)
+            out["top1_agreement"] = sum(s.top1_agree for s in self.samples) / len(self.samples)
+        if self.controller is not None:
+            out["recompute_budget"] = self.controller.budget
+        return out
