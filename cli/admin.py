@@ -316,7 +316,7 @@ def sweep(
 
     def go():
         if server:
-            return _client(server, api_key).sweep()
+            return _client(server, api_key).sweep(grace_s)
         from mpic.deployments.files import open_library
         from mpic.storage.config import StorageConfig
 

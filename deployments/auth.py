@@ -88,17 +88,36 @@ class KeyRing:
         """`Authorization: Bearer <key>` -> Principal; AuthenticationError (401) otherwise."""
         if not authorization or not authorization.lower().startswith("bearer "):
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-        presented = authorization[7:].strip()
-        for key, user in self._users.items():
-            if hmac.compare_digest(key.encode(), presented.encode()):
-                return Principal(user=user, is_admin=key in self._admin)
-        raise AuthenticationError("unknown API key")
+        # only HTTP's own whitespace (space, tab) around the token is dropped: str.strip() would
+        # also drop U+00A0 / U+0085 and let "key\xa0" authenticate as "key"
+        presented = _wire_bytes(authorization[7:].strip(" \t"))
+        found: Principal | None = None
+        for key, user in self._users.items():  # every key compared: time does not tell which
+            if hmac.compare_digest(_exact_bytes(key), presented) and found is None:
+                found = Principal(user=user, is_admin=key in self._admin)
+        if found is None:
+            raise AuthenticationError("unknown API key")
+        return found
 
     @staticmethod
     def require_admin(principal: Principal) -> None:
         """PermissionDeniedError (403) unless the key is an admin key."""
         if not principal.is_admin:
             raise PermissionDeniedError("this route needs an admin key")
+
+
+def _exact_bytes(text: str) -> bytes:
+    """A configured key's bytes as compared (UTF-8; a lone surrogate kept as its own bytes)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _wire_bytes(text: str) -> bytes:
+    """The presented key's bytes as they came on the wire (ASGI servers decode header bytes as
+    latin-1), so a UTF-8 key matches only its own UTF-8 bytes."""
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:  # not from an HTTP header (a direct call)
+        return _exact_bytes(text)
 
 
 def _json(text: str, what: str) -> object:

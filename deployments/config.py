@@ -214,6 +214,16 @@ class LimitsConfig(BaseModel):
     max_image_pixels: int = Field(
         16 << 20,
         ge=1,
+    max_image_side: int = Field(
+        8192, ge=1, description="Pixels per image side, read from its header (else HTTP 400)."
+    )
+    max_image_aspect_ratio: float = Field(
+        20.0,
+        ge=1,
+        description="Longest over shortest side, read from the header before any decode or "
+        "resize (else HTTP 400): a 100,000 x 1 image is under the pixel limit, but a processor "
+        "that scales its short side up to the model's size would allocate gigabytes.",
+    )
         description="Pixels per image, read from its header before decoding (else HTTP 413).",
     )
     max_requests_in_flight: int = Field(

@@ -101,12 +101,17 @@ class ServeEngine(ABC):
 
     def check_policy(self, policy: str) -> None:
         """InvalidRequestError (listing the valid names) unless `policy` is a registered one."""
-        too_big = [int(n) for n in re.findall(r"\d+", policy) if int(n) > MAX_POLICY_NUMBER]
-        if too_big:
-            raise InvalidRequestError(
-                f"policy {policy!r}: {too_big[0]} is out of range (at most {MAX_POLICY_NUMBER})",
-                param="mpic.policy",
-            )
+        # digits are counted before any int(): Python refuses to convert more than 4,300 digits
+        # (ValueError), and a shorter huge number must not reach a policy constructor either
+        width = len(str(MAX_POLICY_NUMBER))
+        for digits in re.findall(r"\d+", policy):
+            if len(digits) > width or int(digits) > MAX_POLICY_NUMBER:
+                shown = digits if len(digits) <= 24 else f"a {len(digits)}-digit number"
+                raise InvalidRequestError(
+                    f"policy {policy[:64]!r}: {shown} is out of range (at most "
+                    f"{MAX_POLICY_NUMBER})",
+                    param="mpic.policy",
+                )
         try:
             get_policy(policy)
         except (ValueError, OverflowError) as exc:

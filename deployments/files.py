@@ -171,10 +171,11 @@ class Sweeper:
         if interval_s > 0:
             threading.Thread(target=self._loop, name="mpic-sweeper", daemon=True).start()
 
-    def sweep_now(self) -> SweepReport:
-        """One sweep; logs what it removed."""
+    def sweep_now(self, grace_s: float | None = None) -> SweepReport:
+        """One sweep (`grace_s`: this sweep's grace, None: the configured one); logs what it
+        removed."""
         with self._lock:
-            report = self.library.sweep()
+            report = self.library.sweep(grace_s)
         if report.expired or report.blobs_deleted or report.tombstones_removed:
             logger.info(
                 "sweep: %d file(s) expired, %d blob(s) deleted, %d tombstone(s) removed",

@@ -10,6 +10,7 @@ raised after a stream started (sent as an SSE `data:` event before the stream cl
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -87,11 +88,38 @@ def mpic_error_response(exc: MPICError) -> JSONResponse:
     return error_response(exc.status, message, exc.type, exc.code, exc.param, retry)
 
 
-def validation_param(error: dict) -> str | None:
-    """The field a pydantic error is about, dotted (`messages.0.content`); the body/query
-    prefix is dropped."""
-    loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    return ".".join(loc) or None
+_TYPE_LABEL = re.compile(r"^(str|int|float|bool|list|dict|none|[\w-]+\[.*\])$")
+"""pydantic's union-member labels in an error location (`str`, `list[...]`, `function-after[...]`,
+`tagged-union[...]`): not fields."""
+
+
+def validation_param(error: dict, body: object = None) -> str | None:
+    """The field a pydantic error is about, dotted (`messages.0.content.0.file.file_id`): the
+    body/query prefix and pydantic's union-member labels are dropped. With the request `body`,
+    the location is walked through it, so a segment that is neither a key nor an index of the
+    input (a label such as a discriminator tag) is skipped; the last segment stays when it names
+    a missing field."""
+    loc = [p for p in error.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    out: list[str] = []
+    node = body
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and _TYPE_LABEL.match(part):
+            continue
+        elif body is not None and not (last and isinstance(node, dict)):
+            continue
+        out.append(str(part))
+    return ".".join(out) or None
+
+
+def _best_error(errors: list[dict]) -> dict:
+    """The most specific of pydantic's errors: the one with the deepest location (of a union
+    such as `str | list[part]`, the branch the input took, not the first branch tried)."""
+    return max(errors, key=lambda e: len(e.get("loc", ())), default={})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -103,9 +131,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        param = validation_param(first)
+        errors = list(exc.errors())
+        first = _best_error(errors)
+        if first.get("type") == "json_invalid":  # loc is (body, char position): no field
+            why = (first.get("ctx") or {}).get("error", "malformed JSON")
+            return error_response(
+                400,
+                f"the request body is not valid JSON ({why})",
+                "invalid_request_error",
+                "invalid_json",
+            )
+        param = validation_param(first, exc.body)
         if first.get("type") == "extra_forbidden":
             message = f"unrecognized request field: {param}"
         else:

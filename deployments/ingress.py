@@ -62,6 +62,7 @@ from mpic.deployments.schemas import (
     RefreshBody,
     RollbackBody,
     TopLogprob,
+    SweepBody,
     Usage,
 )
 from mpic.errors import PayloadTooLargeError
@@ -440,10 +441,15 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/admin/sweep")
-    async def admin_sweep(self, authorization: Annotated[str | None, Header()] = None):
-        """Admin: run the file sweeper now (expire, release, delete unreferenced blobs)."""
+    async def admin_sweep(
+        self,
+        body: SweepBody | None = None,
+        authorization: Annotated[str | None, Header()] = None,
+    ):
+        """Admin: run the file sweeper now (expire, release, delete unreferenced blobs older
+        than `grace_s`, default the server's)."""
         KeyRing.require_admin(self._auth(authorization))
-        return await self.worker.sweep.remote()
+        return await self.worker.sweep.remote(body.grace_s if body else None)
 
     @app.get("/v1/admin/collections")
     async def admin_collections(self, authorization: Annotated[str | None, Header()] = None):

@@ -9,7 +9,8 @@ multipart allowance, every other route `limits.max_body_bytes`.
 
 `check_chat_shape` bounds a parsed chat request (messages, content parts, text characters, no
 lone UTF-16 surrogates) before it is resolved; `check_image_pixels` reads an image's size from its
-header (PIL opens lazily: no pixel is decoded) and refuses decompression bombs with 413.
+header (PIL opens lazily: no pixel is decoded) and refuses decompression bombs with 413, and sides
+or aspect ratios a processor's resize would blow up with 400.
 """
 
 from __future__ import annotations
@@ -209,10 +210,20 @@ def check_chat_shape(body: Any, limits: Any) -> None:
         )
 
 
-def check_image_pixels(data: bytes, max_pixels: int) -> None:
-    """413 for an image whose header declares more than `max_pixels` pixels (no pixel is
-    decoded: PIL reads the size lazily). Bytes PIL cannot identify pass through (the engine
-    answers 415 for them)."""
+class ImageSizeError(InvalidRequestError):
+    """An image side or aspect ratio over the limits (HTTP 400, code `invalid_image_size`)."""
+
+    code = "invalid_image_size"
+
+
+def check_image_pixels(
+    data: bytes, max_pixels: int, max_side: int | None = None, max_aspect: float | None = None
+) -> None:
+    """Refuse an image from its header alone (PIL opens lazily: no pixel is decoded, nothing is
+    resized): 413 when it declares more than `max_pixels` pixels (decompression bombs), 400 when
+    a side is over `max_side` or the longest side over the shortest is over `max_aspect` (resize
+    bombs: a 100,000 x 1 image whose short side a processor scales up to 336 pixels would become
+    33.6 M x 336). Bytes PIL cannot identify pass through (the engine answers 415 for them)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -230,6 +241,16 @@ def check_image_pixels(data: bytes, max_pixels: int) -> None:
     if width * height > max_pixels or width * height * frames > 4 * max_pixels:
         raise PayloadTooLargeError(
             f"image of {width}x{height} pixels is over the {max_pixels}-pixel limit", param="file"
+        )
+    if min(width, height) < 1 or (max_side is not None and max(width, height) > max_side):
+        raise ImageSizeError(
+            f"image of {width}x{height} pixels: each side must be 1 to {max_side} pixels",
+            param="file",
+        )
+    if max_aspect is not None and max(width, height) > max_aspect * min(width, height):
+        raise ImageSizeError(
+            f"image of {width}x{height} pixels: the aspect ratio is over {max_aspect:g}:1",
+            param="file",
         )
 
 
@@ -257,6 +278,8 @@ ERROR_RESPONSES: dict[int, str] = {
     429: "The engine's budget is spent; retry after `Retry-After` seconds.",
     503: "The engine restarts, a queue is full or the object store is unreachable; retry after "
     "`Retry-After` seconds.",
+    507: "The object store is full (nothing of the upload is kept); retry after `Retry-After` "
+    "seconds.",
 }
 """The error statuses the API answers, each with an OpenAI-style `ErrorBody`."""
 
@@ -288,7 +311,7 @@ def install_openapi_errors(app: Any, error_schema: Any) -> None:
                         "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}
                     }
                     responses[str(status)] = {"description": text, "content": body}
-                    if status in (429, 503):
+                    if status in (429, 503, 507):
                         responses[str(status)]["headers"] = retry
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)

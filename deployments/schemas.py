@@ -1,6 +1,8 @@
 """HTTP API bodies (Ingress replica): OpenAI's models, files and chat-completions shapes plus the
 `mpic` extension object. Requests are strict (`extra="forbid"`): an OpenAI field is honoured or
-rejected with a 400 naming it, never silently ignored.
+rejected with a 400 naming it, never silently ignored; and strictly typed (`strict=True`): no
+bool for an int (`max_tokens: true`), no string for a bool (`stream: "yes"`), no float for an
+int (an int is accepted for a float, as JSON has one number type).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class FileExpiryUpdate(BaseModel):
     """`POST /v1/files/{id}`: a new expiry, either `ttl_seconds` from now (Gemini's `ttl`) or
     OpenAI's `expires_after` (seconds after the file's creation)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     ttl_seconds: int | None = Field(None, ge=1, description="Expire this many seconds from now.")
     expires_after: ExpiresAfter | None = None
 
@@ -62,7 +64,7 @@ class FileExpiryUpdate(BaseModel):
 class ExpiresAfter(BaseModel):
     """OpenAI `expires_after`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     anchor: Literal["created_at"] = "created_at"
     seconds: int = Field(ge=1)
 
@@ -94,7 +96,7 @@ class FileDeleted(BaseModel):
 class TextPart(BaseModel):
     """A text content part."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -102,7 +104,7 @@ class TextPart(BaseModel):
 class ImageURL(BaseModel):
     """An inline image: a `data:image/...;base64,` URL (remote URLs are not fetched)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     url: str
     detail: Literal["auto", "low", "high"] | None = Field(
         None, description='Only "auto" (the model\'s own resolution); low/high: 400.'
@@ -112,7 +114,7 @@ class ImageURL(BaseModel):
 class ImagePart(BaseModel):
     """An inline image part: encoded for this request only, not cached."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -120,14 +122,14 @@ class ImagePart(BaseModel):
 class FileRef(BaseModel):
     """A reference to an uploaded (cached) file."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     file_id: str
 
 
 class FilePart(BaseModel):
     """`{"type": "file", "file": {"file_id": ...}}`: a cached file linked by MPIC."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["file"]
     file: FileRef
 
@@ -139,7 +141,7 @@ class ChatMessage(BaseModel):
     """One chat message; content is a string or a list of parts. `developer` is OpenAI's newer
     name for `system`; assistant turns are earlier answers (multi-turn chats)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = Field(None, description="Participant names are not supported: 400.")
@@ -148,8 +150,10 @@ class ChatMessage(BaseModel):
 class MPICOptions(BaseModel):
     """The `mpic` extension object of a chat request."""
 
-    model_config = ConfigDict(extra="forbid")
-    policy: str = Field("mpic-32", description="Token-selection policy (linker registry name).")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    policy: str = Field(
+        "mpic-32", min_length=1, description="Token-selection policy (linker registry name)."
+    )
     press: str | None = Field(
         None,
         description="KV press applied after the linked prefill, before decoding "
@@ -176,7 +180,7 @@ class MPICOptions(BaseModel):
 class StreamOptions(BaseModel):
     """OpenAI `stream_options`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -212,7 +216,7 @@ class ChatCompletionRequest(BaseModel):
     other than text, `response_format` other than text, `store: true`, and any field OpenAI
     does not define). Validation errors name the field in `error.param`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str = Field(description="The served model id (`GET /v1/models`); others get 404.")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=4096)
@@ -292,6 +296,10 @@ class ChatCompletionRequest(BaseModel):
                     )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
         if self.n > 1 and self.stream:
             raise InvalidRequestError("n > 1 is served without streaming only", param="n")
         for key, bias in (self.logit_bias or {}).items():
@@ -425,13 +433,26 @@ class ErrorBody(BaseModel):
 class RefreshBody(BaseModel):
     """`POST /v1/admin/collections/{name}/refresh`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     source: str = Field(description="Folder or s3:// prefix holding the collection's images.")
     captions: str | None = Field(None, description="Optional captions JSONL (file, caption).")
+
+
+class SweepBody(BaseModel):
+    """`POST /v1/admin/sweep` (optional body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    grace_s: float | None = Field(
+        None,
+        ge=0,
+        le=10**9,
+        description="This sweep's grace in seconds (0 honoured); "
+        "absent: the server's store.sweep_grace_s.",
+    )
 
 
 class RollbackBody(BaseModel):
     """`POST /v1/admin/collections/{name}/rollback`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     version: str = Field(description="The version to make current again.")

@@ -46,12 +46,16 @@ class Encoder:
 
     def __init__(self, config: ServeAppConfig) -> None:
         self.engine = build_engine(config.engine, config.store, "encoder")
-        self.max_pixels = config.limits.max_image_pixels
+        self.limits = config.limits
 
     def encode(self, image_bytes: bytes) -> EncodedImage:
-        """Decode (415 if not an image) and encode one image; 413 before decoding when its
-        header declares more than `limits.max_image_pixels` pixels (decompression bombs)."""
-        check_image_pixels(image_bytes, self.max_pixels)
+        """Decode (415 if not an image) and encode one image; before decoding, from its header:
+        413 over `limits.max_image_pixels` pixels (decompression bombs), 400 over
+        `limits.max_image_side` or `limits.max_image_aspect_ratio` (resize bombs)."""
+        lim = self.limits
+        check_image_pixels(
+            image_bytes, lim.max_image_pixels, lim.max_image_side, lim.max_image_aspect_ratio
+        )
         return self.engine.encode_image(image_bytes)
 
 
@@ -79,9 +83,10 @@ class LLMWorker:
         Serve replaces this replica (requests meanwhile get 503 with Retry-After)."""
         self.health.check()
 
-    def sweep(self) -> dict:
-        """Run the file sweeper now (admin route); its report."""
-        return self.sweeper.sweep_now().model_dump()
+    def sweep(self, grace_s: float | None = None) -> dict:
+        """Run the file sweeper now (admin route; `grace_s` None: the configured grace); its
+        report."""
+        return self.sweeper.sweep_now(grace_s).model_dump()
 
     def upload(
         self,

@@ -58,6 +58,8 @@ class AdminClient:
             "POST", f"/v1/admin/collections/{collection}/rollback", {"version": version}
         )
 
-    def sweep(self) -> dict[str, Any]:
-        """Run the server's file sweeper now; its report (expired ids, blobs deleted)."""
-        return self._call("POST", "/v1/admin/sweep", {})
+    def sweep(self, grace_s: float | None = None) -> dict[str, Any]:
+        """Run the server's file sweeper now (`grace_s`: this sweep's grace, 0 honoured; None:
+        the server's); its report (expired ids, blobs deleted)."""
+        body = {} if grace_s is None else {"grace_s": grace_s}
+        return self._call("POST", "/v1/admin/sweep", body)

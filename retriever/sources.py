@@ -86,6 +86,18 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _is_plain_text(text: str) -> bool:
+    """True for text a path or URL may hold: valid Unicode (no lone surrogate), no control
+    characters (NUL makes the OS path calls raise), bounded length."""
+    if len(text) > 4096 or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def allowed_source(location: str, roots: Sequence[str], param: str = "source") -> str:
     """`location` if it lies under one of `roots` (the server's configured admin source roots:
     local folders and `s3://bucket/prefix[?endpoint=...]` prefixes), else InvalidRequestError
@@ -99,6 +111,12 @@ def allowed_source(location: str, roots: Sequence[str], param: str = "source") -
         f"{param} is not under a configured admin source root (server config admin_sources)",
         param=param,
     )
+    if not _is_plain_text(location):
+        raise InvalidRequestError(
+            f"{param} must be printable text (no control characters such as NUL, no lone "
+            "surrogates, at most 4096 characters)",
+            param=param,
+        )
     if "://" in location and not location.startswith("s3://"):
         raise refuse
     if location.startswith("s3://"):

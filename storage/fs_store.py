@@ -15,7 +15,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from mpic.storage.object_store import ObjectInfo, ObjectNotFoundError, ObjectStore, check_key
+from mpic.storage.object_store import (
+    FULL_ERRNOS,
+    ObjectInfo,
+    ObjectNotFoundError,
+    ObjectStore,
+    StoreFullError,
+    check_key,
+)
 
 _TMP = ".tmp"
 
@@ -60,6 +67,10 @@ class FileSystemObjectStore(ObjectStore):
                     os.fsync(f.fileno())
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
+        except OSError as e:
+            if e.errno in FULL_ERRNOS:  # nothing half-written: the temp file goes below
+                raise StoreFullError(f"no space for {key!r}: {e}") from e
+            raise
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -33,6 +33,27 @@ class StoreUnavailableError(MPICError):
     code = "store_unavailable"
 
 
+class StoreFullError(MPICError):
+    """The object store has no room left (a full disk, ENOSPC / EDQUOT; S3 quota or storage-full
+    replies): HTTP 507 with Retry-After. The failed write leaves nothing half-written (a temp
+    file is removed; one S3 PUT is atomic); blobs an upload wrote before it carry no record and
+    no reference, so the sweeper deletes them after the grace period."""
+
+    status = 507
+    type = "server_error"
+    code = "insufficient_storage"
+    retry_after = 60
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = "the object store is full; nothing of this upload was kept, retry later"
+        self.detail = message
+
+
+FULL_ERRNOS = frozenset({28, 122})
+"""ENOSPC (no space left on device), EDQUOT (disk quota exceeded)."""
+
+
 def check_key(key: str) -> str:
     """Return `key` if it is a safe relative key (no '..', no leading '/'), else ValueError."""
     if not _KEY_RE.match(key) or any(part in (".", "..") for part in key.split("/")):

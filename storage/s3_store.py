@@ -19,11 +19,20 @@ from mpic.storage.object_store import (
     ObjectInfo,
     ObjectNotFoundError,
     ObjectStore,
+    StoreFullError,
     StoreUnavailableError,
     check_key,
 )
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
+_FULL = {
+    "XMinioStorageFull",  # MinIO: drives past their free-space threshold (HTTP 507)
+    "XMinioAdminBucketQuotaExceeded",  # MinIO bucket quota
+    "QuotaExceeded",  # Ceph RGW, and S3-compatible stores with quotas
+    "InsufficientStorage",
+    "StorageFull",
+}
+"""S3 error codes that mean the store has no room: `StoreFullError` (HTTP 507)."""
 
 
 class _ResponseStream:
@@ -93,6 +102,8 @@ class S3ObjectStore(ObjectStore):
         except S3Error as e:
             if e.code in _MISSING:
                 raise ObjectNotFoundError(key) from e
+            if e.code in _FULL:
+                raise StoreFullError(f"S3 full on {key!r}: {e.code}") from e
             raise StoreUnavailableError(f"S3 error on {key!r}: {e.code}") from e
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise StoreUnavailableError(f"S3 unreachable on {key!r}: {e}") from e

@@ -223,9 +223,12 @@ class StaticLibrary:
         refs.drop_ref(self.objects, rec.media_key, holder)
         refs.drop_ref(self.objects, entry_object_key(rec.entry_key), holder)
 
-    def sweep(self) -> SweepReport:
+    def sweep(self, grace_s: float | None = None) -> SweepReport:
         """Expire files past their TTL (tombstone + release blobs), forget old tombstones, and
-        delete blobs that no file or library version references any more."""
+        delete blobs that no file or library version references any more and that are older
+        than `grace_s` (None: the library's `grace_s`; 0 is honoured: everything unreferenced
+        goes, uploads in flight included)."""
+        grace = self.grace_s if grace_s is None else grace_s
         now, report = self.clock(), SweepReport()
         for key in list(self.objects.list("static/u/")):
             try:
@@ -243,11 +246,11 @@ class StaticLibrary:
             elif rec.status == "expired" and rec.expires_at + self.tombstone_ttl_s <= now:
                 self.objects.delete(key)
                 report.tombstones_removed += 1
-        self._drop_orphan_refs()
-        report.blobs_deleted = refs.collect(self.objects, self.grace_s, self._delete_blob)
+        self._drop_orphan_refs(grace)
+        report.blobs_deleted = refs.collect(self.objects, grace, self._delete_blob)
         return report
 
-    def _drop_orphan_refs(self) -> None:
+    def _drop_orphan_refs(self, grace_s: float) -> None:
         """Release markers of uploads that died before writing their record (older than grace;
         ages compare object mtimes with the wall clock, as `refs.collect` does)."""
         now = time.time()
@@ -258,7 +261,7 @@ class StaticLibrary:
             if kind != "static" or self.objects.exists(f"static/u/{user_hash}/{file_id}.json"):
                 continue
             try:
-                if now - self.objects.stat(key).mtime >= self.grace_s:
+                if now - self.objects.stat(key).mtime >= grace_s:
                     refs.drop_ref(self.objects, blob_key, holder)
             except ObjectNotFoundError:
                 continue

@@ -204,9 +204,12 @@ def test_admin_refresh_sources_allow_listed(tmp_path: Path, monkeypatch) -> None
     import mpic.storage.factory as factory
 
     real = factory.make_object_store
-    monkeypatch.setattr(factory, "make_object_store", lambda *a, **k: opened.append(a) or real(*a))
     roots = [str(allowed), "s3://refs-bucket/collections?endpoint=127.0.0.1:1&secure=false"]
     with _app(tmp_path, admin_sources=roots) as app:
+        # watched from here on: building the app opens the configured store itself
+        monkeypatch.setattr(
+            factory, "make_object_store", lambda *a, **k: opened.append(a) or real(*a)
+        )
         c, h = app.client, app.headers(ADMIN_KEY)
         calls = []
 
