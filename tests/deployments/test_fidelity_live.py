@@ -1,0 +1,181 @@
+"""The live fidelity monitor on the REAL reference engine, in-process (no Ray): the KL a shadow
+pass samples for a served request equals the KL computed offline with the reference runner on
+the same prompt (the `mpic bench fidelity` prompt, 4 documents, on LLaVA with the trained
+SmolLM2 as its language model: the serving layer's reference engine takes multimodal models);
+under overload every shadow is shed and none runs; the budget loop raises the default budget on
+a high-drift workload and lowers it again when the drift falls (tiny LLaVA)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deployments.conftest import ADMIN_KEY, KEYS, png
+from tests.deployments.inprocess import fake_config, in_process_app
+
+HEADERS = {"Authorization": "Bearer alice-key"}
+
+
+def _app_config(store: Path, model: Path, **fidelity):
+    from mpic.deployments.config import FidelityConfig
+
+    cfg = fake_config(store, kind="reference", model=str(model), max_tokens_default=2)
+    return cfg.model_copy(update={"fidelity": FidelityConfig(**fidelity)})
+
+
+def _upload(app, data: bytes, name: str, purpose: str) -> str:
+    kind = "text/plain" if purpose == "user_data" else "image/png"
+    resp = app.client.post(
+        "/v1/files",
+        headers=HEADERS,
+        files={"file": (name, data, kind)},
+        data={"purpose": purpose},
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()["id"]
+
+
+def _chat(app, content: list, rid: str, policy: str | None = None, max_tokens: int = 2):
+    body: dict = {
+        "model": "mpic",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": content}],
+    }
+    if policy is not None:
+        body["mpic"] = {"policy": policy}
+    resp = app.client.post(
+        "/v1/chat/completions", headers={**HEADERS, "X-Request-ID": rid}, json=body
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _sample(worker, rid: str, timeout: float = 120.0):
+    """The monitor's sample of request `rid`, once its background shadow finished."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for s in list(worker.fidelity.samples):
+            if s.request_id == rid:
+                return s
+        time.sleep(0.05)
+    raise AssertionError(f"no fidelity sample for {rid}: {worker.fidelity.stats()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["mpic-32", "cacheblend-15"])
+def test_sampled_kl_equals_offline_kl_on_the_trained_model(
+    llava_smollm2_dir: Path, tmp_path: Path, policy: str
+) -> None:
+    from mpic.benchmarks.fidelity import passages, question_parts
+    from mpic.benchmarks.offline import kl_divergence
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.prompt_parts import DocumentRef
+
+    runner = ReferenceRunner(str(llava_smollm2_dir))
+    docs = passages(4)
+    entry_ids = [runner.cache_document(d.text).entry_id for d in docs]
+    parts = question_parts(docs, entry_ids, 0)
+    full = runner.prefill(parts, "full")
+    served = runner.prefill(parts, policy)
+    offline_kl = kl_divergence(full.logits, served.logits)
+    assert offline_kl > 0.05  # the documents' reuse moves the answer: the check measures
+
+    cfg = _app_config(tmp_path / "store", llava_smollm2_dir, sample_rate=1.0)
+    with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
+        content: list = []
+        for part in parts:
+            if isinstance(part, DocumentRef):
+                doc = docs[entry_ids.index(part.entry_id)]
+                fid = _upload(app, doc.text.encode(), f"{doc.name}.txt", "user_data")
+                content.append({"type": "file", "file": {"file_id": fid}})
+            else:
+                content.append({"type": "text", "text": part})
+        body = _chat(app, content, "fid-kl", policy)
+        assert body["usage"]["prompt_tokens"] == served.plan.num_tokens  # the same prompt
+        sample = _sample(app.worker, "fid-kl")
+    print(f"{policy}: sampled KL {sample.kl:.6f}, offline KL {offline_kl:.6f}")
+    assert sample.kind == "full" and sample.policy == policy
+    assert abs(sample.kl - offline_kl) < 1e-3
+    assert sample.top1_agree == (int(full.logits.argmax()) == int(served.logits.argmax()))
+
+
+@pytest.fixture(scope="module")
+def llava_app(tiny_llava_dir: Path, tmp_path_factory):
+    cfg = _app_config(
+        tmp_path_factory.mktemp("fid-store"),
+        tiny_llava_dir,
+        sample_rate=1.0,
+        fidelity_target=1e-9,
+        min_budget=0.1,
+        max_budget=0.5,
+        step=0.2,
+        min_samples=2,
+    )
+    cfg = cfg.model_copy(update={"recompute_budget": 0.1})
+    with in_process_app(cfg, KEYS, [ADMIN_KEY]) as running:
+        yield running
+
+
+def test_overload_sheds_every_shadow(llava_app) -> None:
+    worker = llava_app.worker
+    fid = _upload(llava_app, png(71), "a.png", "vision")
+    content = [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "what?"}]
+    before = dict(worker.fidelity.counts)
+    done, snapshot, lock = [], {}, threading.Lock()
+    stop = threading.Event()
+    start = threading.Barrier(4)
+
+    def client(i: int) -> None:
+        start.wait()
+        n = 0
+        while not stop.is_set():
+            _chat(llava_app, content, f"load-{i}-{n}", "mpic-4", max_tokens=6)
+            n += 1
+            with lock:
+                done.append(i)
+                if len(done) == 24 and not snapshot:  # mid-run: the others are in flight
+                    snapshot.update(worker.fidelity.counts)
+                    stop.set()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    grown = {k: v - before.get(k, 0) for k, v in snapshot.items()}
+    print("shadows during the overload run:", grown)
+    assert grown.get("shed_load", 0) >= 20
+    assert grown.get("run", 0) == 0
+
+
+def test_loop_moves_the_budget_up_then_down(llava_app) -> None:
+    """Requests naming no policy are served at the loop's budget. Image prompts drift (any KL
+    is above the 1e-9 target): the budget climbs to its bound; text-only prompts are exact under
+    every policy (KL 0): it comes back down to the floor."""
+    from mpic.deployments.fidelity_control import budget_policy
+
+    worker = llava_app.worker
+    loop = worker.fidelity.controller
+    loop.budget = 0.1
+    fid = _upload(llava_app, png(72), "b.png", "vision")
+    image = [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "what?"}]
+    text = [{"type": "text", "text": "say something"}]
+    seen = []
+    for i in range(6):
+        body = _chat(llava_app, image, f"hi-{i}")
+        seen.append(body["mpic"]["policy"])
+        _sample(worker, f"hi-{i}")
+    assert seen[0] == budget_policy(0.1)  # the served policy is reported back
+    assert loop.budget == pytest.approx(0.5)
+    for i in range(6):
+        _chat(llava_app, text, f"lo-{i}")
+        _sample(worker, f"lo-{i}")
+    assert loop.budget == pytest.approx(0.1)
+    kinds = [d for d, _, _ in loop.decisions[-6:]]
+    assert kinds == ["raise", "raise", "raise", "lower", "lower", "lower"]
+    means = [m for _, m, _ in loop.decisions[-6:]]
+    assert all(m > 1e-9 for m in means[:2]) and all(m < 5e-10 for m in means[3:])
+    assert worker.fidelity_stats()["recompute_budget"] == pytest.approx(0.1)
