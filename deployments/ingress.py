@@ -41,6 +41,7 @@ from mpic.deployments.limits import (
 )
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.metrics import ServeMetrics, gather_cluster_metrics
+from mpic.deployments.readiness import AppReadiness, replica_probe
 from mpic.deployments.schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -209,6 +210,7 @@ class Ingress:
         self.encoder, self.resolver = encoder, resolver
         self.worker, self.retriever = worker, retriever
         self.started = int(time.time())
+        self.readiness = AppReadiness(replica_probe())
 
     def _auth(self, authorization: str | None) -> Principal:
         return self.keys.authenticate(authorization)
@@ -217,6 +219,13 @@ class Ingress:
     async def healthz(self) -> dict[str, str]:
         """Liveness: the ingress answers (no auth)."""
         return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(self) -> dict[str, str]:
+        """Readiness (no auth): 200 once every deployment can serve (engines loaded), else 503
+        `not_ready` with Retry-After (`mpic.deployments.readiness`; the k8s readiness probe)."""
+        await self.readiness.require()
+        return {"status": "ready"}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -267,6 +276,7 @@ class Ingress:
         register it in the caller's namespace.
         The TTL is `ttl_seconds` or OpenAI's `expires_after` (anchor `created_at`)."""
         who = self._auth(authorization)
+        await self.readiness.require()  # the worker computes the entry: 503 while it starts
         ttl_seconds = ttl_seconds or expires_seconds
         limit = self.cfg.limits.max_upload_bytes
         data = await file.read(limit + 1)
@@ -349,6 +359,7 @@ class Ingress:
         who = self._auth(authorization)
         self._check_model(body.model)
         check_chat_shape(body, self.cfg.limits)
+        await self.readiness.require()  # a fast 503 while the worker is still starting
         t0 = time.perf_counter()
         rid = request.state.request_id
         logger.info(

@@ -364,3 +364,15 @@ def test_embedded_default_serves_with_vllm_and_routes_by_cache() -> None:
     default = load_config(None)
     assert default.engine.kind == "vllm" and default.llm_router == "cache-aware"
     assert load_config(ROOT / "deployments" / "serve_config.yaml").engine.kind == "reference"
+
+
+def test_readiness_probes_ask_whether_every_deployment_can_serve(rayservice) -> None:
+    """Head and GPU workers are ready only when `/readyz` answers (every Serve deployment has a
+    running replica: engines loaded), on the Serve port the proxies listen on."""
+    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    port = serve["http_options"]["port"]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        (container,) = group["template"]["spec"]["containers"]
+        probe = container["readinessProbe"]["httpGet"]
+        assert probe == {"path": "/readyz", "port": port}

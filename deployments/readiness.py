@@ -1,0 +1,138 @@
+"""Readiness of the application (Ingress replica): can every deployment serve yet?
+
+`GET /healthz` is liveness (the ingress answers). Readiness asks more: every deployment of this
+application has a RUNNING replica, i.e. its constructor (for the LLM worker: loading the engine,
+30-50 s for vLLM on CPU) has finished. Until then a chat routed to the worker would wait in
+Serve's queue for minutes; instead it gets a fast 503 `not_ready` with `Retry-After`, and
+`GET /readyz` answers 503 (the KubeRay manifests' readiness probes, k8s/rayservice.yaml).
+
+Serve's controller knows the replica states (`serve.status()`); `AppReadiness` polls them on a
+background task every `period_s`, so a request only reads the last answer (no controller call on
+the request path). A replica that dies later (engine restart) turns readiness off again until
+Serve has replaced it. Outside a Serve replica (the in-process test app, which builds every
+deployment before it serves) the application is always ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from mpic.deployments.admission import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
+
+Probe = Callable[[], dict[str, bool]]
+"""deployment name -> whether it can serve now (an empty dict: the application is unknown)."""
+
+
+class NotReadyError(EngineUnavailableError):
+    """A deployment is still starting (HTTP 503 with Retry-After)."""
+
+    code = "not_ready"
+
+
+def serve_probe(app_name: str) -> Probe:
+    """A `Probe` over Serve's status of application `app_name`: a deployment can serve when it
+    has a RUNNING replica (or is HEALTHY with none wanted: scaled to zero)."""
+
+    def probe() -> dict[str, bool]:
+        from ray import serve
+
+        app = serve.status().applications.get(app_name)
+        if app is None:
+            return {}
+        return {
+            name: dep.replica_states.get("RUNNING", 0) > 0
+            or (
+                getattr(dep.status, "value", dep.status) == "HEALTHY"
+                and not any(dep.replica_states.values())
+            )
+            for name, dep in app.deployments.items()
+        }
+
+    return probe
+
+
+def replica_probe() -> Probe | None:
+    """The probe of the application this Serve replica belongs to; None outside Serve."""
+    try:
+        from ray import serve
+
+        app_name = serve.get_replica_context().replica_id.deployment_id.app_name
+    except Exception:  # noqa: BLE001 - RayServeException (not in a replica) or no Ray at all
+        return None
+    return serve_probe(app_name)
+
+
+class AppReadiness:
+    """The cached readiness of the application (see the module docstring).
+
+    probe: deployment -> can serve (None: always ready); period_s: how often it is polled;
+    retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a first request
+    waits for the first answer (a request never waits longer, hence the fast 503)."""
+
+    def __init__(
+        self,
+        probe: Probe | None,
+        period_s: float = 0.5,
+        retry_after_s: int = 5,
+        probe_timeout_s: float = 0.5,
+    ) -> None:
+        self._probe = probe
+        self.period_s = period_s
+        self.retry_after_s = retry_after_s
+        self.probe_timeout_s = probe_timeout_s
+        self.deployments: dict[str, bool] = {}
+        self._ready = probe is None
+        self._checked = 0.0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        """The last answer (True once every deployment could serve at the last poll)."""
+        return self._ready
+
+    async def _poll_once(self) -> None:
+        assert self._probe is not None
+        try:
+            states = await asyncio.wait_for(
+                asyncio.to_thread(self._probe), timeout=max(self.period_s, self.probe_timeout_s)
+            )
+        except Exception as exc:  # noqa: BLE001 - controller busy or gone: not ready
+            logger.debug("readiness probe failed: %s", exc)
+            states = {}
+        ready = bool(states) and all(states.values())
+        if ready != self._ready:
+            logger.info("application %s (%s)", "ready" if ready else "not ready", states)
+        self.deployments, self._ready, self._checked = states, ready, time.monotonic()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._poll_once()
+            await asyncio.sleep(self.period_s)
+
+    async def check(self) -> bool:
+        """Readiness now: starts the polling task on first use (waiting at most
+        `probe_timeout_s` for its first answer), then reads the cached answer."""
+        if self._probe is None:
+            return True
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+            deadline = time.monotonic() + self.probe_timeout_s
+            while not self._checked and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        return self._ready
+
+    async def require(self) -> None:
+        """NotReadyError (503, Retry-After) unless every deployment can serve."""
+        if not await self.check():
+            starting = sorted(n for n, ok in self.deployments.items() if not ok)
+            raise NotReadyError(
+                "the service is starting ("
+                + (", ".join(starting) or "deployments")
+                + " not ready); retry shortly",
+                retry_after=self.retry_after_s,
+            )
