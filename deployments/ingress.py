@@ -144,16 +144,24 @@ def _mpic_info(prompt: LinkedPrompt, done: DoneEvent, ttft: float) -> dict:
 
 
 def _logprobs(items: list[TokenLogprob]) -> ChoiceLogprobs:
-    def top(token: str, lp: float) -> TopLogprob:
-        return TopLogprob(token=token, logprob=lp, bytes=list(token.encode()))
+    """OpenAI logprobs; `bytes` are the token's own bytes when the engine gives them (a byte
+    token of a multi-byte character: that byte), else the UTF-8 of its text."""
+
+    def top(token: str, lp: float, raw: bytes | None) -> TopLogprob:
+        return TopLogprob(
+            token=token, logprob=lp, bytes=list(token.encode() if raw is None else raw)
+        )
 
     return ChoiceLogprobs(
         content=[
             LogprobContent(
                 token=t.token,
                 logprob=t.logprob,
-                bytes=list(t.token.encode()),
-                top_logprobs=[top(tok, lp) for tok, lp in t.top],
+                bytes=list(t.token.encode() if t.raw is None else t.raw),
+                top_logprobs=[
+                    top(tok, lp, t.top_raw[k] if t.top_raw else None)
+                    for k, (tok, lp) in enumerate(t.top)
+                ],
             )
             for t in items
         ]

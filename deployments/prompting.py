@@ -109,8 +109,13 @@ class Sampler:
     Generator seeded per request (same seed, same text). Logprobs are log-softmax of the
     biased, penalised logits at temperature 1."""
 
-    def __init__(self, sampling: Sampling, token_text: Callable[[int], str]) -> None:
-        self.s, self.token_text = sampling, token_text
+    def __init__(
+        self,
+        sampling: Sampling,
+        token_text: Callable[[int], str],
+        token_bytes: Callable[[int], bytes] | None = None,
+    ) -> None:
+        self.s, self.token_text, self.token_bytes = sampling, token_text, token_bytes
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self.gen = torch.Generator().manual_seed(seed)
         self.counts: dict[int, int] = {}
@@ -145,12 +150,18 @@ class Sampler:
         if s.logprobs is not None:
             logp = torch.log_softmax(logits, dim=-1)
             top = logp.topk(min(s.logprobs, logp.numel())) if s.logprobs else None
-            alts = (
-                [(self.token_text(int(i)), float(v)) for v, i in zip(*top, strict=True)]
-                if top is not None
-                else []
+            ids = [int(i) for i in top[1]] if top is not None else []
+            alts = [(self.token_text(i), float(logp[i])) for i in ids]
+            raw = self.token_bytes
+            self.pending.append(
+                TokenLogprob(
+                    self.token_text(token),
+                    float(logp[token]),
+                    alts,
+                    raw(token) if raw else None,
+                    [raw(i) for i in ids] if raw else None,
+                )
             )
-            self.pending.append(TokenLogprob(self.token_text(token), float(logp[token]), alts))
         return token
 
     def take(self) -> list[TokenLogprob] | None:

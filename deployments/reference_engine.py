@@ -36,6 +36,7 @@ from mpic.deployments.prompting import (
     prompt_parts,
     stored_linked_tokens,
 )
+from mpic.deployments.token_bytes import TokenBytes
 from mpic.engine.hf.entries import cache_document, compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
 from mpic.engine.hf.vision import encode, load_image
@@ -72,6 +73,7 @@ class ReferenceServeEngine(ServeEngine):
         )
         self._lock = threading.Lock()
 
+        self.token_bytes = TokenBytes(self.runner.processor.tokenizer)  # logprob bytes
     @property
     def fingerprint(self) -> str:
         """The model fingerprint."""
@@ -165,7 +167,7 @@ class ReferenceServeEngine(ServeEngine):
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
         tokenizer = self.runner.processor.tokenizer
-        sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]))
+        sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
         stops = StopMatcher(prompt.sampling.stop)
         tokens: list[int] = []
         prefilled: list[Prefilled] = []

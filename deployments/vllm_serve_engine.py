@@ -46,6 +46,7 @@ from mpic.deployments.prompting import (
 )
 from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.presses import check_press
+from mpic.deployments.token_bytes import TokenBytes
 from mpic.engine.vllm.requests import (
     EngineRequest,
     EngineResult,
@@ -248,6 +249,9 @@ class VllmServeEngine(ServeEngine):
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Link by `prompt.policy` and stream tokens sampled by vLLM (`prompt.sampling`: greedy
+        if getattr(self, "_token_bytes", None) is None:
+            self._token_bytes = TokenBytes(self.processor.tokenizer)
+        raw = self._token_bytes  # a byte token's own byte, not U+FFFD's UTF-8
         by default) from the MPIC connector's linked KV; cut at a stop string."""
         assert self.vllm is not None, "generate runs in the LLM worker"
         start = time.perf_counter()
@@ -256,6 +260,8 @@ class VllmServeEngine(ServeEngine):
         logger.debug("request %s: submitted to vLLM", prompt.request_id)
         detok, stops = Detokenizer(self.processor.tokenizer), StopMatcher(prompt.sampling.stop)
         ttft, result, stopped = None, None, False  # stopped: by a stop string
+                    raw(token),
+                    [raw(i) for i, _ in top],
         stream = self.vllm.stream(request, prompt.max_tokens, sampling)
         try:
             async for result in stream:
