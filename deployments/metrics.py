@@ -16,7 +16,10 @@ Series (all prefixed `mpic_`; Ray appends `_total` to counters in the exposition
   prompt_tokens, cached_tokens, output_tokens, uploads, fallbacks
   store_hits{tier}, store_misses{tier}, store_read_bytes{tier}, store_written_bytes{tier}
                                   the LLM worker's entry-store tiers (memory / disk / object)
-vLLM's own `vllm:*` series are exported by the same agents when `engine.log_stats` is on.
+  recomputed_tokens, tier_hits{tier}
+                                  prompt tokens computed (not linked); entries per tier
+The same requests are also recorded under vLLM's names (`vllm:time_to_first_token_seconds`,
+...; `mpic.deployments.vllm_metrics`), shown by `/metrics` summed over replicas.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ray.serve.metrics import Counter, Histogram
 
 from mpic.deployments.limits import policy_label
 from mpic.deployments.messages import DoneEvent
+from mpic.deployments.vllm_metrics import VllmRequestMetrics, render_vllm_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,19 @@ class ServeMetrics:
             "mpic_fallbacks", description="Entries lost or corrupt and recomputed instead."
         )
         self.uploads = Counter("mpic_uploads", description="Files uploaded and cached.")
+        self.recomputed_tokens = Counter(
+            "mpic_recomputed_tokens",
+            description="Prompt tokens computed per request (prompt minus cached/linked ones).",
+        )
+        self.tier_hits = Counter(
+            "mpic_tier_hits",
+            description="Linked entries served per storage tier (memory, disk, object).",
+            tag_keys=("tier",),
+        )
+        self.vllm = VllmRequestMetrics()
+        """The same requests under vLLM's metric names (`mpic.deployments.vllm_metrics`)."""
+        self.model_name = "mpic"
+        """`model_name` label of the vLLM-named series (the ingress sets the served name)."""
 
     def request(self, route: str, outcome: str) -> None:
         """Count one HTTP request."""
@@ -89,9 +106,14 @@ class ServeMetrics:
             (self.cached_tokens, done.cached_tokens),
             (self.output_tokens, done.completion_tokens),
             (self.fallbacks, done.fallbacks),
+            (self.recomputed_tokens, max(done.prompt_tokens - done.cached_tokens, 0)),
         ):
             if n:
                 counter.inc(n)
+        for tier, hits in (done.tier_hits or {}).items():
+            if hits:
+                self.tier_hits.inc(hits, tags={"tier": tier})
+        self.vllm.record(self.model_name, done, ttft_s, decode_s)
 
 
 class StoreMetricsExporter:
@@ -150,3 +172,12 @@ def gather_cluster_metrics(prefixes: tuple[str, ...] = ("mpic_", "ray_mpic_", "v
             if name.startswith(prefixes):
                 out.append(line)
     return "\n".join(out) + "\n"
+
+
+def metrics_page(model: str) -> str:
+    """`GET /metrics`: the `mpic_*` series of every replica as Ray's agents export them, then
+    the vLLM-named series summed over replicas (`render_vllm_metrics`; `model`: the served
+    name for the derived gauges)."""
+    text = gather_cluster_metrics(("mpic_", "ray_mpic_", "ray_vllm_"))
+    own = "\n".join(line for line in text.splitlines() if "ray_vllm_" not in line)
+    return own.rstrip("\n") + "\n" + render_vllm_metrics(text, model)
