@@ -214,6 +214,8 @@ class LimitsConfig(BaseModel):
     max_image_pixels: int = Field(
         16 << 20,
         ge=1,
+        description="Pixels per image, read from its header before decoding (else HTTP 413).",
+    )
     max_image_side: int = Field(
         8192, ge=1, description="Pixels per image side, read from its header (else HTTP 400)."
     )
@@ -223,8 +225,6 @@ class LimitsConfig(BaseModel):
         description="Longest over shortest side, read from the header before any decode or "
         "resize (else HTTP 400): a 100,000 x 1 image is under the pixel limit, but a processor "
         "that scales its short side up to the model's size would allocate gigabytes.",
-    )
-        description="Pixels per image, read from its header before decoding (else HTTP 413).",
     )
     max_requests_in_flight: int = Field(
         32, ge=1, description="Generations one LLM-worker replica runs at once (else HTTP 429)."
@@ -258,13 +258,6 @@ class FidelityConfig(BaseModel):
         "requests are admitted on the LLM-worker replica (running or waiting for the engine).",
     )
     max_pending: int = Field(1, ge=1, description="Shadows in flight per replica at most.")
-    top_k: int = Field(
-        20,
-        ge=1,
-        le=20,
-        description="vLLM: the served pass's top-k logprobs the shadow compares against (vLLM's "
-        "default max_logprobs is 20).",
-    )
     seed: int | None = Field(None, description="Seed of the sampling draw (None: random).")
     fidelity_target: float | None = Field(
         None,

@@ -96,9 +96,10 @@ class BudgetController:
 
 def budget_policy(budget: float) -> str:
     """The policy name that recomputes about `budget` (a fraction of the prompt): the linker's
-    budgeted policy `scout-<fraction>` when the registry knows it, else `vlcache-<fraction>`
-    (every text token plus the first `fraction` of each item's tokens, at every layer)."""
-    for name in (f"scout-{budget:g}", f"vlcache-{budget:g}"):
+    best selection for a budget (`auto-<fraction>`, else `scout-<fraction>`) when the registry
+    knows it, else `vlcache-<fraction>` (every text token plus the first `fraction` of each
+    item's tokens, at every layer)."""
+    for name in (f"auto-{budget:g}", f"scout-{budget:g}", f"vlcache-{budget:g}"):
         try:
             return get_policy(name).name
         except ValueError:

@@ -16,7 +16,7 @@ Per served request (`FidelityMonitor`):
    - reference engine: both passes' full first-token logits [V]; KL(exact || served) in float64
      exactly as `mpic bench fidelity` computes it, and top-1 agreement;
    - vLLM: vLLM returns logprobs, not logits. The served pass asks for its top-k raw logprobs
-     (`fidelity.top_k`, vLLM's `raw_logprobs`: before temperature and penalties); the shadow asks
+     (`TOP_K` = 20, vLLM's `raw_logprobs`: before temperature and penalties); the shadow asks
      for the exact logprobs of exactly those k token ids (`logprob_token_ids`). The reported
      `topk` KL is KL(p_S || q_S) with both distributions renormalised over the served top-k set
      S (not the full-vocabulary KL: the served pass's probabilities outside S are not returned);
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KL_BUCKETS = [1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0]
+TOP_K = 20
+"""vLLM: top-k raw logprobs the served pass returns for the comparison (vLLM's default
+`max_logprobs`, the most a request may ask for)."""
 
 
 @dataclass
@@ -104,6 +107,8 @@ class FidelitySample:
     kind: Literal["full", "topk"]
     defaulted: bool = False
     """The request was served at the default budget (only these samples feed the loop)."""
+    token_ids: list[int] | None = None
+    """`topk` kind: the served top-k token ids the KL runs over."""
 
 
 def compare(exact: FirstToken, served: FirstToken) -> tuple[float, bool, Literal["full", "topk"]]:
@@ -279,8 +284,9 @@ class FidelityMonitor:
             return None
         finally:
             self._pending -= 1
+        ids = served.token_ids if kind == "topk" else None
         sample = FidelitySample(
-            prompt.request_id, prompt.policy, kl, agree, kind, prompt.policy_defaulted
+            prompt.request_id, prompt.policy, kl, agree, kind, prompt.policy_defaulted, ids
         )
         return self.record(sample)
 

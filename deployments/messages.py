@@ -112,14 +112,14 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[str, float]] = field(default_factory=list)
-
-
-@dataclass
     raw: bytes | None = None
     """The token's own bytes (`mpic.deployments.token_bytes`; a byte token of a multi-byte
     character is that one byte, not U+FFFD's three); None: the UTF-8 of `token`."""
     top_raw: list[bytes] | None = None
     """The bytes of each alternative in `top`, in order; None: the UTF-8 of their text."""
+
+
+@dataclass
 class TokenEvent:
     """A piece of generated text (and, when asked for, the logprobs of its tokens)."""
 

@@ -5,7 +5,8 @@ equals the offline engine's for the same prompt and policy.
 Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`, on a decode thread that
 does not wait for the consumer), with the request's own system prompt. The runner is not
 thread-safe and keeps a table of linkable entries, so every call into the runner holds one lock
-(the LLM worker holds none; this engine's stream is iterated on a thread pool), and the entries
+(the LLM worker holds none; requests wait for the lock on their own threads, and one whose client
+left stops waiting or decoding at once: `generate`), and the entries
 of a request are made linkable for that request only (inline images included: their entry is
 computed for the request and never stored).
 """
@@ -16,11 +17,11 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
-from typing import Literal
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
-from starlette.concurrency import iterate_in_threadpool
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
@@ -145,14 +146,61 @@ class ReferenceServeEngine(ServeEngine):
                 self.runner.entries = {}
         return FirstToken.from_logits(pre.logits)
 
-    def generate(
+    async def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """`_stream` on a thread pool (the event loop never waits on the runner)."""
-        return iterate_in_threadpool(self._stream(prompt, entries))
+        """`_stream` on its own thread, its events handed over through an asyncio queue: the
+        event loop never waits on the runner, and a consumer that goes away (the client left:
+        Serve cancels the worker's generator, or closes it) is never held up by a thread. Its
+        `gone` is set at once, so a request still queued for the runner never prefills and a
+        running one stops decoding after its current step (the runner is free for the next)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+
+        def put(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody listens any more
+                gone.set()
+
+        def pump() -> None:
+            try:
+                for ev in self._stream(prompt, entries, gone):
+                    if gone.is_set():
+                        break
+                    put(ev)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                put(exc)
+            finally:
+                put(None)
+
+        threading.Thread(target=pump, name="mpic-request", daemon=True).start()
+        try:
+            while (item := await events.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            gone.set()
+
+    @contextmanager
+    def _runner_for(self, stop: Callable[[], bool]) -> Iterator[bool]:
+        """Hold the runner; yields False (without it) once `stop()` is true while waiting."""
+        while not self._lock.acquire(timeout=0.02):
+            if stop():
+                yield False
+                return
+        try:
+            yield True
+        finally:
+            self._lock.release()
 
     def _stream(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+        self,
+        prompt: LinkedPrompt,
+        entries: dict[str, CacheEntry],
+        abandoned: threading.Event | None = None,
     ) -> Iterator[TokenEvent | DoneEvent]:
         """Generation through the runner's link + selective prefill + decode, one event per
         token as it is decoded, tokens picked by the request's `Sampler` (greedy at temperature
@@ -175,7 +223,10 @@ class ReferenceServeEngine(ServeEngine):
         cancel = threading.Event()
 
         def produce() -> None:  # decodes at the runner's pace, whatever the consumer does
-            with self._lock:
+            with self._runner_for(stop) as held:
+                if not held or stop():  # abandoned while queued: no prefill at all
+                    out.put(None)
+                    return
                 self.runner.entries = table
                 try:
                     for token, pre in self.runner.stream(
@@ -184,12 +235,15 @@ class ReferenceServeEngine(ServeEngine):
                         prompt.max_tokens,
                         system_prompt=system,
                         pick=sampler,
+        def stop() -> bool:  # this stream closed, or its client gone (`generate`)
+            return cancel.is_set() or (abandoned is not None and abandoned.is_set())
+
                         press=prompt.press,
                         budget=prompt.budget,
                         stop_at_eos=not prompt.sampling.ignore_eos,
                     ):
                         out.put((token, pre, sampler.take()))
-                        if cancel.is_set():
+                        if stop():
                             break
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                     out.put(exc)
@@ -225,3 +279,5 @@ class ReferenceServeEngine(ServeEngine):
             policy=prompt.policy,
             first_token=FirstToken.from_logits(pre.logits) if prompt.capture_first_token else None,
         )
+        if not prefilled:  # abandoned before its prefill: nobody waits for a DoneEvent
+            return

@@ -21,6 +21,7 @@ read from the store only then), reported in the DoneEvent's `fallbacks`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
+from mpic.deployments.fidelity_monitor import TOP_K, FirstToken
 from mpic.deployments.messages import (
     DoneEvent,
     EncodedImage,
@@ -44,14 +46,15 @@ from mpic.deployments.prompting import (
     prompt_parts,
     stored_linked_tokens,
 )
+from mpic.deployments.token_bytes import TokenBytes
 from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.presses import check_press
-from mpic.deployments.token_bytes import TokenBytes
 from mpic.engine.vllm.requests import (
     EngineRequest,
     EngineResult,
     exact_request,
     linked_request,
+    resolve_fallback,
 )
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
@@ -233,6 +236,9 @@ class VllmServeEngine(ServeEngine):
     def _logprobs(self, steps: list[dict], tokens: list[int], k: int) -> list[TokenLogprob]:
         """TokenLogprobs of `tokens` from vLLM's per-step {token id: Logprob} dicts."""
         text = self.processor.tokenizer.decode
+        if getattr(self, "_token_bytes", None) is None:
+            self._token_bytes = TokenBytes(self.processor.tokenizer)
+        raw = self._token_bytes  # a byte token's own byte, not U+FFFD's UTF-8
         out = []
         for step, token in zip(steps, tokens, strict=False):
             top = sorted(step.items(), key=lambda kv: kv[1].rank)[:k]
@@ -241,27 +247,55 @@ class VllmServeEngine(ServeEngine):
                     text([token]),
                     float(step[token].logprob),
                     [(text([i]), float(lp.logprob)) for i, lp in top],
+                    raw(token),
+                    [raw(i) for i, _ in top],
                 )
             )
         return out
+
+    supports_fidelity = True
+
+    async def exact_first_token(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    ) -> FirstToken:
+        """The exact prompt (the linked request's own exact fallback: every token computed by
+        vLLM, press off), one greedy token, with the raw logprobs of exactly the served pass's
+        top-k token ids (`logprob_token_ids`): vLLM returns logprobs, not logits."""
+        assert self.vllm is not None, "exact_first_token runs in the LLM worker"
+        plain = dataclasses.replace(prompt, press=None, budget=None, capture_first_token=False)
+        _, linked = await asyncio.to_thread(self._request, plain, entries)
+        exact = await asyncio.to_thread(resolve_fallback, linked)
+        ids = list(served.token_ids or [served.top1])
+        sampling = {"temperature": 0.0, "logprobs": len(ids), "logprob_token_ids": ids}
+        stream = self.vllm.stream(exact, 1, sampling)
+        try:
+            async for result in stream:
+                if result.token_ids and (steps := result.extra.get("logprobs")):
+                    step = steps[0]
+                    return FirstToken(
+                        top1=int(result.token_ids[0]),
+                        token_ids=ids,
+                        logprobs=[float(step[t].logprob) for t in ids],
+                    )
+        finally:
+            await stream.aclose()
+        raise RuntimeError("vLLM returned no first-token logprobs for the exact pass")
 
     async def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Link by `prompt.policy` and stream tokens sampled by vLLM (`prompt.sampling`: greedy
-        if getattr(self, "_token_bytes", None) is None:
-            self._token_bytes = TokenBytes(self.processor.tokenizer)
-        raw = self._token_bytes  # a byte token's own byte, not U+FFFD's UTF-8
         by default) from the MPIC connector's linked KV; cut at a stop string."""
         assert self.vllm is not None, "generate runs in the LLM worker"
         start = time.perf_counter()
         sampling = self._sampling(prompt.sampling)
+        if prompt.capture_first_token:  # the fidelity monitor's top-k (raw logprobs)
+            sampling["logprobs"] = max(sampling["logprobs"] or 0, TOP_K)
+        first: FirstToken | None = None
         plan, request = await asyncio.to_thread(self._request, prompt, entries)
         logger.debug("request %s: submitted to vLLM", prompt.request_id)
         detok, stops = Detokenizer(self.processor.tokenizer), StopMatcher(prompt.sampling.stop)
         ttft, result, stopped = None, None, False  # stopped: by a stop string
-                    raw(token),
-                    [raw(i) for i, _ in top],
         stream = self.vllm.stream(request, prompt.max_tokens, sampling)
         try:
             async for result in stream:
@@ -269,6 +303,9 @@ class VllmServeEngine(ServeEngine):
                 if not new:
                     continue
                 ttft = ttft if ttft is not None else time.perf_counter() - start
+                if prompt.capture_first_token and first is None and not result.fell_back:
+                    if steps := result.extra.get("logprobs"):
+                        first = FirstToken.from_logprobs(steps[0], TOP_K)
                 logprobs = None
                 if prompt.sampling.logprobs is not None:
                     steps = result.extra.get("logprobs") or []
@@ -291,4 +328,6 @@ class VllmServeEngine(ServeEngine):
             finish_reason=_finish_reason(result, stopped),
             ttft_s=ttft if ttft is not None else time.perf_counter() - start,
             fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
+            policy=prompt.policy,
+            first_token=first,
         )
