@@ -73,8 +73,8 @@ class ReferenceServeEngine(ServeEngine):
             else []
         )
         self._lock = threading.Lock()
-
         self.token_bytes = TokenBytes(self.runner.processor.tokenizer)  # logprob bytes
+
     @property
     def fingerprint(self) -> str:
         """The model fingerprint."""
@@ -222,6 +222,9 @@ class ReferenceServeEngine(ServeEngine):
         out: queue.SimpleQueue = queue.SimpleQueue()
         cancel = threading.Event()
 
+        def stop() -> bool:  # this stream closed, or its client gone (`generate`)
+            return cancel.is_set() or (abandoned is not None and abandoned.is_set())
+
         def produce() -> None:  # decodes at the runner's pace, whatever the consumer does
             with self._runner_for(stop) as held:
                 if not held or stop():  # abandoned while queued: no prefill at all
@@ -235,9 +238,6 @@ class ReferenceServeEngine(ServeEngine):
                         prompt.max_tokens,
                         system_prompt=system,
                         pick=sampler,
-        def stop() -> bool:  # this stream closed, or its client gone (`generate`)
-            return cancel.is_set() or (abandoned is not None and abandoned.is_set())
-
                         press=prompt.press,
                         budget=prompt.budget,
                         stop_at_eos=not prompt.sampling.ignore_eos,
@@ -269,6 +269,8 @@ class ReferenceServeEngine(ServeEngine):
                 yield TokenEvent(rest)
         finally:
             cancel.set()
+        if not prefilled:  # abandoned before its prefill: nobody waits for a DoneEvent
+            return
         pre = prefilled[0]
         yield DoneEvent(
             prompt_tokens=pre.plan.num_tokens,
@@ -279,5 +281,3 @@ class ReferenceServeEngine(ServeEngine):
             policy=prompt.policy,
             first_token=FirstToken.from_logits(pre.logits) if prompt.capture_first_token else None,
         )
-        if not prefilled:  # abandoned before its prefill: nobody waits for a DoneEvent
-            return
