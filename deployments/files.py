@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
 from mpic.deployments.schemas import FileList, FileObject
 from mpic.documents import document_suffix_type
-from mpic.errors import ExpiredError, InvalidRequestError
+from mpic.errors import ExpiredError, InvalidRequestError, NotFoundError
 from mpic.storage.config import StorageConfig
 from mpic.storage.factory import make_object_store
-from mpic.storage.object_store import ObjectNotFoundError
+from mpic.storage.object_store import ObjectNotFoundError, StoreUnavailableError
 from mpic.storage.static_library import FileRecord, StaticLibrary, SweepReport
 
 if TYPE_CHECKING:
@@ -87,15 +89,47 @@ def is_document(media_type: str) -> bool:
 
 
 class FileCatalog:
-    """get / list / content / update / delete / resolve in the caller's namespace."""
+    """get / list / content / update / delete / resolve in the caller's namespace.
+
+    Every read goes to the object store (so a file deleted through another replica is gone
+    here too), and every record read is remembered (`RecordCache`). While the store is
+    unreachable, look-ups, lists and chat resolution answer from what this replica last read
+    (still per user, still expiring on time), so chats linking files whose entries sit in the
+    LLM worker's memory or disk tier keep working; only what must reach the store (media bytes,
+    uploads, expiry changes, deletes, a file this replica never saw) answers 503."""
 
     def __init__(self, cfg: StorageConfig) -> None:
         self.library = open_library(cfg)
+        self.seen = RecordCache()
+
+    def _record(self, user: str, file_id: str) -> FileRecord:
+        """`library.get`, remembered; from the cache while the store is unreachable."""
+        try:
+            rec = self.library.get(user, file_id)
+        except StoreUnavailableError:
+            rec = self.seen.get(user, file_id)
+            if rec is None:
+                raise
+            if rec.expires_at <= time.time():
+                raise ExpiredError(f"File {file_id!r} has expired", param="file_id") from None
+            logger.info("store unreachable: file %s resolved from this replica's cache", file_id)
+            return rec
+        except NotFoundError:
+            self.seen.forget(user, file_id)
+            raise
+        self.seen.put(user, rec)
+        return rec
+
+    def _is_lost(self, rec: FileRecord) -> bool:
+        try:
+            return self.library.is_lost(rec)
+        except StoreUnavailableError:  # cannot tell now: the worker's tiers may hold it
+            return False
 
     def get(self, user: str, file_id: str) -> FileObject:
         """404 unknown or foreign, 410 expired; a lost file is returned with status "lost"."""
-        rec = self.library.get(user, file_id)
-        return file_object(rec, self.library.is_lost(rec))
+        rec = self._record(user, file_id)
+        return file_object(rec, self._is_lost(rec))
 
     def list(
         self,
@@ -106,8 +140,15 @@ class FileCatalog:
         order: Literal["asc", "desc"] = "asc",
     ) -> FileList:
         """The caller's live files (OpenAI pagination: `after` is the last id of the previous
-        page, in the same `order` by creation time); 400 for an `after` not in the list."""
-        recs = self.library.list_files(user)
+        page, in the same `order` by creation time); 400 for an `after` not in the list. While
+        the store is unreachable: the caller's files this replica last listed or read."""
+        try:
+            recs = self.library.list_files(user)
+            self.seen.replace_user(user, recs)
+        except StoreUnavailableError:
+            recs = self.seen.live(user, time.time())
+            if recs is None:
+                raise
         if order == "desc":
             recs.reverse()
         if purpose is not None:
@@ -117,7 +158,7 @@ class FileCatalog:
             if after not in ids:
                 raise InvalidRequestError(f"after: no such file {after!r}", param="after")
             recs = recs[ids.index(after) + 1 :]
-        page = [file_object(r, self.library.is_lost(r)) for r in recs[:limit]]
+        page = [file_object(r, self._is_lost(r)) for r in recs[:limit]]
         return FileList(
             data=page,
             has_more=len(recs) > limit,
@@ -127,7 +168,7 @@ class FileCatalog:
 
     def content(self, user: str, file_id: str) -> tuple[bytes, str, str]:
         """(media bytes, MIME type, file name) of a live file; 410 when the media is lost."""
-        rec = self.library.get(user, file_id)
+        rec = self._record(user, file_id)
         try:
             return self.library.objects.get(rec.media_key), rec.media_type, rec.name
         except ObjectNotFoundError:
@@ -137,24 +178,80 @@ class FileCatalog:
 
     def update_expiry(self, user: str, file_id: str, expires_at: float) -> FileObject:
         """Move a live file's expiry (400 outside (now, now + max TTL], 404, 410)."""
-        return file_object(self.library.update_expiry(user, file_id, expires_at))
+        rec = self.library.update_expiry(user, file_id, expires_at)
+        self.seen.put(user, rec)
+        return file_object(rec)
 
     def delete(self, user: str, file_id: str) -> None:
         """404 unknown or foreign."""
         self.library.delete_file(user, file_id)
+        self.seen.forget(user, file_id)
 
     def resolve(self, user: str, file_id: str) -> tuple[str, str]:
         """(entry id, media sha256) a chat request links for `file_id` (404 / 410 as `get`;
         410 `file_lost` when its entry and media are both gone)."""
-        rec = self.library.get(user, file_id)
-        if self.library.is_lost(rec):
-            raise FileLostError(LOST_MESSAGE.format(id=file_id), param="file_id")
-        return rec.entry_key, rec.content_hash
+        entry_id, sha, _ = self.resolve_item(user, file_id)
+        return entry_id, sha
 
     def resolve_item(self, user: str, file_id: str) -> tuple[str, str, bool]:
         """`resolve` plus whether the file is a text document (linked as a `DocumentRef`)."""
-        entry_id, sha = self.resolve(user, file_id)
-        return entry_id, sha, is_document(self.library.get(user, file_id).media_type)
+        rec = self._record(user, file_id)
+        if self._is_lost(rec):
+            raise FileLostError(LOST_MESSAGE.format(id=file_id), param="file_id")
+        return rec.entry_key, rec.content_hash, is_document(rec.media_type)
+
+
+class RecordCache:
+    """The catalog records one replica last read, per user (bounded: least recently used
+    users' records go first). Only consulted while the object store is unreachable."""
+
+    def __init__(self, max_records: int = 100_000) -> None:
+        self.max_records = max_records
+        self._users: OrderedDict[str, dict[str, FileRecord]] = OrderedDict()
+        self._listed: set[str] = set()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def put(self, user: str, rec: FileRecord) -> None:
+        with self._lock:
+            recs = self._users.setdefault(user, {})
+            self._count += rec.file_id not in recs
+            recs[rec.file_id] = rec
+            self._users.move_to_end(user)
+            self._trim()
+
+    def replace_user(self, user: str, recs: list[FileRecord]) -> None:
+        """A fresh full list of `user`'s live files."""
+        with self._lock:
+            self._count -= len(self._users.pop(user, {}))
+            self._users[user] = {r.file_id: r for r in recs}
+            self._count += len(recs)
+            self._listed.add(user)
+            self._trim()
+
+    def forget(self, user: str, file_id: str) -> None:
+        with self._lock:
+            recs = self._users.get(user, {})
+            self._count -= recs.pop(file_id, None) is not None
+
+    def get(self, user: str, file_id: str) -> FileRecord | None:
+        with self._lock:
+            return self._users.get(user, {}).get(file_id)
+
+    def live(self, user: str, now: float) -> list[FileRecord] | None:
+        """`user`'s live remembered files, oldest first; None unless this replica ever listed
+        that user's files (a partial list would look complete)."""
+        with self._lock:
+            if user not in self._listed:
+                return None
+            recs = [r for r in self._users.get(user, {}).values() if r.expires_at > now]
+        return sorted((r for r in recs if r.status == "active"), key=lambda r: r.created_at)
+
+    def _trim(self) -> None:
+        while self._count > self.max_records and len(self._users) > 1:
+            user, dropped = self._users.popitem(last=False)
+            self._listed.discard(user)
+            self._count -= len(dropped)
 
 
 class Sweeper:
