@@ -1,7 +1,9 @@
 """`mpic bench routing` (CLI process): cache-aware routing vs Serve's power-of-two router.
 
 Starts a local Ray Serve application with 2 LLM-worker replicas (reference engine on the demo's
-small random model, filesystem object store, no disk tier), once per router
+small random model, filesystem object store, or with `--object-delay-ms` an S3 store whose every
+GET answers that late (`mpic.benchmarks.delayed_s3`: a remote store's misses), no disk tier),
+once per router
 (`llm_router: power-of-two`, then `cache-aware`, each with a fresh store). Workload: U users each
 upload K images of their own, then C concurrent clients send R chats in total; each chat is from
 a random user and links 2 of that user's images (users revisit their own images). Each replica's
@@ -55,8 +57,9 @@ def entry_bytes(model: Path) -> int:
     return entry_nbytes(runner.cache_image(make_png(0)))
 
 
-def app_config(model: Path, store: Path, router: str, memory_bytes: int):
-    """The benchmark's ServeAppConfig: 2 fixed LLM-worker replicas, `router`."""
+def app_config(model: Path, store: Path | str, router: str, memory_bytes: int):
+    """The benchmark's ServeAppConfig: 2 fixed LLM-worker replicas, `router`; `store`: a folder
+    (filesystem store) or a store URL."""
     from mpic.deployments.config import ServeAppConfig
 
     small = {"num_cpus": 0.1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
@@ -66,7 +69,11 @@ def app_config(model: Path, store: Path, router: str, memory_bytes: int):
             "name": f"routing-{router}",
             "route_prefix": f"/{router}",
             "engine": {"kind": "reference", "model": str(model), "max_tokens_default": 1},
-            "store": {"url": store.as_uri(), "fsync": False, "memory_bytes": memory_bytes},
+            "store": {
+                "url": store if isinstance(store, str) else store.as_uri(),
+                "fsync": False,
+                "memory_bytes": memory_bytes,
+            },
             "auth": {"mode": "dev"},
             "ingress": small,
             "encoder": small,
@@ -197,6 +204,11 @@ def write_outputs(results: list[RoutingResult], meta: dict, json_out: str, plot:
     fig.suptitle(
         f"{meta['users']} users x {meta['images']} images, {meta['requests']} chats, "
         f"{meta['clients']} clients, 2 replicas"
+        + (
+            f", object store GET +{meta['object_delay_ms']:.0f} ms"
+            if meta["object_delay_ms"]
+            else ""
+        )
     )
     fig.tight_layout()
     fig.savefig(plot, dpi=120)
@@ -214,14 +226,24 @@ def command(
     routers: str = typer.Option(",".join(ROUTERS), "--routers"),
     port: int = typer.Option(8000, "--port"),
     seed: int = typer.Option(0, "--seed"),
+    object_delay_ms: float = typer.Option(
+        0.0,
+        "--object-delay-ms",
+        min=0,
+        max=10000,
+        help="Serve entries from an S3 store (moto) whose every GET answers this late: slow "
+        "misses. 0: a local filesystem store.",
+    ),
     json_out: str = typer.Option("out/routing.json", "--json"),
     plot: str = typer.Option("out/routing.png", "--plot"),
 ) -> None:
     """Cache-aware vs power-of-two routing at 2 LLM-worker replicas: hit rate, TTFT p50/p99."""
+    import contextlib
     import tempfile
 
     from ray import serve
 
+    from mpic.benchmarks.delayed_s3 import delayed_s3
     from mpic.config import MPICHome
     from mpic.deployments.app import build_app
     from mpic.deployments.local import prepare_local, start_local, stop_local, wait_healthy
@@ -244,6 +266,7 @@ def command(
         "memory_bytes_per_replica": memory,
         "replicas": 2,
         "seed": seed,
+        "object_delay_ms": object_delay_ms,
     }
     results = []
     warm = first.model_copy(update={"name": "warm", "route_prefix": "/"})
@@ -251,13 +274,17 @@ def command(
     try:
         serve.delete("warm")
         for router in names:
-            cfg = prepare_local(app_config(model, Path(tempfile.mkdtemp()), router, memory))
-            serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
-            url = f"{base}{cfg.route_prefix}"
-            wait_healthy(url)
-            infos, ttfts = run_workload(url, users, images, requests, clients, seed)
-            results.append(summarize(router, infos, ttfts))
-            serve.delete(cfg.name)
+            with contextlib.ExitStack() as stack:
+                store: Path | str = Path(tempfile.mkdtemp())
+                if object_delay_ms > 0:  # a fresh slow store per router
+                    store = stack.enter_context(delayed_s3(object_delay_ms / 1e3)).url
+                cfg = prepare_local(app_config(model, store, router, memory))
+                serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
+                url = f"{base}{cfg.route_prefix}"
+                wait_healthy(url)
+                infos, ttfts = run_workload(url, users, images, requests, clients, seed)
+                results.append(summarize(router, infos, ttfts))
+                serve.delete(cfg.name)
     finally:
         stop_local()
     print_table(results)

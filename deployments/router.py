@@ -1,29 +1,38 @@
-"""Cache-aware routing of LLM-worker requests (runs inside every process that holds a handle to
-the LLMWorker deployment: the Ingress and Resolver replicas; Serve's request-router API).
+"""Cache-aware routing of LLM-worker requests bounded by load (runs inside every process that
+holds a handle to the LLMWorker deployment: the Ingress and Resolver replicas; Serve's
+request-router API).
 
-With several LLM-worker replicas, a chat whose images sit in one replica's memory (or disk) tier
+With several LLM-worker replicas, a chat whose entries sit in one replica's memory (or disk) tier
 costs a memory read there and an object-store read anywhere else (MPIC section 3.2: load the KV
-from the closest tier). `EntryAffinityRouter` scores each replica by how many of the request's
-entries it holds:
+from the closest tier); but sending every chat of a user to one replica piles them in its queue.
+`EntryAffinityRouter` weighs both, as an expected time to first token per replica r:
 
-    score(r) = |{e in entries(request) : e in resident(r)}|
+    cost(r) = q(r) * service_s + sum_{e in entries(request)} load_s(tier_r(e))
 
-`resident(r)` is what the replica itself reports through Serve's routing-stats hook
-(`LLMWorker.record_routing_stats`: the keys of its memory and disk tiers, polled every
-`request_routing_stats_period_s`) joined with what this router sent it since (a chat leaves its
-entries in the serving replica's memory tier). The replicas with the top score form the first
-rank; Serve's base router then picks the shortest queue among them and moves on to the next rank
-if all of them are full (`max_ongoing_requests`). The second rank is Serve's power-of-two choice
-(two random replicas, the shorter queue wins). The first rank is skipped when no replica holds
-any entry, or when the holders' queues are longer than the shortest queue by more than
-`max_queue_gap` (an overloaded holder: recomputing nothing but reading from S3 elsewhere is
-cheaper than waiting). Requests without entries (uploads, policy checks) go straight to
-power-of-two.
+- q(r): requests queued or running at r (Serve's queue-length cache; replicas without a cached
+  length are probed, as Ray Serve's prefix-aware router does);
+- service_s: how long one request holds a replica, learned by this router (time from routing to
+  completion, divided by the requests that were ahead of it: `on_request_routed`,
+  `on_request_completed`); a batching engine (vLLM) yields a small value, so affinity weighs more;
+- tier_r(e): memory if r reported `e` in its memory tier or this router sent r a request linking
+  `e` since (a chat leaves its entries there), disk if r reported it in its disk tier, else the
+  object store (`remote`); load_s(tier): the mean entry load time r measured per tier
+  (`LLMWorker.record_routing_stats`: the store's `mpic_store_load_seconds`), with defaults until
+  it has measured one. Misses are thus costed by where the entry lives: a slow object store
+  makes affinity worth more queueing.
+
+Bounded by load (Ray Serve's `PrefixCacheAffinityRouter` `imbalanced_threshold`): when the
+longest and shortest queues differ by more than `imbalance_threshold`, the request goes to the
+least loaded replicas (Serve picks the shorter queue of them), whatever they hold. Otherwise the
+replicas are ranked by cost (ties together, Serve picks the shorter queue within a rank, then the
+next rank when a rank is full). Requests without entries (uploads, policy checks) go to Serve's
+power of two choices. `decisions` counts each outcome.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -57,32 +66,95 @@ def power_of_two(candidates: list[RunningReplica]) -> list[RunningReplica]:
     return random.sample(candidates, min(2, len(candidates)))
 
 
-class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Route to the replica that holds the request's entries, else power of two choices."""
+DEFAULT_LOAD_S = {"memory": 0.0005, "disk": 0.005, "remote": 0.05}
+"""Entry load seconds per tier until a replica reports its own measurements."""
 
-    def initialize_state(self, max_queue_gap: int = 4, history: int = 65536) -> None:
-        """`max_queue_gap`: how many more queued requests a holder may have than the least
-        loaded replica before affinity yields to load; `history`: entry->replica assignments
-        this router remembers between routing-stats reports."""
-        self.max_queue_gap = max_queue_gap
+
+class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Route to the replica with the least expected time to first token (see the module
+    docstring): queue wait plus entry loads, by where each entry lives; least loaded past an
+    imbalance."""
+
+    def initialize_state(
+        self,
+        imbalance_threshold: int = 2,
+        service_s: float = 0.25,
+        history: int = 65536,
+        max_queue_gap: int | None = None,
+    ) -> None:
+        """`imbalance_threshold`: queue-length difference past which load alone decides;
+        `service_s`: a request's service time until this router has measured one; `history`:
+        entry->replica assignments remembered between routing-stats reports. `max_queue_gap`:
+        the former name of `imbalance_threshold`."""
+        if max_queue_gap is not None:
+            imbalance_threshold = max_queue_gap
+        self.imbalance_threshold = imbalance_threshold
+        self.service_s = service_s
+        self._service_seen = 0
         self._history_size = history
         self._sent: OrderedDict[str, set[ReplicaID]] = OrderedDict()
-        self.decisions = {"affinity": 0, "fallback_none": 0, "fallback_load": 0, "no_entries": 0}
+        self._started: dict[tuple[ReplicaID, str], tuple[float, int]] = {}
+        self.decisions = {"affinity": 0, "load": 0, "imbalanced": 0, "no_entries": 0}
 
+    # ------------------------------------------------------------------ what replicas hold
     def resident(self, replica: RunningReplica) -> set[str]:
         """Entry ids `replica` reported holding (memory + disk tiers)."""
         stats: dict[str, Any] = replica.routing_stats or {}
         return set(stats.get("memory", ())) | set(stats.get("disk", ()))
 
-    def scores(self, candidates: list[RunningReplica], entries: list[str]) -> dict[ReplicaID, int]:
-        """score(r) of the module docstring for every candidate."""
-        wanted = set(entries)
-        out = {}
-        for r in candidates:
-            held = self.resident(r) & wanted
-            held |= {e for e in wanted if r.replica_id in self._sent.get(e, ())}
-            out[r.replica_id] = len(held)
+    def tiers(self, replica: RunningReplica, entries: list[str]) -> list[str]:
+        """Where each of `entries` lives as seen from `replica`: memory, disk or remote."""
+        stats: dict[str, Any] = replica.routing_stats or {}
+        memory, disk = set(stats.get("memory", ())), set(stats.get("disk", ()))
+        out = []
+        for e in entries:
+            if e in memory or replica.replica_id in self._sent.get(e, ()):
+                out.append("memory")
+            elif e in disk:
+                out.append("disk")
+            else:
+                out.append("remote")
         return out
+
+    def scores(self, candidates: list[RunningReplica], entries: list[str]) -> dict[ReplicaID, int]:
+        """How many of `entries` each candidate holds in a local tier (memory or disk)."""
+        return {
+            r.replica_id: sum(t != "remote" for t in self.tiers(r, list(dict.fromkeys(entries))))
+            for r in candidates
+        }
+
+    def load_s(self, replica: RunningReplica, entries: list[str]) -> float:
+        """Seconds `replica` would spend loading `entries` (each once) from where they live."""
+        measured = (replica.routing_stats or {}).get("load_s", {})
+        per_tier = {t: float(measured.get(t) or DEFAULT_LOAD_S[t]) for t in DEFAULT_LOAD_S}
+        return sum(per_tier[t] for t in self.tiers(replica, list(dict.fromkeys(entries))))
+
+    # ------------------------------------------------------------------ load
+    async def queue_lengths(self, candidates: list[RunningReplica]) -> dict[ReplicaID, int]:
+        """Requests at each candidate: Serve's cache, probing replicas it has no value for."""
+        out: dict[ReplicaID, int] = {}
+        missing = []
+        for r in candidates:
+            q = self._replica_queue_len_cache.get(r.replica_id)
+            if q is None:
+                missing.append(r)
+            else:
+                out[r.replica_id] = q
+        if missing:
+            try:
+                probed = await self._probe_queue_lens(missing, 0)
+            except Exception:  # noqa: BLE001 - a probe failure must not fail the request
+                probed = []
+            for r, q in probed:
+                if q is not None:
+                    out[r.replica_id] = q
+        for r in candidates:
+            out.setdefault(r.replica_id, 0)
+        return out
+
+    def cost(self, replica: RunningReplica, queue: int, entries: list[str]) -> float:
+        """cost(r) of the module docstring: queue wait + entry loads, in seconds."""
+        return queue * self.service_s + self.load_s(replica, entries)
 
     async def choose_replicas(
         self,
@@ -96,35 +168,63 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
-        fallback = power_of_two(candidate_replicas)
         entries = request_entry_ids(pending_request)
         if not entries:
             self.decisions["no_entries"] += 1
-            return [fallback]
-        scores = self.scores(candidate_replicas, entries)
-        best = max(scores.values())
-        if best == 0:
-            self.decisions["fallback_none"] += 1
-            return [fallback]
-        holders = [r for r in candidate_replicas if scores[r.replica_id] == best]
-        queue = {r.replica_id: self._replica_queue_len_cache.get(r.replica_id) for r in holders}
-        known = [q for q in (self._replica_queue_len_cache.get(r.replica_id) for r in
-                 candidate_replicas) if q is not None]  # fmt: skip
-        shortest = min(known, default=0)
-        fit = [r for r in holders if (queue[r.replica_id] or 0) - shortest <= self.max_queue_gap]
-        if not fit:
-            self.decisions["fallback_load"] += 1
-            return [fallback]
-        self.decisions["affinity"] += 1
-        return [fit, fallback]
+            return [power_of_two(candidate_replicas)]
+        queue = await self.queue_lengths(candidate_replicas)
+        if max(queue.values()) - min(queue.values()) > self.imbalance_threshold:
+            self.decisions["imbalanced"] += 1
+            least = min(queue.values())
+            first = [r for r in candidate_replicas if queue[r.replica_id] == least]
+            rest = [r for r in candidate_replicas if queue[r.replica_id] != least]
+            return [first, rest] if rest else [first]
+        costs = {
+            r.replica_id: self.cost(r, queue[r.replica_id], entries) for r in candidate_replicas
+        }
+        ranked = sorted(candidate_replicas, key=lambda r: costs[r.replica_id])
+        ranks: list[list[RunningReplica]] = []
+        for r in ranked:
+            if ranks and abs(costs[ranks[-1][0].replica_id] - costs[r.replica_id]) < 1e-9:
+                ranks[-1].append(r)
+            else:
+                ranks.append([r])
+        best = ranks[0][0]
+        shortest = min(queue.values())
+        held = self.scores(candidate_replicas, entries)
+        if queue[best.replica_id] > shortest or held[best.replica_id] > min(held.values()):
+            self.decisions["affinity"] += 1  # entries won over (or beside) the shortest queue
+        else:
+            self.decisions["load"] += 1
+        return ranks
 
+    # ------------------------------------------------------------------ learning
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
-        """Remember that `replica_id` now holds the request's entries (its memory tier)."""
+        """Remember that `replica_id` now holds the request's entries (its memory tier), and
+        when it was sent there with how many requests ahead of it."""
         for e in request_entry_ids(pending_request):
             self._sent.setdefault(e, set()).add(replica_id)
             self._sent.move_to_end(e)
         while len(self._sent) > self._history_size:
             self._sent.popitem(last=False)
+        if pending_request is not None:
+            ahead = self._replica_queue_len_cache.get(replica_id) or 0
+            key = (replica_id, pending_request.metadata.internal_request_id)
+            self._started.setdefault(key, (time.monotonic(), max(int(ahead) - 1, 0)))
+            if len(self._started) > 4096:  # completions that never came (a dead replica)
+                self._started.pop(next(iter(self._started)))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Learn `service_s`: the request's time at the replica over the requests it waited
+        behind plus itself (an exponential average)."""
+        began = self._started.pop((replica_id, internal_request_id), None)
+        if began is None:
+            return
+        t0, ahead = began
+        sample = (time.monotonic() - t0) / (ahead + 1)
+        weight = 0.2 if self._service_seen >= 5 else 1.0 / (self._service_seen + 1)
+        self.service_s += weight * (sample - self.service_s)
+        self._service_seen += 1
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
         """Give `replica` to the request it was chosen for (the routing task's own request,

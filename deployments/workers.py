@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 
@@ -163,11 +163,22 @@ class LLMWorker:
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param="mpic.policy") from None
 
-    def record_routing_stats(self) -> dict[str, list[str]]:
+    def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry
-        ids this replica's memory and disk tiers hold, for `mpic.deployments.router`."""
+        ids this replica's memory and disk tiers hold, and the mean seconds it took to load an
+        entry from each tier (`load_s`: memory, disk, remote), so `mpic.deployments.router`
+        costs a miss by where the entry lives."""
         disk = self.entries.disk
-        return {"memory": self.entries.memory.keys(), "disk": disk.keys() if disk else []}
+        metrics = self.entries.metrics
+        load_s = {
+            name: metrics.mean_load_s(tier)
+            for name, tier in (("memory", "memory"), ("disk", "disk"), ("remote", "object"))
+        }
+        return {
+            "memory": self.entries.memory.keys(),
+            "disk": disk.keys() if disk else [],
+            "load_s": {k: v for k, v in load_s.items() if v is not None},
+        }
 
     def engine_stats(self) -> dict[str, int]:
         """The engine's own counters (vLLM: `peak_running`, `fallbacks`) and the admission

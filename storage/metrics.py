@@ -47,6 +47,14 @@ class StoreMetrics:
             "mpic_store_evictions", "Entries evicted from a local tier.", ["tier"], registry=r
         )
 
+    def mean_load_s(self, tier: str) -> float | None:
+        """Mean entry load seconds of `tier` so far (None before its first load)."""
+        count = self.registry.get_sample_value("mpic_store_load_seconds_count", {"tier": tier})
+        if not count:
+            return None
+        total = self.registry.get_sample_value("mpic_store_load_seconds_sum", {"tier": tier})
+        return float(total or 0.0) / count
+
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (tests, benchmarks); 0.0 if never set."""
         v = self.registry.get_sample_value(name, labels)

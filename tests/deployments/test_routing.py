@@ -1,8 +1,10 @@
 """`EntryAffinityRouter` (mpic.deployments.router), driven through Serve's router interface with
-stand-in replicas (fast): the replica whose tiers hold a chat's entries ranks first, ties go to
-every holder, no holder or an overloaded holder falls back to power of two, routed requests are
-remembered until the replicas report, uploads (no entries) go to power of two; and the
-`llm_router` config puts the router class into the LLMWorker deployment options."""
+stand-in replicas (fast): replicas rank by expected cost (queue wait + entry loads by tier), ties
+together; memory beats disk beats the object store; a slow object store makes waiting for the
+holder worth it; past the imbalance threshold the least loaded replica wins; the service time is
+learned from completions; routed requests are remembered until the replicas report; uploads (no
+entries) go to power of two; and the `llm_router` config puts the router class into the
+LLMWorker deployment options."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def router(loop) -> EntryAffinityRouter:
             handle_source=DeploymentHandleSource.UNKNOWN,
             use_replica_queue_len_cache=True,
         )
-        r.initialize_state(max_queue_gap=2)
+        r.initialize_state(imbalance_threshold=2)
         return r
 
     r = loop.run_until_complete(make())
@@ -67,39 +69,67 @@ def choose(router, replicas, pending) -> list[list[str]]:
     return [[r.name for r in rank] for rank in ranks]
 
 
-def test_holder_ranks_first_then_power_of_two(router) -> None:
+def test_cheapest_replica_ranks_first_by_where_entries_live(router) -> None:
     a = FakeReplica("a", {"memory": ["e1"], "disk": []})
     b = FakeReplica("b", {"memory": ["e2", "e3"], "disk": ["e4"]})
     c = FakeReplica("c", {})
     ranks = choose(router, [a, b, c], prompt("e2", "e4", "e9"))
-    assert ranks[0] == ["b"] and len(ranks[1]) == 2  # b holds 2 of 3 (memory + disk)
+    assert ranks[0] == ["b"] and sorted(ranks[1]) == ["a", "c"]  # memory + disk + 1 remote
     ranks = choose(router, [a, b, c], prompt("e1", "e3"))
-    assert sorted(ranks[0]) == ["a", "b"]  # a tie: both, the shorter queue wins
+    assert sorted(ranks[0]) == ["a", "b"] and ranks[1] == ["c"]  # a tie: the shorter queue wins
     assert router.decisions["affinity"] == 2
+    # a disk hit beats a remote read; a memory hit beats a disk hit
+    d = FakeReplica("d", {"disk": ["e5"]})
+    assert choose(router, [c, d], prompt("e5"))[0] == ["d"]
+    e = FakeReplica("e", {"memory": ["e5"]})
+    assert choose(router, [d, e], prompt("e5"))[0] == ["e"]
 
 
-def test_no_holder_or_no_entries_is_power_of_two(router) -> None:
+def test_no_holder_or_no_entries(router) -> None:
     a, b, c = FakeReplica("a", {"memory": ["e1"]}), FakeReplica("b"), FakeReplica("c")
-    (rank,) = choose(router, [a, b, c], prompt("zz"))
-    assert len(rank) == 2 and len(set(rank)) == 2
+    (rank,) = choose(router, [a, b, c], prompt("zz"))  # nobody holds it: one rank, by queue
+    assert sorted(rank) == ["a", "b", "c"]
     meta = RequestMetadata(request_id="u", internal_request_id="u", call_method="upload")
     (rank,) = choose(
         router, [a, b, c], PendingRequest(args=["alice"], kwargs={}, metadata=meta, future=None)
     )
-    assert len(rank) == 2
-    assert router.decisions == {
-        "affinity": 0, "fallback_none": 1, "fallback_load": 0, "no_entries": 1
-    }  # fmt: skip
+    assert len(rank) == 2  # power of two
+    assert router.decisions == {"affinity": 0, "load": 1, "imbalanced": 0, "no_entries": 1}
 
 
-def test_overloaded_holder_yields_to_load(router) -> None:
+def test_queue_wait_is_weighed_against_misses(router) -> None:
     a, b = FakeReplica("a", {"memory": ["e1"]}), FakeReplica("b")
+    router._replica_queue_len_cache.update(a.replica_id, 2)
+    router._replica_queue_len_cache.update(b.replica_id, 0)
+    # 2 requests ahead (2 x 0.25 s) cost more than one object-store read (0.05 s by default)
+    assert choose(router, [a, b], prompt("e1"))[0] == ["b"]
+    # a slow object store (1 s per entry, as b measured it) makes waiting at a cheaper
+    b.routing_stats = {"load_s": {"remote": 1.0}}
+    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]
+    assert router.decisions["affinity"] == 1
+
+
+def test_imbalance_past_the_threshold_goes_to_the_least_loaded(router) -> None:
+    a, b = FakeReplica("a", {"memory": ["e1"], "load_s": {"remote": 10.0}}), FakeReplica("b")
+    b.routing_stats = {"load_s": {"remote": 10.0}}
     router._replica_queue_len_cache.update(a.replica_id, 3)
     router._replica_queue_len_cache.update(b.replica_id, 0)
-    (rank,) = choose(router, [a, b], prompt("e1"))  # 3 - 0 > max_queue_gap=2
-    assert sorted(rank) == ["a", "b"] and router.decisions["fallback_load"] == 1
+    assert choose(router, [a, b], prompt("e1")) == [["b"], ["a"]]  # 3 - 0 > threshold 2
+    assert router.decisions["imbalanced"] == 1
     router._replica_queue_len_cache.update(a.replica_id, 2)
-    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]  # within the gap: affinity
+    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]  # within it: the cost decides
+
+
+def test_service_time_is_learned_from_completions(router) -> None:
+    a = FakeReplica("a")
+    router._replica_queue_len_cache.update(a.replica_id, 2)  # this request and 1 ahead
+    pending = prompt("e1")
+    router.on_request_routed(pending, a.replica_id, None)
+    key = (a.replica_id, pending.metadata.internal_request_id)
+    t0, ahead = router._started[key]
+    router._started[key] = (t0 - 1.0, ahead)  # it took 1 s behind 1 request: 0.5 s each
+    router.on_request_completed(a.replica_id, pending.metadata.internal_request_id)
+    assert ahead == 1 and router.service_s == pytest.approx(0.5, abs=0.05)
 
 
 def test_routed_requests_are_remembered_until_reported(router) -> None:
