@@ -1,5 +1,11 @@
-"""`mpic serve [--config FILE] [--host H] [--port N] [--address RAY]` (CLI process): run the Ray
+"""`mpic serve [MODEL] [vLLM flags] [--config FILE] [--address RAY]` (CLI process): run the Ray
 Serve application until SIGINT/SIGTERM, then shut it down cleanly.
+
+The flags are `vllm serve`'s for what means the same here (`--served-model-name`,
+`--max-model-len`, `--gpu-memory-utilization`, `--tensor-parallel-size`, `--dtype`, `--api-key`,
+`--chat-template`, `--block-size`, `--max-num-seqs`, `--host`, `--port`), grouped in `--help` as
+vLLM groups them, applied over the config by `mpic.cli.serve_flags` (a flag the configured
+engine cannot honour, or an unknown flag: exit status 2).
 
 No config: the embedded default (small random model written to .mpic/models on first use,
 filesystem store under .mpic/store, dev API keys, see docs/serving.md). A config is a
@@ -17,7 +23,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -44,19 +50,108 @@ def _terminate(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+MPIC_PANEL, FRONTEND, MODEL_PANEL = "MPIC", "Frontend", "ModelConfig"
+CACHE, PARALLEL, SCHEDULER = "CacheConfig", "ParallelConfig", "SchedulerConfig"
+"""Help panels: vLLM's argument groups (`vllm serve --help`), and MPIC's own."""
+
+
 def command(
-    config: str = typer.Option(None, "--config", help="serve config YAML (default: embedded)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (0.0.0.0: all)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port."),
+    model: str = typer.Argument(
+        None,
+        help="Model folder or s3://bucket/prefix (vLLM's MODEL); its family is read from its "
+        "config.json. Default: the config's, else the embedded small random model.",
+        show_default=False,
+    ),
+    config: str = typer.Option(
+        None,
+        "--config",
+        help="serve config YAML (default: embedded); flags override it.",
+        rich_help_panel=MPIC_PANEL,
+    ),
     address: str = typer.Option(
         None,
         "--address",
         envvar="RAY_ADDRESS",
         help="Join this running Ray cluster (auto, host:6379, ray://host:10001) instead of "
         "starting one.",
+        rich_help_panel=MPIC_PANEL,
+    ),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="HTTP bind address (0.0.0.0: all).", rich_help_panel=FRONTEND
+    ),
+    port: int = typer.Option(
+        8000, "--port", min=1, max=65535, help="HTTP port.", rich_help_panel=FRONTEND
+    ),
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            help="API key clients must send as Bearer token; repeat or comma-separate for "
+            "several (turns the dev keys off).",
+            rich_help_panel=FRONTEND,
+        ),
+    ] = None,
+    chat_template: str = typer.Option(
+        None,
+        "--chat-template",
+        help="Chat template file (or inline Jinja) used instead of the model's.",
+        rich_help_panel=FRONTEND,
+    ),
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--served-model-name",
+            help="Model name(s) of the API (repeat for aliases); default: MODEL as given.",
+            rich_help_panel=MODEL_PANEL,
+        ),
+    ] = None,
+    max_model_len: str = typer.Option(
+        None,
+        "--max-model-len",
+        help="Context length in tokens (4096, 4k, 4K); default: the model's.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+    dtype: str = typer.Option(
+        None,
+        "--dtype",
+        help="Weights dtype: auto, half, float16, bfloat16, float, float32 (auto: float32).",
+        rich_help_panel=MODEL_PANEL,
+    ),
+    gpu_memory_utilization: float = typer.Option(
+        None,
+        "--gpu-memory-utilization",
+        min=0.0,
+        max=1.0,
+        help="Fraction of GPU memory vLLM may use (vLLM engine).",
+        rich_help_panel=CACHE,
+    ),
+    block_size: int = typer.Option(
+        None,
+        "--block-size",
+        help="KV block size in tokens (vLLM engine; CPU: multiple of 32).",
+        rich_help_panel=CACHE,
+    ),
+    tensor_parallel_size: int = typer.Option(
+        None,
+        "--tensor-parallel-size",
+        "-tp",
+        min=1,
+        help="GPUs one model is split over (vLLM engine).",
+        rich_help_panel=PARALLEL,
+    ),
+    max_num_seqs: int = typer.Option(
+        None,
+        "--max-num-seqs",
+        min=1,
+        help="Most sequences vLLM runs in one batch (vLLM engine).",
+        rich_help_panel=SCHEDULER,
     ),
 ) -> None:
-    """Start the Ray Serve application and serve until SIGINT/SIGTERM."""
+    """Serve MODEL with MPIC's KV linking behind an OpenAI/vLLM-compatible API (vLLM's flag
+    names), until SIGINT/SIGTERM."""
+    import os
+
+    from mpic.cli.serve_flags import FlagError, ServeFlags, api_keys, apply_flags, key_env
     from mpic.deployments.config import DEPLOYMENT_NAMES, load_config
     from mpic.deployments.local import start_local, stop_local
     from mpic.errors import MPICError
@@ -75,12 +170,33 @@ def command(
             err=True,
         )
         raise typer.Exit(code=2)
+    flags = ServeFlags(
+        model=model,
+        served_model_name=list(served_model_name or []),
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=dtype,
+        api_key=list(api_key or []),
+        chat_template=chat_template,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+    )
+    try:
+        keys = api_keys(flags.api_key)
+        cfg = apply_flags(cfg, flags)
+    except FlagError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    if keys:  # passed to every replica with the environment (deployments.local)
+        os.environ["MPIC_API_KEYS"] = key_env(keys, os.environ.get("MPIC_API_KEYS"))
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         url = start_local(cfg, port=port, host=host, address=address, overrides=overrides)
         signal.signal(signal.SIGTERM, _terminate)  # ray.init installs its own (it aborts)
         typer.echo(
-            f"MPIC serve ready at {url} (auth mode: {cfg.auth.mode}); Ctrl-C or SIGTERM stops it"
+            f"MPIC serve ready at {url}: model {cfg.engine.served_names[0]!r} "
+            f"({cfg.engine.kind} engine, auth mode: {cfg.auth.mode}); Ctrl-C or SIGTERM stops it"
         )
         while True:
             time.sleep(3600)

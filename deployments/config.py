@@ -84,23 +84,21 @@ class EngineCommon(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: str = Field(
-        "reference",
-        pattern=r"^(reference|vllm|fake|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
-        description="reference: the HF reference runner; vllm: vLLM + MPIC connector; fake: "
-        "a deterministic model-free engine for HTTP tests; or 'package.module:Class' of any "
-        "`ServeEngine` subclass.",
-    )
     model: str = Field(
         ".mpic/models/llava-small",
-        description="HF model folder; `mpic serve` writes the small random model here if missing.",
+        description="HF model folder or s3://bucket/prefix; `mpic serve` writes the small random "
+        "model here if missing.",
     )
-    family: Literal["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"] = Field(
-        "llava", description="Family of that model (the small random one written if missing)."
+    family: _FAMILIES = Field(
+        "llava",
+        description="Family of the small random model written when `model` is missing (a "
+        "model that exists is read from its own config.json).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights.")
-    served_model_name: str = Field(
-        "mpic", min_length=1, description="The model id of /v1/models; requests must name it."
+    served_model_name: str | list[str] = Field(
+        "mpic",
+        min_length=1,
+        description="The model id(s) of /v1/models; requests must name one (else 404). The "
+        "first is the one answers report.",
     )
     max_tokens_default: int = Field(16, ge=1, description="max_tokens when a request omits it.")
     system_prompt: str | None = Field(

@@ -18,7 +18,7 @@ import importlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
@@ -87,6 +87,17 @@ class ServeEngine(ABC):
         """Engine-specific counters for tests and operators (none by default)."""
         return {}
 
+    @property
+    def text_tokenizer(self) -> Any:
+        """The served model's HF text tokenizer (`/tokenize`, `/detokenize`); None for an
+        engine without a model (UTF-8 bytes stand for tokens then)."""
+        return None
+
+    def context_length(self) -> int:
+        """The context length requests are held to (`max_model_len` of `/v1/models`)."""
+        limit = getattr(self.cfg, "max_model_len", None) if hasattr(self, "cfg") else None
+        return int(limit or 4096)
+
     supports_fidelity: bool = False
     """True when `generate` honours `LinkedPrompt.capture_first_token` and
     `exact_first_token` runs (the live fidelity monitor, docs/fidelity.md)."""
@@ -133,8 +144,15 @@ not (the vLLM engine starts no vLLM in an encoder)."""
 
 def build_engine(cfg: EngineConfig, store: StorageConfig, role: Role) -> ServeEngine:
     """Instantiate the engine `cfg.kind` names: a built-in name or a 'module:Class' path
-    (imported lazily: vLLM only when asked). InvalidRequestError for a path that does not name a
-    `ServeEngine` subclass."""
+    (imported lazily: vLLM only when asked), on the model folder with `cfg.chat_template` when
+    one is set (`mpic.engine.hf.chat_template`). InvalidRequestError for a path that does not
+    name a `ServeEngine` subclass."""
+    if cfg.chat_template and cfg.kind in ("reference", "vllm"):  # vLLM's --chat-template
+        from mpic.engine.hf.chat_template import with_chat_template
+        from mpic.engine.hf.loader import resolve_model_dir
+
+        folder = with_chat_template(resolve_model_dir(cfg.model), cfg.chat_template)
+        cfg = cfg.model_copy(update={"model": folder})
     module, _, name = ENGINES.get(cfg.kind, cfg.kind).partition(":")
     try:
         cls = getattr(importlib.import_module(module), name)

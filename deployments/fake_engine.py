@@ -82,6 +82,10 @@ class FakeServeEngine(ServeEngine):
             input_embeds=torch.zeros(t, 2),
         )
 
+    def context_length(self) -> int:
+        """`max_model_len` when configured, else the fake context (4096)."""
+        return int(getattr(self.cfg, "max_model_len", None) or CONTEXT_LIMIT)
+
     def engine_stats(self) -> dict[str, int]:
         """`generated`: answers produced by this replica."""
         return {"generated": self.generated}

@@ -40,7 +40,7 @@ from mpic.deployments.limits import (
     install_openapi_errors,
 )
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
-from mpic.deployments.metrics import ServeMetrics, gather_cluster_metrics
+from mpic.deployments.metrics import ServeMetrics, metrics_page
 from mpic.deployments.readiness import AppReadiness, replica_probe
 from mpic.deployments.schemas import (
     AssistantMessage,
@@ -62,10 +62,11 @@ from mpic.deployments.schemas import (
     PromptTokensDetails,
     RefreshBody,
     RollbackBody,
-    TopLogprob,
     SweepBody,
+    TopLogprob,
     Usage,
 )
+from mpic.deployments.vllm_routes import VllmRoutes, router
 from mpic.errors import PayloadTooLargeError
 from mpic.retriever.sources import allowed_source
 
@@ -75,6 +76,7 @@ app = FastAPI(title="MPIC serve", version="0.1.0")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)  # auth + body limits from the headers, before any body read
 install_openapi_errors(app, ErrorBody)  # the real error answers, no 422
+app.include_router(router)  # vLLM's other routes: /v1/completions, /tokenize, ... (VllmRoutes)
 
 _METRICS: list[ServeMetrics] = []
 
@@ -104,16 +106,35 @@ async def _count(request: Request, call_next):
     served = bool(rid)
     rid = rid or request.headers.get("x-request-id") or uuid.uuid4().hex
     request.state.request_id = rid
+    generation = request.method == "POST" and request.url.path.endswith(GENERATION_PATHS)
+    if generation:  # in flight until its body is sent (vllm:num_requests_waiting)
+        _metrics().vllm.start()
     try:
         response = await call_next(request)
     except Exception:
         _metrics().request(_route(request), "500")
+        if generation:
+            _metrics().vllm.end()
         raise
+    if generation:
+        response.body_iterator = _ended(response.body_iterator, _metrics().vllm.end)
     outcome = "ok" if response.status_code < 400 else str(response.status_code)
     _metrics().request(_route(request), outcome)
     if not served:
         response.headers["x-request-id"] = rid
     return response
+
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+async def _ended(body, end) -> AsyncIterator:
+    """`body` (a response's chunks), calling `end()` once it is sent or abandoned."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        end()
 
 
 def _route(request: Request) -> str:
@@ -197,7 +218,7 @@ class _Answer:
 
 
 @serve.ingress(app)
-class Ingress:
+class Ingress(VllmRoutes):
     """Routes `/v1/models*`, `/v1/files*`, `/v1/chat/completions`, `/v1/admin/*`, `/healthz`,
     `/metrics`."""
 
@@ -218,6 +239,8 @@ class Ingress:
         self.encoder, self.resolver = encoder, resolver
         self.worker, self.retriever = worker, retriever
         self.started = int(time.time())
+        self.max_model_len: int | None = None  # asked of the LLM worker on first use
+        _metrics().model_name = config.engine.served_names[0]
         self.readiness = AppReadiness(replica_probe())
 
     def _auth(self, authorization: str | None) -> Principal:
@@ -239,14 +262,15 @@ class Ingress:
     async def metrics(self) -> Response:
         """Prometheus text of the `mpic_*` (and vLLM) series of every replica on every node,
         gathered from Ray's metrics agents (no auth; scrape from inside the cluster)."""
-        body = await asyncio.to_thread(gather_cluster_metrics)
+        body = await asyncio.to_thread(metrics_page, self.cfg.engine.served_names[0])
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def list_models(self, authorization: Annotated[str | None, Header()] = None) -> ModelList:
         """The served model (one per deployment)."""
         self._auth(authorization)
-        return ModelList(data=[self._model()])
+        length = await self._model_info()
+        return ModelList(data=[self._model(n, length) for n in self.cfg.engine.served_names])
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(
@@ -255,16 +279,30 @@ class Ingress:
         """The served model, or 404 `model_not_found`."""
         self._auth(authorization)
         self._check_model(model_id)
-        return self._model()
+        return self._model(model_id, await self._model_info())
 
-    def _model(self) -> Model:
-        return Model(id=self.cfg.engine.served_model_name, created=self.started)
+    def _model(self, name: str, max_model_len: int | None) -> Model:
+        return Model(
+            id=name, created=self.started, root=self.cfg.engine.model, max_model_len=max_model_len
+        )
+
+    async def _model_info(self) -> int:
+        """The served context length (`max_model_len`), asked of the LLM worker once."""
+        if self.max_model_len is None:
+            self.max_model_len = await self.worker.context_length.remote()
+        return self.max_model_len
+
+    def _record(self, policy: str, done: DoneEvent, ttft_s: float, decode_s: float) -> None:
+        """Record one finished generation (the `mpic_*` and the vLLM-named series)."""
+        _metrics().record(policy, done, ttft_s, decode_s)
 
     def _check_model(self, name: str) -> None:
-        if name != self.cfg.engine.served_model_name:
+        names = self.cfg.engine.served_names
+        if name not in names:
+            served = names[0] if len(names) == 1 else names
             raise ModelNotFoundError(
-                f"The model {name!r} does not exist; this deployment serves "
-                f"{self.cfg.engine.served_model_name!r} (GET /v1/models)",
+                f"The model {name!r} does not exist; this deployment serves {served!r} "
+                "(GET /v1/models)",
                 param="model",
             )
 

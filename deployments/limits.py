@@ -26,7 +26,16 @@ from typing import Any
 from mpic.deployments.admission import EngineUnavailableError, as_backpressure
 from mpic.errors import InvalidRequestError, PayloadTooLargeError, PromptTooLongError
 
-PUBLIC_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc")
+PUBLIC_PATHS = (
+    "/healthz",
+    "/readyz",
+    "/health",
+    "/version",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+)
 """Routes that need no API key (probes, scraping, the API description)."""
 MULTIPART_ALLOWANCE = 64 * 1024
 """Bytes an upload's multipart framing and form fields may add to `max_upload_bytes`."""

@@ -77,6 +77,9 @@ class LinkedPrompt:
     """KV press applied after the prefill (`mpic.presses`), None for none."""
     budget: float | None = None
     """The press's budget, a fraction of the prompt's KV in (0, 1]."""
+    raw: bool = False
+    """A completion prompt (`/v1/completions`): rendered without the chat template
+    (`mpic.linker.raw_prompt`); text and documents only."""
     policy_defaulted: bool = False
     """The request named neither a policy nor a recompute budget: the server's default applies
     (the fidelity loop may move it, `mpic.deployments.fidelity_monitor`)."""

@@ -42,6 +42,7 @@ from mpic.engine.hf.entries import cache_document, compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
 from mpic.engine.hf.vision import encode, load_image
 from mpic.linker.prompt import canonical_context_ids
+from mpic.linker.raw_prompt import RawPrompt
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
@@ -79,6 +80,15 @@ class ReferenceServeEngine(ServeEngine):
     def fingerprint(self) -> str:
         """The model fingerprint."""
         return self.runner.spec.fingerprint
+
+    @property
+    def text_tokenizer(self) -> Any:
+        """The model's HF text tokenizer."""
+        return self.runner.processor.tokenizer
+
+    def context_length(self) -> int:
+        """The configured `max_model_len`, else the model's position limit."""
+        return int(self.cfg.max_model_len or self.runner.spec.max_model_len)
 
     def encode_image(self, image_bytes: bytes) -> EncodedImage:
         """Decode (415 if not an image) and run vision tower + projector: [T, hidden]."""
@@ -231,6 +241,9 @@ class ReferenceServeEngine(ServeEngine):
                     out.put(None)
                     return
                 self.runner.entries = table
+                processor = self.runner.processor
+                if prompt.raw:  # a completion: no chat template (mpic.linker.raw_prompt)
+                    self.runner.processor = RawPrompt(processor)
                 try:
                     for token, pre in self.runner.stream(
                         parts,
@@ -249,6 +262,7 @@ class ReferenceServeEngine(ServeEngine):
                     out.put(exc)
                 finally:
                     self.runner.entries = {}
+                    self.runner.processor = processor
                     out.put(None)
 
         threading.Thread(target=produce, name="mpic-decode", daemon=True).start()

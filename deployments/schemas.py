@@ -76,6 +76,8 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mpic"
+    root: str | None = Field(None, description="The model folder or S3 prefix served (vLLM).")
+    max_model_len: int | None = Field(None, description="Context length in tokens (vLLM).")
 
 
 class ModelList(BaseModel):

@@ -58,6 +58,7 @@ from mpic.engine.vllm.requests import (
 )
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
+from mpic.linker.raw_prompt import RawPrompt
 from mpic.linker.recipe import plan_prompt
 from mpic.model_spec import ModelSpec
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
@@ -137,6 +138,17 @@ class VllmServeEngine(ServeEngine):
         assert self.vllm is not None, "compute_document_entry runs in the LLM worker"
         return self.vllm.cache_document(text, self.cfg.system_prompt)
 
+    @property
+    def text_tokenizer(self) -> Any:
+        """The model's HF text tokenizer."""
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def context_length(self) -> int:
+        """vLLM's `max_model_len` (the configured one, else the model's)."""
+        if self.vllm is not None:
+            return int(self.vllm.llm.model_config.max_model_len)
+        return int(self.cfg.max_model_len or self.spec.max_model_len)
+
     def engine_stats(self) -> dict[str, int]:
         """vLLM's batching and fallback counters: `peak_running` (most requests its scheduler
         ran in one step) and `fallbacks` (linked requests answered exactly)."""
@@ -165,8 +177,9 @@ class VllmServeEngine(ServeEngine):
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
         if prompt.press is not None:
             parts = self._pressed(parts, table, media, prompt.press, prompt.budget)
+        renderer = RawPrompt(self.processor) if prompt.raw else self.processor
         planned = plan_prompt(
-            self.spec, self.processor, parts, table, prompt.policy, system, prompt.max_tokens
+            self.spec, renderer, parts, table, prompt.policy, system, prompt.max_tokens
         )
         plan, refs = planned.plan, planned.refs
 

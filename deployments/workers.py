@@ -29,10 +29,13 @@ from mpic.deployments.limits import check_image_pixels
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.metrics import StoreMetricsExporter
 from mpic.deployments.schemas import FileObject
+from mpic.deployments.tokenization import detokenize, tokenize_chat, tokenize_text
+from mpic.deployments.vllm_metrics import RunningGauge
 from mpic.documents import decode_document
 from mpic.errors import InvalidRequestError, MPICError
 from mpic.linker.policies import get_policy
 from mpic.storage.entry_store import EntryStore
+from mpic.storage.keys import entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.parallel_fetch import FetchError, fetch_entries
 from mpic.storage.static_library import media_key
@@ -74,6 +77,7 @@ class LLMWorker:
             lim.max_requests_in_flight, lim.max_tokens_in_flight, lim.retry_after_s
         )
         self.health = EngineHealth(self.engine)
+        self.running = RunningGauge(config.engine.served_names[0])
         self.fidelity = FidelityMonitor(
             config.fidelity, self.engine, lambda: self.budget.requests, config.recompute_budget
         )
@@ -108,6 +112,7 @@ class LLMWorker:
             purpose=purpose,
             entry_stored=self.engine.stores_entries,
         )
+        self._count_engine_write(entry)
         self.store_metrics.export()
         return file_object(rec)
 
@@ -133,8 +138,52 @@ class LLMWorker:
             purpose=purpose,
             entry_stored=self.engine.stores_entries,
         )
+        self._count_engine_write(entry)
         self.store_metrics.export()
         return file_object(rec)
+
+    def _count_engine_write(self, entry: CacheEntry) -> None:
+        """An engine that stores entries itself (vLLM's connector writes from vLLM's worker
+        process) bypasses this replica's store: count the entry's object bytes as written, so
+        `mpic_store_written_bytes` grows on upload as with the other engines."""
+        objects = self.entries.objects
+        if not self.engine.stores_entries or objects is None:
+            return
+        try:
+            size = objects.stat(entry_object_key(entry.entry_id)).size
+        except ObjectNotFoundError:
+            return
+        self.entries.metrics.bytes_written.labels("object").inc(size)
+
+    def tokenize(
+        self,
+        prompt: str | None,
+        messages: list[dict] | None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+        return_token_strs: bool = False,
+    ) -> tuple[list[int], list[str] | None]:
+        """vLLM's `/tokenize` on the served model (`mpic.deployments.tokenization`): (ids,
+        token strings when asked)."""
+        tok = self.engine.text_tokenizer
+        if prompt is not None:
+            special = True if add_special_tokens is None else add_special_tokens
+            ids = tokenize_text(tok, prompt, special)
+        else:
+            ids = tokenize_chat(tok, messages or [], self.cfg.engine.system_prompt,
+                                add_generation_prompt)  # fmt: skip
+        strs = None
+        if return_token_strs:
+            strs = tok.convert_ids_to_tokens(ids) if tok is not None else [chr(i) for i in ids]
+        return ids, strs
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """vLLM's `/detokenize` on the served model."""
+        return detokenize(self.engine.text_tokenizer, tokens)
+
+    def context_length(self) -> int:
+        """The served context length (`max_model_len` of /v1/models and /tokenize)."""
+        return self.engine.context_length()
 
     def fingerprint(self) -> str:
         """The served model's fingerprint (dynamic-library refreshes record it)."""
@@ -214,9 +263,11 @@ class LLMWorker:
         shadow: dict | None = {} if self.fidelity.wants(prompt) else None
         try:
             with self.budget.admit(self.cost(prompt)):
+                self.running.set(self.budget.requests)
                 async for ev in self._generate(prompt, shadow):
                     yield ev
         finally:  # the answer is out and the request left the budget: its shadow, if sampled
+            self.running.set(self.budget.requests)
             if shadow:
                 self.fidelity.submit(prompt, shadow["entries"], shadow["served"])
 
