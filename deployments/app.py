@@ -48,7 +48,11 @@ def build_app(
     )
     retriever = serve.deployment(Retriever, **opts("Retriever", config.retriever))
     resolver = serve.deployment(Resolver, **opts("Resolver", config.resolver))
-    ingress = serve.deployment(Ingress, **opts("Ingress", config.ingress))
+    ingress_cfg = config.ingress
+    if config.limits.ttft_target_s:  # the app sheds (JSON 429), not Serve's proxy (plain 503)
+        ongoing = max(ingress_cfg.max_ongoing_requests, config.limits.max_pending_requests)
+        ingress_cfg = ingress_cfg.model_copy(update={"max_ongoing_requests": ongoing})
+    ingress = serve.deployment(Ingress, **opts("Ingress", ingress_cfg))
     enc, wrk = encoder.bind(config), worker.bind(config)
     ret = retriever.bind(config, wrk)
     return ingress.bind(config, enc, resolver.bind(config, enc, ret, wrk), wrk, ret)

@@ -244,6 +244,23 @@ class FidelityConfig(BaseModel):
 
     sample_rate: float = Field(
         0.01,
+    ttft_target_s: float = Field(
+        10.0,
+        ge=0,
+        description="TTFT the ingress keeps admitted generations under: a request is admitted "
+        "while those waiting for their first token are fewer than ttft_target_s x the measured "
+        "first-token rate (Little's law, mpic.deployments.shedding), else HTTP 429 "
+        "server_overloaded with Retry-After; 0: no shedding by the ingress.",
+    )
+    shed_initial_rate: float = Field(
+        2.0, gt=0, description="First tokens per second assumed until the rate is measured."
+    )
+    max_pending_requests: int = Field(
+        1024,
+        ge=1,
+        description="Most requests one ingress replica holds; its Serve max_ongoing_requests is "
+        "raised to this so the application, not Serve's proxy, sheds (with a JSON body).",
+    )
         ge=0,
         le=1,
         description="Fraction of served requests that get a shadow exact prefill after their "

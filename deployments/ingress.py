@@ -66,6 +66,7 @@ from mpic.deployments.schemas import (
     TopLogprob,
     Usage,
 )
+from mpic.deployments.shedding import SheddingGuard, configure_shedding
 from mpic.deployments.vllm_routes import VllmRoutes, router
 from mpic.errors import PayloadTooLargeError
 from mpic.retriever.sources import allowed_source
@@ -74,6 +75,7 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="MPIC serve", version="0.1.0")
 install_error_handlers(app)
+app.add_middleware(SheddingGuard)  # inside the guard: TTFT admission of authorised requests
 app.add_middleware(RequestGuard)  # auth + body limits from the headers, before any body read
 install_openapi_errors(app, ErrorBody)  # the real error answers, no 422
 app.include_router(router)  # vLLM's other routes: /v1/completions, /tokenize, ... (VllmRoutes)
@@ -233,6 +235,7 @@ class Ingress(VllmRoutes):
         self.cfg = config
         self.keys = KeyRing.from_config(config.auth)
         configure_guard(self.keys, config.limits)
+        configure_shedding(config.limits)
         if not len(self.keys):
             logger.warning("no API keys configured: every request will get 401")
         self.files = FileCatalog(config.store)
@@ -311,8 +314,10 @@ class Ingress(VllmRoutes):
         self,
         file: Annotated[UploadFile, File(description="The image.")],
         purpose: Annotated[Literal["vision", "user_data"], Form()],
-        ttl_seconds: Annotated[int | None, Form(ge=1)] = None,
-        expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]", ge=1)] = None,
+        ttl_seconds: Annotated[int | None, Form(ge=1, le=10**10)] = None,
+        expires_seconds: Annotated[
+            int | None, Form(alias="expires_after[seconds]", ge=1, le=10**10)
+        ] = None,
         expires_anchor: Annotated[
             Literal["created_at"] | None, Form(alias="expires_after[anchor]")
         ] = None,

@@ -49,7 +49,9 @@ class FileExpiryUpdate(BaseModel):
     OpenAI's `expires_after` (seconds after the file's creation)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    ttl_seconds: int | None = Field(None, ge=1, description="Expire this many seconds from now.")
+    ttl_seconds: int | None = Field(
+        None, ge=1, le=10**10, description="Expire this many seconds from now."
+    )
     expires_after: ExpiresAfter | None = None
 
     @model_validator(mode="after")
@@ -66,7 +68,7 @@ class ExpiresAfter(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     anchor: Literal["created_at"] = "created_at"
-    seconds: int = Field(ge=1)
+    seconds: int = Field(ge=1, le=10**10)
 
 
 class Model(BaseModel):

@@ -1,0 +1,211 @@
+"""Load shedding by a TTFT target (Ingress Serve replica): `SheddingGuard`, an ASGI middleware in
+front of the generation routes, answers 429 `server_overloaded` with `Retry-After` (OpenAI's JSON
+error body) before a request is queued anywhere once admitting it would break the TTFT target.
+
+The bound follows from Little's law on the queue of requests waiting for their first token. With
+`W` admitted requests waiting (admitted, no response started yet) and `σ` the rate at which
+requests get their first token (response starts per second of busy time, measured over the last
+`window_s` seconds), a new request waits about `(W + 1) / σ` seconds. It is admitted while
+
+    W + 1 <= max(1, floor(σ · T))        T = limits.ttft_target_s
+
+so every admitted request's expected TTFT stays under T (the queue ahead of it drains at σ), and
+whatever arrives beyond is refused at once instead of waiting past T. Before σ is measured
+(fewer than `min_samples` first tokens seen) it is `limits.shed_initial_rate`. `Retry-After` is
+the time the backlog above the bound needs to drain, `ceil((W + 1 - bound) / σ)`, at least 1 s.
+
+Each ingress replica measures its own σ (its own share of the first tokens), so the bound scales
+with the replicas without shared state. The application's bound must act before Ray Serve's: the
+app builder gives the Ingress deployment `max_ongoing_requests >= limits.max_pending_requests`
+(`deployments/app.py`), so Serve's proxy never queues past its own bound and answers plain-text
+503s; rejections pass the ingress's request counter (`mpic_requests_total{outcome="429"}`) and
+this guard's own `stats()`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+"""POST routes that start a generation (the ones shed)."""
+
+
+@dataclass
+class ShedDecision:
+    """The outcome of one admission check."""
+
+    admitted: bool
+    bound: int
+    waiting: int
+    rate: float
+    retry_after: int = 1
+
+
+class TTFTAdmission:
+    """Admitted-but-not-started requests of one replica against the TTFT-derived bound;
+    thread-safe. `clock` is injectable for tests."""
+
+    def __init__(
+        self,
+        ttft_target_s: float,
+        initial_rate: float = 1.0,
+        max_pending: int = 1024,
+        window_s: float = 10.0,
+        min_samples: int = 4,  # at least 2: a rate needs an interval
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target, self.initial_rate = ttft_target_s, initial_rate
+        self.max_pending, self.window_s, self.min_samples = max_pending, window_s, min_samples
+        self.clock = clock
+        self.waiting = 0
+        self.admitted = self.rejected = 0
+        self._busy_total = 0.0  # seconds with at least one request waiting
+        self._busy_since: float | None = None
+        self._starts: deque[tuple[float, float]] = deque()  # (time, busy_total) per first token
+        self._lock = threading.Lock()
+
+    def _busy_now(self, now: float) -> float:
+        return self._busy_total + (now - self._busy_since if self._busy_since is not None else 0)
+
+    def rate(self, now: float | None = None) -> float:
+        """First tokens per busy second over the last `window_s` seconds (σ): the first tokens
+        after the oldest one in the window over the busy time since it (a stalled engine's rate
+        decays as its busy time grows without first tokens)."""
+        now = self.clock() if now is None else now
+        while self._starts and self._starts[0][0] < now - self.window_s:
+            self._starts.popleft()
+        if len(self._starts) < self.min_samples:
+            return self.initial_rate
+        busy = self._busy_now(now) - self._starts[0][1]  # since the oldest first token
+        return (len(self._starts) - 1) / busy if busy > 1e-3 else self.initial_rate
+
+    def bound(self, rate: float) -> int:
+        """Most requests that may wait for their first token: max(1, floor(σ · T))."""
+        return max(1, min(self.max_pending, math.floor(rate * self.target)))
+
+    def try_admit(self) -> ShedDecision:
+        """Admit one request (count it waiting) or refuse it with a Retry-After."""
+        with self._lock:
+            now = self.clock()
+            rate = self.rate(now)
+            bound = self.bound(rate)
+            if self.waiting + 1 > bound:
+                self.rejected += 1
+                excess = self.waiting + 1 - bound
+                retry = max(1, math.ceil(excess / max(rate, 1e-6)))
+                return ShedDecision(False, bound, self.waiting, rate, min(retry, 60))
+            if self.waiting == 0:
+                self._busy_since = now
+            self.waiting += 1
+            self.admitted += 1
+            return ShedDecision(True, bound, self.waiting, rate)
+
+    def started(self, first_token: bool) -> None:
+        """An admitted request's response started (its first token, or an answer without one:
+        an error); only first tokens count towards σ."""
+        with self._lock:
+            now = self.clock()
+            if first_token:
+                self._starts.append((now, self._busy_now(now)))
+            self.waiting -= 1
+            if self.waiting == 0 and self._busy_since is not None:
+                self._busy_total += now - self._busy_since
+                self._busy_since = None
+
+    def stats(self) -> dict[str, float]:
+        """Current figures (tests, logs)."""
+        with self._lock:
+            rate = self.rate()
+            return {
+                "waiting": self.waiting,
+                "bound": self.bound(rate),
+                "rate": rate,
+                "admitted": self.admitted,
+                "rejected": self.rejected,
+            }
+
+
+class SheddingGuard:
+    """ASGI middleware: TTFT admission on POST generation routes (see the module docstring).
+    `admission` None (a `ttft_target_s` of 0, or not configured yet): everything passes."""
+
+    admission: TTFTAdmission | None = None  # set per replica by `configure_shedding`
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        adm = SheddingGuard.admission
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if (
+            adm is None
+            or scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or path not in GENERATION_ROUTES
+        ):
+            return await self.app(scope, receive, send)
+        decision = adm.try_admit()
+        if not decision.admitted:
+            scope["route"] = SimpleNamespace(path=path)  # the request counter's route label
+            return await _send_overloaded(send, decision)
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                adm.started(first_token=message.get("status") == 200)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        finally:
+            if not started:
+                adm.started(first_token=False)
+
+
+def configure_shedding(limits: Any) -> TTFTAdmission | None:
+    """Install this replica's admission from `LimitsConfig` (None when the target is 0)."""
+    if not limits.ttft_target_s:
+        SheddingGuard.admission = None
+    else:
+        SheddingGuard.admission = TTFTAdmission(
+            limits.ttft_target_s, limits.shed_initial_rate, limits.max_pending_requests
+        )
+    return SheddingGuard.admission
+
+
+async def _send_overloaded(send, d: ShedDecision) -> None:
+    message = (
+        f"the server is at capacity: {d.waiting} requests wait for their first token and "
+        f"admitting more would break the TTFT target (about {d.rate:.2f} first tokens/s); retry "
+        f"after {d.retry_after} s"
+    )
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "rate_limit_error",
+                "param": None,
+                "code": "server_overloaded",
+            }
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(d.retry_after).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
