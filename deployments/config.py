@@ -59,6 +59,16 @@ class DeploymentConfig(BaseModel):
     autoscaling: AutoscalingOptions = Field(
         default_factory=AutoscalingOptions, description="Replica range and scaling target."
     )
+    health_check_period_s: float = Field(
+        2.0,
+        gt=0,
+        description="Serve calls each replica's `check_health` this often; 3 failures in a row "
+        "replace the replica (an LLM worker whose engine died is replaced ~3 periods after; "
+        "Serve's own default is 10 s).",
+    )
+    health_check_timeout_s: float = Field(
+        10.0, gt=0, description="A health check slower than this counts as failed (Serve: 30 s)."
+    )
 
 
 class AuthConfig(BaseModel):
@@ -385,6 +395,8 @@ def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "autoscaling_config": {**a.model_dump(), "initial_replicas": max(a.min_replicas, 1)},
+        "health_check_period_s": cfg.health_check_period_s,
+        "health_check_timeout_s": cfg.health_check_timeout_s,
     }
 
 
