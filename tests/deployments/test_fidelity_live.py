@@ -7,6 +7,7 @@ a high-drift workload and lowers it again when the drift falls (tiny LLaVA)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -151,12 +152,13 @@ def test_overload_sheds_every_shadow(llava_app) -> None:
     assert grown.get("run", 0) == 0
 
 
-def test_loop_moves_the_budget_up_then_down(llava_app) -> None:
+def test_loop_moves_the_budget_up_then_down(llava_app, caplog) -> None:
     """Requests naming no policy are served at the loop's budget. Image prompts drift (any KL
     is above the 1e-9 target): the budget climbs to its bound; text-only prompts are exact under
     every policy (KL 0): it comes back down to the floor."""
     from mpic.deployments.fidelity_control import budget_policy
 
+    caplog.set_level(logging.INFO, logger="mpic.deployments.fidelity_monitor")
     worker = llava_app.worker
     loop = worker.fidelity.controller
     loop.budget = 0.1
@@ -179,3 +181,5 @@ def test_loop_moves_the_budget_up_then_down(llava_app) -> None:
     means = [m for _, m, _ in loop.decisions[-6:]]
     assert all(m > 1e-9 for m in means[:2]) and all(m < 5e-10 for m in means[3:])
     assert worker.fidelity_stats()["recompute_budget"] == pytest.approx(0.1)
+    logged = {r.request_id: r.fidelity_kl for r in caplog.records if hasattr(r, "fidelity_kl")}
+    assert set(logged) >= {f"hi-{i}" for i in range(6)} | {f"lo-{i}" for i in range(6)}

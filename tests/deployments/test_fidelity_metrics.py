@@ -1,0 +1,130 @@
+"""The live fidelity monitor's series on `/metrics` as an operator sees them: `mpic serve` in a
+subprocess (a real Ray cluster; reference engine on the tiny LLaVA; every request sampled). After
+two linked chats, the ingress's `/metrics` carries the KL and top-1 histograms of the `mpic`
+policy family (recorded by the LLM-worker replica, exported by Ray's metrics agent) and the
+shadow counter, each sample once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.deployments.conftest import png
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path: Path, model: Path) -> Path:
+    path = tmp_path / "serve.yaml"
+    small = {"ray_actor_options": {"num_cpus": 0.05}, "num_replicas": 1}
+    args = {
+        "engine": {"kind": "reference", "model": str(model), "max_tokens_default": 3},
+        "store": {"url": (tmp_path / "store").as_uri(), "fsync": False},
+        "auth": {"mode": "dev"},
+        "sweep_interval_s": 0,
+        "fidelity": {"sample_rate": 1.0},
+    }
+    names = ("Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker")
+    app = {
+        "name": "mpic",
+        "import_path": "mpic.deployments.app:app_builder",
+        "args": args,
+        "deployments": [{"name": n, **small} for n in names],
+    }
+    path.write_text(yaml.safe_dump({"applications": [app]}))
+    return path
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} ([0-9.e+-]+)$", line)
+        if m and all(f'{k}="{v}"' in m[1] for k, v in labels.items()):
+            total += float(m[2])
+    return total
+
+
+def test_fidelity_histograms_on_metrics(tmp_path: Path, tiny_llava_dir: Path) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS")}
+    env |= {"OMP_NUM_THREADS": "1", "MPIC_HOME": str(tmp_path / "home")}
+    mpic = Path(sys.executable).parent / "mpic"
+    cmd = [str(mpic), "serve", "--config", str(_config(tmp_path, tiny_llava_dir))]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    h = {"Authorization": "Bearer mpic-dev-alice"}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        up = httpx.post(
+            f"{url}/v1/files",
+            files={"file": ("x.png", png(5), "image/png")},
+            data={"purpose": "vision"},
+            headers=h,
+            timeout=60,
+        )
+        assert up.status_code == 200, up.text
+        part = {"type": "file", "file": {"file_id": up.json()["id"]}}
+        body = {
+            "model": "mpic",
+            "mpic": {"policy": "mpic-4"},
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "what?"}]}],
+        }
+        for i in range(2):
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json=body,
+                headers={**h, "X-Request-ID": f"fid-{i}"},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            time.sleep(1)  # the shadow runs after the answer, while nothing else is in flight
+        deadline, text = time.monotonic() + 90, ""
+        while time.monotonic() < deadline:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            if _value(text, "ray_mpic_fidelity_kl_count", policy="mpic") >= 2:
+                break
+            time.sleep(2)
+        print("\n".join(line for line in text.splitlines() if "fidelity" in line))
+        assert _value(text, "ray_mpic_fidelity_kl_count", policy="mpic") == 2
+        assert _value(text, "ray_mpic_fidelity_kl_bucket", policy="mpic", le="+Inf") == 2
+        assert _value(text, "ray_mpic_fidelity_top1_agreement_count", policy="mpic") == 2
+        assert _value(text, "ray_mpic_fidelity_shadows_total", outcome="run") == 2
+        assert _value(text, "ray_mpic_fidelity_topk_kl_count") == 0  # vLLM's kind only
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
