@@ -72,6 +72,7 @@ class SelectiveAttention:
         self._index: torch.Tensor | None = None
         self._num_keys = -1
         self._state: Any = None
+        self._corrected: tuple[torch.Tensor, torch.Tensor, int, Any] | None = None
 
     def __call__(
         self,
@@ -80,12 +81,26 @@ class SelectiveAttention:
         keys: torch.Tensor,
         values: torch.Tensor,
         scale: float | None = None,
+        linked: torch.Tensor | None = None,
+        s: float = 1.0,
     ) -> torch.Tensor:
-        """See `AttentionBackend.attend`; `q_index` int64 [S] ascending on the keys' device."""
+        """See `AttentionBackend.attend`; `q_index` int64 [S] ascending on the keys' device.
+        With `linked` (bool [N]) and s != 1: `AttentionBackend.attend_corrected`."""
         num_keys = int(keys.shape[0])
         if q_index is not self._index or num_keys != self._num_keys:
             self._state = self.backend.prepare(q_index, num_keys)
             self._index, self._num_keys = q_index, num_keys
+        if linked is not None and s != 1.0:
+            from mpic.kernels.correction import prepare_corrected
+
+            held = self._corrected
+            stale = held is None or held[0] is not q_index or held[1] is not linked
+            if stale or held[2] != num_keys:
+                held = (q_index, linked, num_keys, prepare_corrected(q_index, linked, num_keys))
+                self._corrected = held
+            return self.backend.attend_corrected(
+                self._state, q, q_index, keys, values, linked, s, scale, held[3]
+            )
         return self.backend.attend(self._state, q, keys, values, scale)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mpic.kernels.attention import SelectiveAttention, default_backend_name
+from mpic.linker.correction import LinkCorrection
 
 
 class DenseLinkedKV:
@@ -38,6 +39,8 @@ class DenseLinkedKV:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         """[L, capacity, H_kv, D]."""
         self.attention = SelectiveAttention(backend or default_backend_name(self.keys.device))
+        self.correction: LinkCorrection | None = None
+        """APE-style correction of linked keys (`set_correction`), applied by `attend`."""
 
     @property
     def capacity(self) -> int:
@@ -60,11 +63,22 @@ class DenseLinkedKV:
         """Keys linked at `index` of `layer`: [S, H_kv, D]."""
         return self.keys[layer, index.to(self.keys.device)]
 
+    def set_correction(self, correction: LinkCorrection | None) -> None:
+        """Apply (or, with None, stop applying) the APE-style correction in `attend`."""
+        self.correction = correction
+
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Queries q [S, H, D] at `index` over keys at prompt indices <= the query -> [S, H, D].
 
         Pass the same `index` tensor object to every layer: the backend's mask is built for the
-        first and reused (a new object rebuilds it)."""
+        first and reused (a new object rebuilds it). With a correction set, the linked keys'
+        log-sum-exp is scaled (`mpic.kernels.correction`)."""
         if index.device != self.keys.device:
             index = index.to(self.keys.device)
+        corr = self.correction
+        if corr is not None and corr.active:
+            linked = corr.linked(layer, self.capacity, self.keys.device)
+            return self.attention(
+                q, index, self.keys[layer], self.values[layer], linked=linked, s=corr.scale
+            )
         return self.attention(q, index, self.keys[layer], self.values[layer])

@@ -7,9 +7,12 @@ runner, `mpic.linker.dense_kv`) and a paged one writing into vLLM's KV blocks (v
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from mpic.linker.correction import LinkCorrection
 
 
 class LinkedKV(Protocol):
@@ -34,4 +37,9 @@ class LinkedKV(Protocol):
         every linked key of `layer` whose prompt index <= the query's: -> [S, H, D]. `index` lives
         on the KV's device; callers pass the same tensor object to every layer while the query
         set is unchanged, so an implementation may prepare its mask once."""
+        ...
+
+    def set_correction(self, correction: LinkCorrection | None) -> None:
+        """From now on `attend` applies the APE-style correction of linked keys
+        (`mpic.kernels.correction`; None: plain attention)."""
         ...

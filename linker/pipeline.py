@@ -2,12 +2,16 @@
 brings its own LayerAdapter and LinkedKV).
 
 The plan's depths come set from `mpic.linker.recipe`. Order: run the text-first pass of two-step
-policies, link the entries' rotated KV, gather the recomputed tokens' input embeddings, run the
-one-pass selective prefill (with the policy's in-pass hook, if any).
+policies, link the entries' rotated KV, for a scouting policy (`scout-*`) run the scout over the
+text and let the policy set the final depths (`mpic.linker.scout`), hand the policy's linked-key
+correction to the linked KV, gather the recomputed tokens' input embeddings, run the one-pass
+selective prefill (with the policy's in-pass hook, if any).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +20,12 @@ from mpic.linker.contracts import LayerAdapter
 from mpic.linker.link import gather_input_embeds, link_entries
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.recipe import PlannedPrompt
+from mpic.linker.scout import ScoutReport
 from mpic.linker.selective_prefill import PrefillResult, selective_prefill
 from mpic.linker.two_step import prefill_text_first
 from mpic.types import LinkPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +37,8 @@ class LinkedPrefill:
     result: PrefillResult
     recomputed_tokens: int
     """Prompt tokens that ran through at least one layer, over both steps of two-step policies."""
+    scout: ScoutReport | None = None
+    """The scouting pass's cost (scouting policies only)."""
 
 
 def link_and_prefill(
@@ -52,11 +61,22 @@ def link_and_prefill(
         entries,
         adapter.rope,
         adapter.num_layers,
-        every_item=hook is not None,
+        every_item=hook is not None or policy.scouts,
         device=adapter.device,  # rotate where the model runs (entries may come from storage)
     )
+    report = None
+    if policy.scouts:
+        depth, report = policy.scout(adapter, plan, entries, linked_kv)
+        plan = dataclasses.replace(plan, recompute_depth=depth)
+    correction = policy.correction(plan, adapter.num_layers)
+    if correction is not None:
+        set_correction = getattr(linked_kv, "set_correction", None)
+        if set_correction is None:
+            logger.warning("%s: this linked KV has no correction; plain attention", policy.name)
+        else:
+            set_correction(correction)
     index = torch.nonzero(plan.recompute_depth > 0).flatten()
     embeds = gather_input_embeds(adapter, plan, entries, index)
     result = selective_prefill(adapter, plan, linked_kv, embeds, hook=hook)
     ran |= result.recompute_depth > 0
-    return LinkedPrefill(plan=plan, result=result, recomputed_tokens=int(ran.sum()))
+    return LinkedPrefill(plan=plan, result=result, recomputed_tokens=int(ran.sum()), scout=report)

@@ -33,6 +33,7 @@ from mpic.linker.policies import Policy
 from mpic.linker.positions import next_position
 from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt, plan_prompt
+from mpic.linker.scout import ScoutReport
 from mpic.linker.selective_prefill import run_layers
 from mpic.presses.cache import CompressedKV
 from mpic.presses.entries import press_entry_id
@@ -58,6 +59,8 @@ class Prefilled:
     """Process CPU seconds over the same span (all threads): the work, robust to a busy host."""
     press: PressRequest | None = None
     """The press that compressed `kv` (its generation-time step runs while decoding)."""
+    scout: ScoutReport | None = None
+    """The scouting pass's cost (`scout-*` policies)."""
 
 
 @dataclass
@@ -78,12 +81,16 @@ class ReferenceRunner:
         dtype: torch.dtype = torch.float32,
         system_prompt: str | None = None,
         attention_backend: str | None = None,
+        decode_correction: bool = True,
     ) -> None:
         """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
-        `sdpa_runs`); None picks by device (`flex` on CUDA)."""
+        `sdpa_runs`); None picks by device (`flex` on CUDA). decode_correction: keep a policy's
+        linked-key correction (`scout-*`) while decoding (False: decode with plain attention,
+        as vLLM's own decode does)."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model)
         self.attention_backend = attention_backend
+        self.decode_correction = decode_correction
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}
 
@@ -177,7 +184,11 @@ class ReferenceRunner:
         ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if req is not None:  # compress, then drop the dense KV (memory freed)
             kv = compress_dense(req, kv, observer, out.plan, a, max_new_tokens)
-        return Prefilled(out.plan, kv, logits, out.recomputed_tokens, ttft, cpu, req)
+        if not self.decode_correction and isinstance(kv, DenseLinkedKV):
+            kv.set_correction(None)  # decode as vLLM does: plain attention
+        return Prefilled(
+            out.plan, kv, logits, out.recomputed_tokens, ttft, cpu, req, scout=out.scout
+        )
 
     @torch.inference_mode()
     def stream(

@@ -17,6 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
+from mpic.linker.contracts import LayerAdapter
+from mpic.linker.correction import LinkCorrection
+from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.scout import ScoutReport
 from mpic.linker.selective_prefill import LayerHook
 from mpic.types import CacheEntry, LinkPlan
 
@@ -36,6 +40,28 @@ class Policy(ABC):
 
     def layer_hook(self, plan: LinkPlan, num_layers: int) -> LayerHook | None:
         """A selection made during the pass, or None (the default: the plan decides)."""
+        return None
+
+    @property
+    def scouts(self) -> bool:
+        """True: the final depths come from `scout` (a pass over the linked KV run inside
+        `link_and_prefill`); `depths` then gives the scout's own tokens."""
+        return False
+
+    def scout(
+        self,
+        adapter: LayerAdapter,
+        plan: LinkPlan,
+        entries: Sequence[CacheEntry],
+        linked_kv: LinkedKV,
+    ) -> tuple[torch.Tensor, ScoutReport]:
+        """Scouting policies: run the scout over `linked_kv` (every item linked) and return the
+        final int64 [N] depths and the scout's cost."""
+        raise NotImplementedError(f"{self.name} does not scout")
+
+    def correction(self, plan: LinkPlan, num_layers: int) -> LinkCorrection | None:
+        """The APE-style correction of linked keys for `plan` (final depths), or None (the
+        default: plain attention)."""
         return None
 
     def apply(self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int) -> LinkPlan:

@@ -1,7 +1,10 @@
 """Policy registry: `get_policy("mpic-32")` (linker; CLI and Serve replica parse user names).
 
 Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`, `boundary-<k>`,
-`vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing).
+`vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing),
+`scout-<b>[:s<S>]` (query-aware selection at budget fraction b with the linked-key correction S),
+`auto` / `auto-<b>`: the best selection the benchmark found for a budget (today `scout-<b>`;
+`auto` takes the request's or the server's budget, `DEFAULT_BUDGET` otherwise).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from mpic.linker.policies.full import FullPolicy
 from mpic.linker.policies.full_reuse import FullReusePolicy
 from mpic.linker.policies.mpic import MPICPolicy
 from mpic.linker.policies.prefix import PrefixPolicy
+from mpic.linker.policies.scout import ScoutPolicy
 from mpic.linker.policies.vlcache import VLCachePolicy
 
 POLICY_NAMES = (
@@ -23,19 +27,38 @@ POLICY_NAMES = (
     "mpic-<k>",
     "boundary-<k>",
     "vlcache-<r>[:<r>...]",
+    "scout-<b>[:s<S>]",
+    "auto",
+    "auto-<b>",
 )
 """The name patterns `get_policy` accepts."""
+
+DEFAULT_BUDGET = 0.2
+"""The recompute budget (fraction of prompt tokens) `auto` uses when none is given."""
 
 _FIXED = {"full": FullPolicy, "prefix": PrefixPolicy, "full-reuse": FullReusePolicy}
 
 
-def get_policy(name: str) -> Policy:
-    """The policy called `name`; ValueError listing the valid names otherwise."""
+def best_for_budget(budget: float) -> Policy:
+    """The best selection measured for a budget fraction (docs/fidelity.md): `scout-<b>` with
+    its calibrated correction."""
+    return ScoutPolicy(budget)
+
+
+def get_policy(name: str, budget: float | None = None) -> Policy:
+    """The policy called `name`; ValueError listing the valid names otherwise. `budget` (a
+    fraction of prompt tokens) is what `auto` means (default `DEFAULT_BUDGET`)."""
     name = name.strip()
     try:
         if name in _FIXED:
             return _FIXED[name]()
-        family, _, arg = name.rpartition("-")
+        if name == "auto":
+            return best_for_budget(DEFAULT_BUDGET if budget is None else budget)
+        family, _, arg = name.partition("-") if name.startswith("scout-") else name.rpartition("-")
+        if family == "scout":
+            return ScoutPolicy.from_arg(arg)
+        if family == "auto":
+            return best_for_budget(float(arg))
         if family == "mpic":
             return MPICPolicy(int(arg))
         if family == "boundary":

@@ -1,0 +1,161 @@
+"""APE-style attention correction for linked (reused, not recomputed) keys (kernels; runs wherever
+the selective attention runs: reference runner, vLLM worker).
+
+Linked item KV was computed in the item's own canonical context, so in a new prompt the linked
+keys draw too much attention (APE, Yang et al., ICLR'25, section 3: parallel-encoded contexts get
+larger attention mass than when encoded sequentially; its fix rescales the contexts'
+attention "by a scaling factor S" on the log-sum-exp before merging with the other segments).
+
+The equation implemented (per layer, per query head, per query i). Let V_i = {j <= i} be the keys
+the query sees, A_i = the keys in V_i that are LINKED at this layer (an item token whose cached
+K/V is used, i.e. not recomputed at this layer), B_i = V_i \\ A_i (text, recomputed item tokens,
+the query itself), s_j = scale * q_i . k_j, and
+
+    lse_A = log sum_{j in A_i} exp(s_j),     lse_B = log sum_{j in B_i} exp(s_j)
+    O_A   = sum_{j in A_i} softmax_A(s)_j v_j,   O_B likewise over B_i
+
+    O_i = (exp(S * lse_A) O_A + exp(lse_B) O_B) / (exp(S * lse_A) + exp(lse_B))
+
+i.e. the log-sum-exp of the linked group is MULTIPLIED by S (its mass Z_A becomes Z_A ** S; APE's
+"scaling factor"), not shifted by log S. S = 1 is plain attention. Equivalently every linked
+score gets the per-query bias (S - 1) * lse_A, which is how `corrected_attention` computes it:
+one masked softmax with a bias, in float32. When A_i is empty the bias is 0 (plain attention).
+The correction changes only the MIXING weights of the two groups; within a group the
+distribution is unchanged, so the recomputed tokens' own fresh attention is untouched when no
+key is linked (full recompute is exact under any S).
+
+This module is the torch path used by every backend (`AttentionBackend.attend_corrected`'s
+default): scores are materialised per chunk of queries ([H, chunk, N]), which is fine for the
+few hundred recomputed queries of a prompt and for one decode query. `flex` overrides it with two
+FlexAttention calls returning their log-sum-exps (kernels/flex.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 64
+"""Queries per materialised score block (each block reads keys up to its last query only)."""
+
+
+def merge_groups(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    s: float,
+) -> torch.Tensor:
+    """The equation of the module docstring from the two groups' outputs and log-sum-exps.
+
+    out_*: [..., D]; lse_*: [...] (natural log; -inf for an empty group). A group with lse -inf
+    gets weight 0 (the linked group's scaled lse stays -inf: S > 0). Returns float32."""
+    a = s * lse_a.float()
+    b = lse_b.float()
+    top = torch.maximum(a, b)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    wa, wb = torch.exp(a - top), torch.exp(b - top)
+    total = (wa + wb).clamp_min(torch.finfo(torch.float32).tiny)
+    return (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / total[..., None]
+
+
+@dataclass
+class CorrectedState:
+    """Masks of one query set and one linked set, shared by every layer that has both."""
+
+    kv_len: int
+    """Keys [0, kv_len) are read (max query index + 1)."""
+    chunks: list[tuple[int, int, int, torch.Tensor]]
+    """(row start, row end, keys read b = the chunk's last index + 1, additive causal mask
+    [C, b] (0 / -inf))."""
+    linked: torch.Tensor
+    """float32 [kv_len]: 1 on linked keys."""
+
+
+def prepare_corrected(q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> CorrectedState:
+    """Build the masks for queries at q_index (int64 [S], ascending) and the linked keys (bool
+    [N]); reads the last index once (host sync on a device)."""
+    num_q = int(q_index.shape[0])
+    kv_len = min(int(q_index[-1]) + 1, num_keys) if num_q else 0
+    dev = q_index.device
+    link = linked[:kv_len].to(dev)
+    host = q_index.cpu()
+    chunks = []
+    for c0 in range(0, num_q, CHUNK):
+        c1 = min(c0 + CHUNK, num_q)
+        b = min(int(host[c1 - 1]) + 1, kv_len)
+        idx = q_index[c0:c1]
+        visible = torch.arange(b, device=dev)[None, :] <= idx[:, None]
+        causal = torch.zeros(visible.shape, dtype=torch.float32, device=dev)
+        causal.masked_fill_(~visible, -math.inf)
+        chunks.append((c0, c1, b, causal))
+    return CorrectedState(kv_len, chunks, link.float())
+
+
+def corrected_attention(
+    q: torch.Tensor,
+    q_index: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    linked: torch.Tensor,
+    s: float,
+    scale: float | None = None,
+    state: CorrectedState | None = None,
+) -> torch.Tensor:
+    """Causal-by-prompt-index attention with the linked group's log-sum-exp scaled by `s`.
+
+    q [S, H, D] at ascending prompt indices q_index (int64 [S], keys' device); keys/values
+    [N, H_kv, D]; linked bool [N] (True: the key is linked, not recomputed, at this layer);
+    state: `prepare_corrected(q_index, linked, N)` when the caller keeps it across layers.
+    Returns [S, H, D] in q's dtype. With s == 1 it equals plain selective attention.
+    """
+    heads, dim = q.shape[1], q.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    if state is None:
+        state = prepare_corrected(q_index, linked, int(keys.shape[0]))
+    kv_len = state.kv_len
+    group = heads // keys.shape[1]
+    k = keys[:kv_len].float().transpose(0, 1)  # [H_kv, N, D]
+    v = values[:kv_len].float().transpose(0, 1)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    # [H, N, 2D]: all values, then the linked group's values only (one bmm gives both sums)
+    v2 = torch.cat([v, v * state.linked[None, :, None]], dim=-1)
+    outs = []
+    for r0, r1, b, causal in state.chunks:
+        qc = q[r0:r1].float().transpose(0, 1) * scale  # [H, C, D]
+        scores = torch.baddbmm(causal.expand(heads, -1, -1), qc, k[:, :b].transpose(1, 2))
+        top = scores.amax(dim=-1, keepdim=True)  # [H, C, 1] (finite: a query sees itself)
+        e = scores.sub_(top).exp_()  # exp(s - m), 0 where not visible
+        z_all = e.sum(dim=-1)  # [H, C]
+        z_a = torch.matmul(e, state.linked[:b])  # [H, C]: sum over the linked group
+        z_b = (z_all - z_a).clamp_min(torch.finfo(torch.float32).tiny)
+        m = top[..., 0]
+        # log-weights of the two groups: S * lse_A and lse_B (lse = m + log z)
+        log_wa = s * (m + torch.log(z_a))  # -inf when the group is empty
+        log_wb = m + torch.log(z_b)
+        t = torch.maximum(log_wa, log_wb)
+        wa, wb = torch.exp(log_wa - t), torch.exp(log_wb - t)
+        total = wa + wb
+        alpha = torch.where(z_a > 0, wa / (total * z_a.clamp_min(1e-38)), 0.0)  # linked keys
+        beta = wb / (total * z_b)  # the rest
+        both, linked_part = torch.bmm(e, v2[:, :b]).split(dim, dim=-1)  # [H, C, D] each
+        out = beta[..., None] * (both - linked_part) + alpha[..., None] * linked_part
+        outs.append(out.transpose(0, 1))  # [C, H, D]
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.to(q.dtype)
+
+
+def linked_mask(
+    is_item: torch.Tensor, depth: torch.Tensor, layer: int, capacity: int
+) -> torch.Tensor:
+    """bool [capacity]: the keys linked (not recomputed) at `layer`: item tokens whose recompute
+    depth is <= layer. is_item bool [N], depth int64 [N] (N <= capacity; slots past N, decoded
+    tokens, are fresh)."""
+    out = torch.zeros(capacity, dtype=torch.bool, device=is_item.device)
+    n = int(is_item.shape[0])
+    out[:n] = is_item & (depth <= layer)
+    return out

@@ -1,0 +1,51 @@
+"""Which keys the APE-style attention correction applies to, per layer, for one prompt (linker;
+reference runner and vLLM worker).
+
+The equation (`mpic.kernels.correction`): per query, the log-sum-exp of its attention over the
+keys that are LINKED at a layer (item tokens whose cached, rotated K/V is used there: recompute
+depth <= layer) is multiplied by S before it is merged with the rest. A policy that wants it
+(`scout-*`) returns a `LinkCorrection` from `Policy.correction`; `link_and_prefill` hands it to
+the linked KV (`LinkedKV.set_correction`) before the selective prefill, and the reference runner
+keeps it for decoding (decode tokens are fresh keys; the prompt's linked keys stay linked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mpic.kernels.correction import linked_mask
+
+
+@dataclass
+class LinkCorrection:
+    """S and the plan's linked-key layout; `linked(layer, capacity)` gives the mask."""
+
+    scale: float
+    """S: the linked group's log-sum-exp is multiplied by it (1 = plain attention)."""
+    is_item: torch.Tensor
+    """bool [N]: item tokens (text has no cached KV and is never linked)."""
+    depth: torch.Tensor
+    """int64 [N]: the recompute depths actually run (a token is linked at layers >= depth)."""
+    decode: bool = True
+    """Also apply it to decode-time queries (reference runner; vLLM decodes plain)."""
+    _masks: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def active(self) -> bool:
+        """False when S == 1 (nothing to do)."""
+        return self.scale != 1.0
+
+    def linked(self, layer: int, capacity: int, device: torch.device) -> torch.Tensor:
+        """bool [capacity] on `device`: keys linked at `layer` (cached per layer and device;
+        layers with the same depth threshold share one tensor object)."""
+        key = (layer, capacity, str(device))
+        if key not in self._masks:
+            mask = linked_mask(self.is_item.cpu(), self.depth.cpu(), layer, capacity)
+            self._masks[key] = mask.to(device)
+        return self._masks[key]
+
+    def with_depth(self, depth: torch.Tensor) -> LinkCorrection:
+        """The same S over other depths (after an in-pass selection)."""
+        return LinkCorrection(self.scale, self.is_item, depth, self.decode)

@@ -1,0 +1,89 @@
+"""The APE-style correction of linked keys (kernels/correction.py) against a naive per-query,
+per-head two-group attention written from the equation, on every backend."""
+
+import math
+
+import pytest
+import torch
+
+from mpic.kernels.attention import SelectiveAttention, selected_attention
+from mpic.kernels.correction import corrected_attention, linked_mask, merge_groups
+
+
+def _naive(q, q_index, keys, values, linked, s):
+    """O = (exp(S lse_A) O_A + exp(lse_B) O_B) / (exp(S lse_A) + exp(lse_B)), per query/head."""
+    num_q, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    out = torch.zeros(num_q, heads, dim, dtype=torch.float64)
+    for i, qi in enumerate(q_index.tolist()):
+        for h in range(heads):
+            k = keys[: qi + 1, h // group].double()
+            v = values[: qi + 1, h // group].double()
+            sc = k @ q[i, h].double() / math.sqrt(dim)
+            a = linked[: qi + 1]
+            lse_b = torch.logsumexp(sc[~a], 0)
+            o_b = torch.softmax(sc[~a], 0) @ v[~a]
+            if a.any():
+                lse_a = torch.logsumexp(sc[a], 0)
+                o_a = torch.softmax(sc[a], 0) @ v[a]
+                wa, wb = torch.exp(s * lse_a), torch.exp(lse_b)
+                out[i, h] = (wa * o_a + wb * o_b) / (wa + wb)
+            else:
+                out[i, h] = o_b
+    return out.float()
+
+
+def _case(num_keys=300, num_q=150, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q_index = torch.sort(torch.randperm(num_keys, generator=g)[:num_q]).values
+    q = torch.randn(num_q, 6, 16, generator=g)
+    keys = torch.randn(num_keys, 2, 16, generator=g) * 2
+    values = torch.randn(num_keys, 2, 16, generator=g)
+    linked = torch.rand(num_keys, generator=g) < 0.6
+    linked[q_index] = False  # a query is recomputed: its own key is fresh
+    return q, q_index, keys, values, linked
+
+
+@pytest.mark.parametrize("s", [0.5, 0.8, 1.2])
+def test_corrected_attention_equals_the_equation(s):
+    q, q_index, keys, values, linked = _case()
+    got = corrected_attention(q, q_index, keys, values, linked, s)
+    torch.testing.assert_close(
+        got, _naive(q, q_index, keys, values, linked, s), atol=2e-5, rtol=1e-4
+    )
+
+
+def test_scale_one_is_plain_selective_attention_and_empty_group_is_plain():
+    q, q_index, keys, values, linked = _case(seed=1)
+    plain = selected_attention(q, q_index, keys, values)
+    torch.testing.assert_close(corrected_attention(q, q_index, keys, values, linked, 1.0), plain)
+    none = torch.zeros_like(linked)
+    torch.testing.assert_close(corrected_attention(q, q_index, keys, values, none, 0.7), plain)
+
+
+@pytest.mark.parametrize("backend", ["sdpa_runs", "flex"])
+def test_every_backend_applies_it_through_selective_attention(backend):
+    q, q_index, keys, values, linked = _case(seed=2)
+    attn = SelectiveAttention(backend)
+    want = _naive(q, q_index, keys, values, linked, 0.8)
+    for _ in range(2):  # the prepared masks are reused by the second call
+        got = attn(q, q_index, keys, values, linked=linked, s=0.8)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # a decode query past the prompt: its slot is not linked
+    one = attn(q[-1:], torch.tensor([299]), keys, values, linked=linked, s=0.8)
+    torch.testing.assert_close(
+        one, _naive(q[-1:], torch.tensor([299]), keys, values, linked, 0.8), atol=2e-5, rtol=1e-4
+    )
+
+
+def test_merge_groups_and_linked_mask():
+    out_a, out_b = torch.randn(3, 4), torch.randn(3, 4)
+    lse_a, lse_b = torch.tensor([1.0, -math.inf, 3.0]), torch.tensor([2.0, 0.5, -1.0])
+    got = merge_groups(out_a, lse_a, out_b, lse_b, 0.8)
+    wa, wb = torch.exp(0.8 * lse_a), torch.exp(lse_b)
+    want = (wa[:, None] * out_a + wb[:, None] * out_b) / (wa + wb)[:, None]
+    torch.testing.assert_close(got, want)
+    depth = torch.tensor([0, 3, 0, 1, 3])
+    is_item = torch.tensor([True, False, True, True, True])
+    assert linked_mask(is_item, depth, 0, 7).tolist() == [True, False, True, False] + [False] * 3
+    assert linked_mask(is_item, depth, 2, 7).tolist() == [True, False, True, True] + [False] * 3

@@ -1,0 +1,154 @@
+"""`scout-<b>[:s<S>]` on the toy decoder: the budget and boundary tokens it selects, the scout's
+scores against attention recomputed from an mpic-0 pass (the state the scout sees), exactness
+with everything recomputed, and the correction off (S = 1) equal to a plain plan with the same
+depths."""
+
+import math
+
+import pytest
+import torch
+
+from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.pipeline import link_and_prefill
+from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies import get_policy
+from mpic.linker.policies.base import Policy
+from mpic.linker.policies.scout import ScoutPolicy, boundary_mask, scout_layers
+from mpic.linker.recipe import with_policy
+from mpic.linker.scout import scoring_rows, scout_scores
+from tests.linker.toy_model import (
+    CONTEXT,
+    IMAGE_ID,
+    ToyAdapter,
+    reference_forward,
+    toy_entries,
+    toy_spec,
+)
+
+L = 4
+PROMPT = CONTEXT + [10, 11, IMAGE_ID, 12, IMAGE_ID, 13, IMAGE_ID, 14, 15, 16]
+REFS = ["img-a", "img-b", "img-a"]
+
+
+def _setup(mrope=False):
+    adapter = ToyAdapter(mrope=mrope, num_layers=L)
+    items = resolve_entries(REFS, toy_entries(adapter))
+    plan = build_plan(toy_spec(adapter), PROMPT, items)
+    return adapter, plan, unique_entries(plan, items)
+
+
+def _run(adapter, plan, entries, policy):
+    kv = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8)
+    return link_and_prefill(adapter, with_policy(plan, entries, policy, L), kv), kv
+
+
+class _Fixed(Policy):
+    """Given depths (to compare a scout's selection with a plain plan)."""
+
+    def __init__(self, depth):
+        self.depth, self.name = depth, "fixed"
+
+    def depths(self, plan, entries, num_layers):
+        return self.depth
+
+
+def test_names_auto_and_bad_names():
+    assert get_policy("scout-0.2:s0.8").name == "scout-0.2:s0.8"
+    assert get_policy("scout-0.25:s1").name == "scout-0.25:s1"
+    assert get_policy("scout-0.2").name.startswith("scout-0.2:s")  # S from the default table
+    assert get_policy("auto", budget=0.3).name == get_policy("scout-0.3").name
+    assert get_policy("auto-0.1").name == get_policy("scout-0.1").name
+    for bad in ("scout-1.5", "scout-x", "scout-0.2:t0.8", "scout-0.2:s0", "auto-2"):
+        with pytest.raises(ValueError, match="valid:"):
+            get_policy(bad)
+    assert scout_layers(30) == list(range(2, 9))
+    assert scout_layers(4) == [1]
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5, 0.7])
+def test_selection_fills_the_budget_with_text_boundaries_then_top_scores(budget):
+    adapter, plan, entries = _setup()
+    policy = ScoutPolicy(budget, scale=1.0)
+    pre = policy.apply(plan, entries, L)
+    scores = torch.rand(plan.num_tokens, generator=torch.Generator().manual_seed(3))
+    depth = policy.select(pre, entries, scores, L)
+    must = plan.is_text | boundary_mask(plan, entries, 1)
+    must[-1] = True
+    assert bool((depth[must] == L).all())
+    free = ~must
+    room = max(0, round(budget * plan.num_tokens) - int(must.sum()))
+    want = set(torch.nonzero(free).flatten()[scores[free].argsort(descending=True)[:room]].tolist())
+    got = set(torch.nonzero((depth == L) & free).flatten().tolist())
+    assert got == want
+    assert set(depth.tolist()) <= {0, L}
+
+
+def test_scout_scores_equal_attention_recomputed_from_an_mpic0_pass():
+    """The scout's state at layer l is mpic-0's (text fresh, items linked): recompute the scoring
+    rows' attention from mpic-0's keys and the queries it computed."""
+    adapter, plan, entries = _setup()
+    captured = {}
+    real = adapter.attention_inputs
+
+    def spy(layer, hidden, positions):
+        q, k, v = real(layer, hidden, positions)
+        captured[layer] = q
+        return q, k, v
+
+    adapter.attention_inputs = spy
+    out, kv = _run(adapter, plan, entries, "mpic-0")
+    text = torch.nonzero(out.plan.recompute_depth > 0).flatten()
+    rows = scoring_rows(plan, text)
+    layers = [1, 2]
+    want = torch.zeros(plan.num_tokens)
+    for layer in layers:
+        q = captured[layer][rows]  # [R, H, D]
+        k = kv.keys[layer].repeat_interleave(2, dim=1)  # [N, H, D]
+        scores = torch.einsum("rhd,nhd->hrn", q, k) / math.sqrt(8)
+        visible = torch.arange(plan.num_tokens)[None, :] <= text[rows][:, None]
+        p = scores.masked_fill(~visible, -math.inf).softmax(-1).mean(0)  # [R, N]
+        w = torch.full((rows.numel(),), 0.5 / (rows.numel() - 1))
+        w[-1] = 1.0
+        want += (p * w[:, None]).sum(0)
+    want[plan.is_text] = 0
+    adapter.attention_inputs = real
+    kv2 = DenseLinkedKV(L, plan.num_tokens, 2, 8)
+    from mpic.linker.link import link_entries
+
+    pre = ScoutPolicy(0.5).apply(plan, entries, L)
+    link_entries(kv2, pre, entries, adapter.rope, L, every_item=True)
+    got, report = scout_scores(adapter, pre, entries, kv2, layers, 0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert report.layers_run == 3 and report.tokens == int(plan.is_text.sum())
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_everything_recomputed_is_exact_under_any_scale(mrope):
+    adapter, plan, entries = _setup(mrope)
+    embeds = []
+    for i in range(plan.num_tokens):
+        e = int(plan.source_entry[i])
+        if e < 0:
+            embeds.append(adapter.embed_tokens(plan.token_ids[i : i + 1]))
+        else:
+            off = int(plan.source_offset[i])
+            embeds.append(entries[e].input_embeds[off : off + 1])
+    ref, _, _ = reference_forward(adapter, torch.cat(embeds), plan.positions)
+    out, _ = _run(adapter, plan, entries, ScoutPolicy(1.0, scale=0.6))
+    assert out.recomputed_tokens == plan.num_tokens
+    torch.testing.assert_close(out.result.logits, ref[-1], rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_scale_one_equals_a_plain_plan_and_the_correction_changes_logits(mrope):
+    adapter, plan, entries = _setup(mrope)
+    plain_scout, _ = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=1.0))
+    depth = plain_scout.plan.recompute_depth
+    assert 0 < int((depth == L).sum()) - int(plan.is_text.sum())
+    assert plain_scout.scout is not None and plain_scout.scout.tokens == int(plan.is_text.sum())
+    fixed, _ = _run(adapter, plan, entries, _Fixed(depth))
+    torch.testing.assert_close(plain_scout.result.logits, fixed.result.logits)
+    corrected, kv = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=0.7))
+    assert torch.equal(corrected.plan.recompute_depth, depth)  # S does not move the selection
+    assert kv.correction is not None and kv.correction.scale == 0.7
+    assert (corrected.result.logits - fixed.result.logits).abs().max() > 1e-3
