@@ -129,3 +129,11 @@ def test_vllm_only_flag_with_the_reference_engine_exits_2(started, tmp_path: Pat
 def test_a_folder_without_a_model_exits_2(started, tmp_path: Path) -> None:
     res = serve(str(tmp_path))
     assert res.exit_code == 2 and "no config.json" in res.output
+
+
+def test_no_arguments_is_the_embedded_default(started) -> None:
+    from mpic.deployments.config import load_config
+
+    assert serve().exit_code == 0
+    assert started["cfg"] == load_config(None)  # vllm engine, dev keys, small random LLaVA
+    assert started["cfg"].engine.kind == "vllm" and started["port"] == 8000
