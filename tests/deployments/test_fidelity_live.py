@@ -183,3 +183,49 @@ def test_loop_moves_the_budget_up_then_down(llava_app, caplog) -> None:
     assert worker.fidelity_stats()["recompute_budget"] == pytest.approx(0.1)
     logged = {r.request_id: r.fidelity_kl for r in caplog.records if hasattr(r, "fidelity_kl")}
     assert set(logged) >= {f"hi-{i}" for i in range(6)} | {f"lo-{i}" for i in range(6)}
+
+
+@pytest.mark.slow
+def test_loop_on_the_trained_model(llava_smollm2_dir: Path, tmp_path: Path) -> None:
+    """The bench's 8-document prompts (4 questions, round robin), every request at the default
+    budget, target 0.2: from 10% the loop raises (the drift there is far above the target), from
+    60% it lowers (far below), within its bounds; the trajectories are printed
+    (docs/fidelity.md)."""
+    from mpic.benchmarks.fidelity import passages, question_parts
+    from mpic.prompt_parts import DocumentRef
+
+    cfg = _app_config(
+        tmp_path / "store",
+        llava_smollm2_dir,
+        sample_rate=1.0,
+        fidelity_target=0.2,
+        min_budget=0.1,
+        max_budget=0.6,
+        step=0.1,
+        min_samples=4,
+    )
+    store = cfg.store.model_copy(update={"memory_bytes": 256 << 20})
+    cfg = cfg.model_copy(update={"recompute_budget": 0.1, "store": store})
+    docs = passages(8)
+    with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
+        fids = {d.name: _upload(app, d.text.encode(), f"{d.name}.txt", "user_data") for d in docs}
+        loop = app.worker.fidelity.controller
+        n = 0
+        for start, requests in ((0.1, 8), (0.6, 16)):
+            loop.budget, first = start, len(loop.decisions)
+            trajectory = []
+            for _ in range(requests):
+                parts = question_parts(docs, [d.name for d in docs], n % 4)
+                content = [
+                    {"type": "file", "file": {"file_id": fids[p.entry_id]}}
+                    if isinstance(p, DocumentRef)
+                    else {"type": "text", "text": p}
+                    for p in parts
+                ]
+                served = _chat(app, content, f"t-{n}", max_tokens=1)["mpic"]["policy"]
+                trajectory.append((served, round(_sample(app.worker, f"t-{n}").kl, 4)))
+                n += 1
+            decisions = loop.decisions[first:]
+            print(f"from {start}: {trajectory}\n  decisions {decisions}")
+            assert decisions[0][0] == ("raise" if start == 0.1 else "lower")
+            assert all(0.1 <= b <= 0.6 for _, _, b in decisions)
