@@ -244,16 +244,6 @@ class LimitsConfig(BaseModel):
         "runs at once (else HTTP 429).",
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 from the budget.")
-
-
-class FidelityConfig(BaseModel):
-    """The live fidelity guarantee (`mpic.deployments.fidelity_monitor`, docs/fidelity.md): shadow
-    exact prefills of a sampled fraction of served requests, and the budget loop."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sample_rate: float = Field(
-        0.01,
     ttft_target_s: float = Field(
         10.0,
         ge=0,
@@ -271,6 +261,16 @@ class FidelityConfig(BaseModel):
         description="Most requests one ingress replica holds; its Serve max_ongoing_requests is "
         "raised to this so the application, not Serve's proxy, sheds (with a JSON body).",
     )
+
+
+class FidelityConfig(BaseModel):
+    """The live fidelity guarantee (`mpic.deployments.fidelity_monitor`, docs/fidelity.md): shadow
+    exact prefills of a sampled fraction of served requests, and the budget loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sample_rate: float = Field(
+        0.01,
         ge=0,
         le=1,
         description="Fraction of served requests that get a shadow exact prefill after their "
