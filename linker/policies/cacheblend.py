@@ -1,10 +1,13 @@
 """`cacheblend-r`: CacheBlend (Yao et al., EuroSys'25) as the MPIC paper runs it (section 5.2):
 two steps; text KV first, then one blended pass that recomputes every token up to the check
-layer, keeps the r% of all tokens whose fresh keys deviate most from the linked (reused) keys,
-and recomputes only those in the remaining layers (linker).
+layer, keeps ALL the new text and the r% of the ITEM tokens whose fresh keys deviate most from
+the linked (reused) keys, and recomputes only those in the remaining layers (linker).
 
-LMCache's blender defaults: check layer 1 (`check_layers=[1]`), deviation = sum of squared
-differences of the keys over heads and head dims, top-k over all prompt tokens.
+As published: CacheBlend selects among the reused (cached) tokens; the new text has no cache and
+is always recomputed. (An earlier version took r% of all prompt tokens, text included, so at
+4 documents its budget was smaller than the text alone.) LMCache's blender defaults: check
+layer 1 (`check_layers=[1]`), deviation = sum of squared differences of the keys over heads and
+head dims.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ from mpic.types import CacheEntry, LinkPlan
 
 
 class KVDeviationHook:
-    """At `check_layer`, keep the `count` tokens with the largest key deviation (+ last token)."""
+    """At `check_layer`, keep every `always` token (the text and the last token) and the `count`
+    other tokens with the largest key deviation."""
 
-    def __init__(self, check_layer: int, count: int, last_index: int) -> None:
+    def __init__(
+        self, check_layer: int, count: int, last_index: int, always: torch.Tensor | None = None
+    ) -> None:
         self.check_layer = check_layer
         self.count = count
         self.last_index = last_index
+        self.always = always
+        """bool [N] by prompt index, or None (nothing but the last token)."""
 
     def select(
         self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
@@ -35,9 +43,15 @@ class KVDeviationHook:
             return None
         old = linked_kv.read_keys(layer, index).to(k.device, torch.float32)
         deviation = (k.float() - old).pow(2).sum(dim=(-2, -1)).cpu()  # [S]
-        keep = torch.zeros(index.shape[0], dtype=torch.bool)
-        keep[torch.topk(deviation, min(self.count, deviation.numel())).indices] = True
-        keep |= index.cpu() == self.last_index
+        host = index.cpu()
+        always = host == self.last_index
+        if self.always is not None:
+            always |= self.always[host]
+        keep = always.clone()
+        candidates = torch.nonzero(~always).flatten()
+        if candidates.numel():
+            top = torch.topk(deviation[candidates], min(self.count, candidates.numel())).indices
+            keep[candidates[top]] = True
         return keep
 
 
@@ -59,11 +73,14 @@ class CacheBlendPolicy(Policy):
         """L everywhere: every token runs until the check layer decides (see `layer_hook`)."""
         return torch.full((plan.num_tokens,), num_layers, dtype=torch.int64)
 
-    def selected_count(self, num_tokens: int) -> int:
-        """ceil(r% of N): how many tokens survive the check layer."""
-        return math.ceil(self.ratio_percent * num_tokens / 100)
+    def selected_count(self, num_item_tokens: int) -> int:
+        """ceil(r% of the item tokens): how many item tokens survive the check layer."""
+        return math.ceil(self.ratio_percent * num_item_tokens / 100)
 
     def layer_hook(self, plan: LinkPlan, num_layers: int) -> KVDeviationHook:
-        """The KV-deviation check at `min(check_layer, L - 1)`."""
+        """The KV-deviation check at `min(check_layer, L - 1)`: all text, r% of the items."""
         check = min(self.check_layer, num_layers - 1)
-        return KVDeviationHook(check, self.selected_count(plan.num_tokens), plan.num_tokens - 1)
+        items = int((~plan.is_text).sum())
+        return KVDeviationHook(
+            check, self.selected_count(items), plan.num_tokens - 1, plan.is_text.clone()
+        )

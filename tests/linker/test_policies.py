@@ -85,24 +85,28 @@ def test_policy_selects_exactly_its_tokens(name, case):
     assert policy.two_step == (name in ("full-reuse",) or name.startswith("cacheblend"))
 
 
-def test_cacheblend_hook_keeps_top_deviation_tokens_and_the_last():
+def test_cacheblend_hook_keeps_all_text_and_top_deviation_item_tokens():
+    """As published: the new text is always recomputed; r% is taken over the item tokens only."""
     n, hkv, d = 40, 2, 4
     kv = DenseLinkedKV(3, n, hkv, d)
     fresh = torch.zeros(n, hkv, d)
     deviation = torch.randperm(n).float()
     fresh[:, 0, 0] = deviation.sqrt()
+    is_text = torch.zeros(n, dtype=torch.bool)
+    is_text[:12] = True  # 12 text tokens, 28 item tokens
     policy = CacheBlendPolicy(15)
-    hook = policy.layer_hook(plan=_FakePlan(n), num_layers=3)
+    hook = policy.layer_hook(plan=_FakePlan(n, is_text), num_layers=3)
     index = torch.arange(n)
     assert hook.select(0, index, fresh, kv) is None
     keep = hook.select(1, index, fresh, kv)
-    top = set(torch.topk(deviation, math.ceil(0.15 * n)).indices.tolist()) | {n - 1}
-    assert set(torch.nonzero(keep).flatten().tolist()) == top
+    items = torch.arange(12, n - 1)  # the last token is kept anyway
+    top = items[torch.topk(deviation[items], math.ceil(0.15 * 28)).indices].tolist()
+    assert set(torch.nonzero(keep).flatten().tolist()) == set(range(12)) | set(top) | {n - 1}
 
 
 class _FakePlan:
-    def __init__(self, n):
-        self.num_tokens = n
+    def __init__(self, n, is_text):
+        self.num_tokens, self.is_text = n, is_text
 
 
 @pytest.mark.parametrize(
