@@ -52,7 +52,7 @@ class Resolver:
         """Resolve files, inline images and retrieval; validate policy and budget."""
         opts = req.mpic
         policy = opts.policy if opts and "policy" in opts.model_fields_set else None
-        policy = policy or self.cfg.default_policy
+        policy = budgeted_policy(policy, opts.recompute_budget if opts else None, self.cfg)
         named = opts.model_fields_set if opts is not None else set()
         defaulted = not named & {"policy", "recompute_budget"}  # the server's default applies
         await self.worker.check_policy.remote(policy)
@@ -172,3 +172,20 @@ class Resolver:
             for e, h, kind in hits
         ]
         return [e for e, _, _ in hits]
+
+
+def budgeted_policy(policy: str | None, budget: float | None, cfg: ServeAppConfig) -> str:
+    """The policy a request is served by: `mpic.recompute_budget` means the best selection for
+    that budget (`auto-<b>`, with no policy or with `auto`); `auto` alone takes the server's
+    `recompute_budget` (else the linker's default budget); no policy: `default_policy`.
+    InvalidRequestError (400) for a budget beside another policy."""
+    if budget is not None:
+        if policy not in (None, "auto"):
+            raise InvalidRequestError(
+                f"mpic.recompute_budget applies to policy 'auto' (or no policy), not {policy!r}",
+                param="mpic.recompute_budget",
+            )
+        return f"auto-{budget:g}"
+    if policy == "auto" and cfg.recompute_budget is not None:
+        return f"auto-{cfg.recompute_budget:g}"
+    return policy or cfg.default_policy

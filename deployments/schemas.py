@@ -156,7 +156,17 @@ class MPICOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     policy: str = Field(
-        "mpic-32", min_length=1, description="Token-selection policy (linker registry name)."
+        "mpic-32",
+        min_length=1,
+        description="Token-selection policy (linker registry name); `auto`: the best selection "
+        "for `recompute_budget` (absent: the server's default policy).",
+    )
+    recompute_budget: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Recompute budget as a fraction of the prompt's tokens, in [0, 1]: served "
+        "by the best selection for it (policy `auto`; with another policy: 400).",
     )
     press: str | None = Field(
         None,
