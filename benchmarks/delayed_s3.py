@@ -10,6 +10,7 @@ cost there. Everything else (PUT, HEAD, LIST) passes at once.
 from __future__ import annotations
 
 import http.client
+import logging
 import socket
 import threading
 import time
@@ -87,6 +88,8 @@ def delayed_s3(delay_s: float, bucket: str = "mpic-bench") -> Iterator[DelayedS3
     """moto's S3 server behind a `DelayProxy`; yields the store (URL with dummy credentials)."""
     from minio import Minio
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
 
     port = free_port()
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

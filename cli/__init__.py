@@ -7,8 +7,10 @@ import typer
 
 from mpic.benchmarks import compress as bench_compress
 from mpic.benchmarks import fidelity as bench_fidelity
+from mpic.benchmarks import linking_load as bench_linking
 from mpic.benchmarks import load as bench_load
 from mpic.benchmarks import offline as bench_offline
+from mpic.benchmarks import online as bench_online
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import routing as bench_routing
 from mpic.benchmarks import storage as bench_storage
@@ -35,6 +37,8 @@ bench_app.command("routing")(bench_routing.command)
 bench_app.command("load")(bench_load.command)
 bench_app.command("fidelity")(bench_fidelity.command)
 bench_app.command("compress")(bench_compress.command)
+bench_app.command("linking")(bench_linking.command)
+bench_app.command("online")(bench_online.command)
 app.command("demo")(demo.command)
 app.command("serve")(serve_command.command)
 

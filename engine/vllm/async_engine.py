@@ -72,6 +72,12 @@ class AsyncVllmEngine(VllmFrontEnd):
         args = AsyncEngineArgs(**engine_kwargs(self.cfg))
         return AsyncLLM.from_engine_args(args, stat_loggers=[partial(_peak_logger, self)])
 
+    def connector_stats(self) -> dict[str, int]:
+        """The worker connector's linking counters (`link_passes`, `linked_requests`,
+        `largest_pass`, `failed`)."""
+        (stats,) = self._call(self.llm.collective_rpc("mpic_connector_stats"))
+        return stats
+
     def _call(self, coro: Coroutine) -> Any:
         """Run `coro` on the engine's loop and wait for it (from any thread but that loop's)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

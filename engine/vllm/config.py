@@ -24,9 +24,7 @@ class VllmOptions(BaseModel):
     dtype: str = Field("float32", description="Model dtype; float32 on CPU (bf16 ~5x slower).")
     block_size: int = Field(32, description="KV block size; a multiple of 32 on CPU.")
     kv_cache_gib: int = Field(1, ge=1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
-    max_model_len: int | None = Field(
-        None, ge=1, description="Context limit (None: the model's)."
-    )
+    max_model_len: int | None = Field(None, ge=1, description="Context limit (None: the model's).")
     max_num_seqs: int = Field(16, ge=1, description="Largest batch of running requests.")
     max_num_batched_tokens: int | None = Field(
         None, description="Token budget of one step (None: vLLM's default)."
@@ -67,6 +65,16 @@ class VllmEngineConfig(VllmOptions):
 
     model: str = Field(description="HF model folder (config, weights, tokenizer, processor).")
     linking: bool = Field(True, description="Load the MPIC KV connector.")
+    async_loads: bool = Field(
+        True,
+        description="Read a linked request's entries in the background (vLLM's "
+        "WAITING_FOR_REMOTE_KVS) instead of inside the step that schedules it.",
+    )
+    batch_links: bool = Field(
+        True,
+        description="Link the requests ready in one step in one selective pass (plain "
+        "policies); false: one pass per request.",
+    )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Entry store the worker loads entries from."
     )

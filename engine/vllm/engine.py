@@ -33,6 +33,12 @@ class VllmEngine(VllmFrontEnd):
 
         self.llm = LLM(**engine_kwargs(cfg))
 
+    def connector_stats(self) -> dict[str, int]:
+        """The worker connector's linking counters (`link_passes`, `linked_requests`,
+        `largest_pass`, `failed`)."""
+        (stats,) = self.llm.collective_rpc("mpic_connector_stats")  # `mpic.engine.vllm.plugin`
+        return stats
+
     def generate(
         self,
         requests: list[EngineRequest],

@@ -65,7 +65,11 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
             kv_load_failure_policy="fail",
-            kv_connector_extra_config={"storage": cfg.storage.model_dump(mode="json")},
+            kv_connector_extra_config={
+                "storage": cfg.storage.model_dump(mode="json"),
+                "async_loads": cfg.async_loads,
+                "batch_links": cfg.batch_links,
+            },
         )
     optional = {
         "num_gpu_blocks_override": cfg.num_blocks,

@@ -1,0 +1,309 @@
+"""`mpic bench linking` (CLI process; vLLM's engine core and worker in child processes): what
+linking costs the requests around it on the vLLM worker (issue 22 items 2 and 3).
+
+- Head-of-line: D requests decode (streamed, `ignore_eos`), then M new linked requests arrive
+  whose entries live only in an object store that answers every GET `delay_s` late
+  (`mpic.benchmarks.delayed_s3`; the worker's memory tier is 0 bytes, so every entry is a GET).
+  The decoders' inter-token latency (ITL) while the new requests load and link is compared with
+  their ITL in the same run before the arrivals (unloaded). With `async_loads` the reads run in
+  the background (vLLM's WAITING_FOR_REMOTE_KVS); without, every read waits inside a step.
+- Batching: B linked requests (entries in the worker's memory tier) arrive together; their TTFT
+  with the step's requests linked in one selective pass (`batch_links`) vs one pass per request,
+  and the connector's counters (`largest_pass`).
+
+Both run on the small random LLaVA of `mpic demo` (or `--model`), float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+
+def png(seed: int, side: int = 48) -> bytes:
+    """A seeded random RGB PNG."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _engine(model: str, storage: Any, **options: Any) -> Any:
+    from mpic.engine.vllm.async_engine import AsyncVllmEngine
+    from mpic.engine.vllm.config import VllmEngineConfig
+
+    cfg = VllmEngineConfig(model=model, storage=storage, **options)
+    return AsyncVllmEngine(cfg)
+
+
+def _linked(engine: Any, entries: list[Any], text: str, policy: str = "mpic-32") -> Any:
+    """The linked request of text, image 1, 'and', image 2, ... (`policy` depths)."""
+    from mpic.engine.vllm.requests import linked_request
+    from mpic.linker.prompt import ImageRef
+    from mpic.linker.recipe import plan_prompt
+
+    parts: list[Any] = [f"{text} ({uuid.uuid4().hex[:6]})"]
+    for e in entries:
+        parts += [ImageRef(e.entry_id), "and"]
+    table = {e.entry_id: e for e in entries}
+    planned = plan_prompt(engine.spec, engine.processor, parts, table, policy, None, 16)
+    req = linked_request(planned.plan, policy, engine.spec)
+    req.cache_salt = f"bench-{uuid.uuid4().hex}"  # no prefix-cache hit between requests
+    return req
+
+
+async def _stream(engine: Any, req: Any, max_tokens: int, times: list[float]) -> None:
+    """Decode `req`, appending the arrival time of every token to `times`."""
+    seen = 0
+    async for res in engine.stream(req, max_tokens, {"ignore_eos": True}):
+        now = time.perf_counter()
+        times.extend([now] * (len(res.token_ids) - seen))
+        seen = len(res.token_ids)
+
+
+@dataclass
+class HeadOfLine:
+    """One head-of-line run."""
+
+    async_loads: bool
+    delay_s: float
+    itl_unloaded_ms: float
+    """Mean gap between the decoders' tokens before the new requests arrived."""
+    itl_loading_ms: float
+    """Mean gap while the new requests' entries load and link (arrival -> last first token)."""
+    itl_max_loading_ms: float
+    ratio: float
+    new_ttft_ms: list[float]
+    gets: int
+    timeline: list[tuple[float, float]] = field(default_factory=list)
+    """(token time since the arrivals, gap ms) of the decoders' tokens."""
+
+
+def head_of_line(
+    model: str,
+    delay_s: float = 0.2,
+    async_loads: bool = True,
+    decoders: int = 2,
+    new: int = 4,
+    images: int = 3,
+    decode_tokens: int = 96,
+    warm_tokens: int = 24,
+) -> HeadOfLine:
+    """See the module docstring; returns the decoders' ITL before and during the loads."""
+    from mpic.benchmarks.delayed_s3 import delayed_s3
+    from mpic.engine.vllm.requests import EngineRequest
+    from mpic.storage.config import StorageConfig
+
+    with delayed_s3(delay_s) as s3:
+        storage = StorageConfig(url=s3.url, memory_bytes=0, load_workers=8)
+        engine = _engine(model, storage, async_loads=async_loads, max_num_seqs=16)
+        try:
+            entries = [engine.cache_image(png(100 + i)) for i in range(new * images)]
+            gets0 = s3.proxy.gets
+
+            async def run() -> tuple[list[list[float]], list[float], float, float]:
+                ids = engine.processor.tokenizer("Tell a long story about ships.").input_ids
+                streams: list[list[float]] = [[] for _ in range(decoders)]
+                tasks = [
+                    asyncio.create_task(
+                        _stream(
+                            engine,
+                            EngineRequest(prompt_token_ids=list(ids), cache_salt=uuid.uuid4().hex),
+                            decode_tokens,
+                            streams[d],
+                        )
+                    )  # fmt: skip
+                    for d in range(decoders)
+                ]
+                while min(len(s) for s in streams) < warm_tokens:
+                    await asyncio.sleep(0.005)
+                arrive = time.perf_counter()
+                firsts: list[list[float]] = [[] for _ in range(new)]
+                reqs = [
+                    _linked(engine, entries[i * images : (i + 1) * images], f"Compare {i}")
+                    for i in range(new)
+                ]
+                news = [asyncio.create_task(_stream(engine, r, 1, firsts[i]))
+                        for i, r in enumerate(reqs)]  # fmt: skip
+                await asyncio.gather(*news)
+                done = max(f[0] for f in firsts)
+                await asyncio.gather(*tasks)
+                return streams, [f[0] - arrive for f in firsts], arrive, done
+
+            streams, ttfts, arrive, done = asyncio.run(run())
+        finally:
+            engine.close()
+        gets = s3.proxy.gets - gets0
+    before, during, timeline = [], [], []
+    for times in streams:
+        for a, b in zip(times[1:-1], times[2:], strict=False):  # skip the first (prefill) gap
+            gap = 1e3 * (b - a)
+            timeline.append((b - arrive, gap))
+            if b <= arrive:
+                before.append(gap)
+            elif a >= arrive and b <= done:
+                during.append(gap)
+    unloaded = statistics.mean(before)
+    loading = statistics.mean(during) if during else float("nan")
+    return HeadOfLine(
+        async_loads=async_loads,
+        delay_s=delay_s,
+        itl_unloaded_ms=unloaded,
+        itl_loading_ms=loading,
+        itl_max_loading_ms=max(during) if during else float("nan"),
+        ratio=loading / unloaded,
+        new_ttft_ms=[1e3 * t for t in ttfts],
+        gets=gets,
+        timeline=sorted(timeline),
+    )
+
+
+@dataclass
+class Batching:
+    """One batching run."""
+
+    batch_links: bool
+    requests: int
+    ttft_ms: list[float]
+    """Every request's time from the scheduler's resume to its first token, over the waves."""
+    ttft_p50_ms: float
+    stats: dict[str, int]
+
+
+def batching(
+    model: str, requests: int = 8, images: int = 3, batch_links: bool = True, waves: int = 3
+) -> Batching:
+    """B linked requests arriving together, their entries in the worker's memory tier: vLLM's
+    scheduler is paused (`pause_generation(mode="keep")`: new requests queue, nothing steps)
+    while the B are submitted, then resumed, so its next step sees all of them; TTFT from the
+    resume. `waves` timed waves after a warm one."""
+    import tempfile
+
+    from mpic.storage.config import StorageConfig
+
+    storage = StorageConfig(url=Path(tempfile.mkdtemp()).as_uri(), fsync=False)
+    engine = _engine(model, storage, batch_links=batch_links, max_num_seqs=requests + 2)
+    try:
+        entries = [engine.cache_image(png(200 + i)) for i in range(requests * images)]
+
+        async def wave(tag: str) -> list[float]:
+            reqs = [_linked(engine, entries[i * images : (i + 1) * images], f"{tag} {i}")
+                    for i in range(requests)]  # fmt: skip
+            await asyncio.to_thread(
+                engine._call, engine.llm.pause_generation(mode="keep", clear_cache=False)
+            )
+            firsts: list[list[float]] = [[] for _ in reqs]
+            tasks = [asyncio.create_task(_stream(engine, r, 1, firsts[i]))
+                     for i, r in enumerate(reqs)]  # fmt: skip
+            await asyncio.sleep(0.5)  # every request reached the (paused) scheduler
+            t0 = time.perf_counter()
+            await asyncio.to_thread(engine._call, engine.llm.resume_generation())
+            await asyncio.gather(*tasks)
+            return [1e3 * (f[0] - t0) for f in firsts]
+
+        asyncio.run(wave("warm"))  # first-use costs (kernels, allocator) out of the way
+        before = engine.connector_stats()
+        ttfts = [t for w in range(waves) for t in asyncio.run(wave(f"Compare {w}"))]
+        after = engine.connector_stats()
+    finally:
+        engine.close()
+    stats = {k: after[k] - before.get(k, 0) for k in ("link_passes", "linked_requests")}
+    stats["largest_pass"] = after["largest_pass"]
+    return Batching(batch_links, requests, ttfts, float(np.median(ttfts)), stats)
+
+
+def write_outputs(hol: list[HeadOfLine], bat: list[Batching], out: Path) -> None:
+    """JSON and two PNGs (`linking_hol.png`, `linking_batch.png`) into `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "linking.json").write_text(
+        json.dumps(
+            {"head_of_line": [asdict(h) for h in hol], "batching": [asdict(b) for b in bat]},
+            indent=1,
+        )  # fmt: skip
+    )
+    if hol:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for h in hol:
+            xs, ys = zip(*h.timeline, strict=False) if h.timeline else ([], [])
+            label = (f"{'async' if h.async_loads else 'sync'} reads: ITL x{h.ratio:.2f} while "
+                     f"loading")  # fmt: skip
+            ax.plot(xs, ys, ".-", ms=3, lw=0.8, label=label)
+        ax.axvline(0, color="gray", ls="--", lw=0.8)
+        ax.set_xlabel("token time (s) since the new requests arrived")
+        ax.set_ylabel("decoders' inter-token gap (ms)")
+        ax.set_yscale("log")
+        delay = hol[0].delay_s * 1e3
+        ax.set_title(f"Decoding while new requests' entries load (S3 GET +{delay:.0f} ms)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "linking_hol.png", dpi=120)
+        plt.close(fig)
+    if bat:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for b in bat:
+            xs = np.sort(b.ttft_ms)
+            label = (
+                f"{'one pass' if b.batch_links else 'one pass per request'} "
+                f"(p50 {b.ttft_p50_ms:.0f} ms, largest pass {b.stats['largest_pass']})"
+            )
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), "o-", label=label)
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{bat[0].requests} linked requests arriving together")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "linking_batch.png", dpi=120)
+        plt.close(fig)
+
+
+def command(
+    model: str = typer.Option(None, "--model", help="Model folder (default: the demo's LLaVA)."),
+    delay_ms: float = typer.Option(200.0, "--delay-ms", min=0, help="S3 GET delay."),
+    requests: int = typer.Option(8, "--requests", min=1, max=64, help="Batching: requests."),
+    out: str = typer.Option("out/linking", "--out", help="Folder for JSON and PNGs."),
+) -> None:
+    """Head-of-line (async vs sync entry reads) and batched linking on the vLLM worker."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from mpic.deployments.local import prepare_local
+
+    if model is None:
+        from mpic.deployments.config import ServeAppConfig
+
+        model = prepare_local(ServeAppConfig()).engine.model
+    hol = [head_of_line(model, delay_ms / 1e3, a) for a in (True, False)]
+    bat = [batching(model, requests, batch_links=b) for b in (True, False)]
+    table = Table(title="Linking on the vLLM worker")
+    for col in ["run", "figure"]:
+        table.add_column(col)
+    for h in hol:
+        table.add_row(
+            f"{'async' if h.async_loads else 'sync'} reads, GET +{h.delay_s * 1e3:.0f} ms",
+            f"ITL {h.itl_unloaded_ms:.1f} -> {h.itl_loading_ms:.1f} ms (x{h.ratio:.2f}, max "
+            f"{h.itl_max_loading_ms:.0f}); new TTFT p50 {np.median(h.new_ttft_ms):.0f} ms",
+        )
+    for b in bat:
+        table.add_row(
+            "one pass" if b.batch_links else "one pass per request",
+            f"TTFT p50 {b.ttft_p50_ms:.0f} ms; {b.stats}",
+        )
+    Console().print(table)
+    write_outputs(hol, bat, Path(out))

@@ -1,0 +1,212 @@
+"""Batched linking: the linked requests of one step in ONE selective pass (vLLM worker).
+
+MPIC's selective prefill (docs/design.md "Selective prefill") runs a prompt's recomputed tokens
+layer by layer over its linked KV. Done per request, a step that links 8 requests runs 8 passes
+of L layers of small matmuls. Here the requests' recomputed tokens are concatenated into one
+virtual prompt: request r's prompt index p becomes g = offset_r + p, so `run_layers` (the same
+code as one prompt) runs each layer's norms, projections and MLP once over all of them, and
+`BatchedPagedKV` routes the two cache operations per layer:
+
+- write: one `cpu_attn_reshape_and_cache` with every token's own slot
+  (`block_ids_r[p // bs] * bs + p % bs`);
+- attend: ONE `cpu_attention_with_kv_cache` call per layer; every contiguous run of a request's
+  queries is a virtual sequence with that request's block table and sequence length p_end + 1,
+  so each query sees exactly its own request's keys up to its own prompt index (a per-request
+  causal mask over its own blocks, the exact mask of the one-request pass).
+
+On other devices (CUDA) the two operations loop over the requests' `PagedLinkedKV`s (one call
+each); the layer compute is still shared.
+
+Only plain policies batch (`link_job.batchable`: no text-first pass, no in-pass hook, no
+scouting, no correction): their pass is exactly `run_layers` over the plan's depths. The others,
+and compression requests, keep the one-request path (`link_and_prefill`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpic.engine.vllm.paged_kv import CpuPagedOps, PagedLinkedKV
+from mpic.linker.contracts import LayerAdapter
+from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.selective_prefill import run_layers
+from mpic.types import CacheEntry, LinkPlan
+
+
+@dataclass
+class BatchItem:
+    """One request of a batch: its plan (depths set), entries and paged KV."""
+
+    plan: LinkPlan
+    entries: Sequence[CacheEntry]
+    kv: PagedLinkedKV
+    block_ids: list[int]
+
+
+class BatchedPagedKV:
+    """`LinkedKV` over several requests' paged blocks (see the module docstring).
+
+    items: the requests in batch order; offsets[r]: first global index of request r; layers,
+    caches: vLLM's per-layer Attention modules and KV tensors; block_size: vLLM's."""
+
+    def __init__(
+        self,
+        items: Sequence[BatchItem],
+        layers: list[nn.Module],
+        caches: list[torch.Tensor],
+        block_size: int,
+    ) -> None:
+        self._items = list(items)
+        self._layers, self._caches, self._bs = layers, caches, block_size
+        sizes = [it.plan.num_tokens for it in self._items]
+        self.offsets = torch.tensor([0, *sizes]).cumsum(0)
+        self.total = int(self.offsets[-1])
+        self._req = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        slots = []
+        for it in self._items:
+            blocks = torch.tensor(it.block_ids, dtype=torch.int64)
+            p = torch.arange(it.plan.num_tokens)
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+        device = caches[0].device
+        self._slots = torch.cat(slots).to(device)
+        self._cpu = device.type == "cpu"
+        if self._cpu:
+            width = max(len(it.block_ids) for it in self._items)
+            table = torch.zeros(len(self._items), width, dtype=torch.int32)
+            for r, it in enumerate(self._items):
+                table[r, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int32)
+            self._tables = table
+            unused = torch.zeros(1, dtype=torch.int64)  # writes take slots, not blocks
+            self._writer = CpuPagedOps(layers, caches, unused, block_size)
+
+    def _pieces(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Rows [a, b) of `index` (ascending global indices) that are contiguous and in one
+        request r: [(a, b, r)]."""
+        host = index.cpu()
+        if host.numel() == 0:
+            return []
+        req = self._req[host]
+        breaks = torch.nonzero((host[1:] != host[:-1] + 1) | (req[1:] != req[:-1])).flatten() + 1
+        edges = [0, *breaks.tolist(), int(host.shape[0])]
+        return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite global indices `index` [S] of `layer` with k, v [S, H_kv, D]."""
+        if self._cpu:
+            self._writer.write(layer, self._slots[index.to(self._slots.device)], k, v)
+            return
+        for a, b, r in self._pieces(index):
+            local = index[a:b] - int(self.offsets[r])
+            self._items[r].kv.write(layer, local, k[a:b], v[a:b])
+
+    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("batched linking serves policies that read no linked keys")
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """q [S, H, D] at ascending global indices -> [S, H, D], each row over its own
+        request's keys [0, p]."""
+        pieces = self._pieces(index)
+        if not self._cpu:
+            out = torch.empty_like(q)
+            for a, b, r in pieces:
+                local = index[a:b] - int(self.offsets[r])
+                out[a:b] = self._items[r].kv.attend(layer, q[a:b], local)
+            return out
+        return self._cpu_attend(layer, q, index, pieces)
+
+    def _cpu_attend(
+        self, layer: int, q: torch.Tensor, index: torch.Tensor, pieces: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        attn = self._layers[layer]
+        impl = attn.impl
+        host = index.cpu()
+        starts = torch.tensor([0] + [b for _, b, _ in pieces], dtype=torch.int32)
+        seq_lens = torch.tensor(
+            [int(host[b - 1]) - int(self.offsets[r]) + 1 for _, b, r in pieces], dtype=torch.int32
+        )
+        block_table = self._tables[[r for _, _, r in pieces]].contiguous()
+        fmt = {
+            "k_scale": attn._k_scale_float,
+            "v_scale": attn._v_scale_float,
+            "kv_cache_dtype": impl.kv_cache_dtype,
+        }
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(pieces),
+            num_heads=q.shape[1],
+            num_kv_heads=impl.num_kv_heads,
+            head_dim=q.shape[2],
+            seq_lens=seq_lens,
+            dtype=q.dtype,
+            query_start_loc=starts,
+            causal=True,
+            sliding_window_size=-1,
+            isa=attn.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        cache = self._caches[layer]
+        num_blocks, num_kv_heads, block_size, _ = cache.shape
+        key_cache, value_cache = cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(
+            2, dim=2
+        )
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q.contiguous(),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            scale=impl.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0.0,
+            scheduler_metadata=metadata,
+            s_aux=None,
+            **fmt,
+        )
+        return out
+
+
+def link_batch(
+    adapter: LayerAdapter,
+    items: Sequence[BatchItem],
+    layers: list[nn.Module],
+    caches: list[torch.Tensor],
+    block_size: int,
+) -> None:
+    """Link every request of `items` (plain policies) in one selective pass: each request's
+    blocks are zeroed and its entries' rotated KV linked, then the recomputed tokens of all of
+    them run the layers together. No logits (vLLM's forward computes the last token)."""
+    embeds, index, positions, depth = [], [], [], []
+    batched = BatchedPagedKV(items, layers, caches, block_size)
+    for r, it in enumerate(items):
+        it.kv.clear()
+        link_entries(it.kv, it.plan, it.entries, adapter.rope, adapter.num_layers,
+                     device=adapter.device)  # fmt: skip
+        local = torch.nonzero(it.plan.recompute_depth > 0).flatten()
+        if local.numel() == 0:
+            continue
+        embeds.append(gather_input_embeds(adapter, it.plan, it.entries, local))
+        index.append(local + int(batched.offsets[r]))
+        positions.append(it.plan.positions[..., local])
+        depth.append(it.plan.recompute_depth[local])
+    if not index:
+        return
+    run_layers(
+        adapter,
+        batched,
+        torch.cat(embeds),
+        torch.cat(index),
+        torch.cat(positions, dim=-1),
+        torch.cat(depth),
+    )

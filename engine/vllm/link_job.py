@@ -1,0 +1,118 @@
+"""What the MPIC connector's scheduler half ships to its worker half each step (vLLM engine core
+-> vLLM worker, pickled inside vLLM's `SchedulerOutput`).
+
+`LinkJob` is one linked request to materialise: its prompt, its KV blocks, its decoded MPIC
+parameters (policy, entries, the run-length-coded plan of `mpic.engine.vllm.params`) and how it
+is loaded:
+
+- `load_async` (the default for linked requests): the worker half reads the job's entries from
+  the tiered store in the background (`mpic.engine.vllm.connector_worker`) while vLLM keeps
+  stepping the requests already running; the request waits in vLLM's `WAITING_FOR_REMOTE_KVS`
+  state and is linked in the first step after its entries are in memory, then reported finished
+  receiving, so vLLM schedules its last prompt token over the linked blocks.
+- synchronous: linked in the step that schedules it (reads included), before that step's forward
+  (compression requests, and requests whose last token has no block yet under a policy that
+  needs it in the pass: `needs_last_token`).
+
+`MPICConnectorMetadata` carries a step's jobs and its new upload requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm import presses as vllm_presses
+from mpic.linker.policies import get_policy
+from mpic.linker.policies.base import Policy
+from mpic.types import LinkPlan
+
+
+@dataclass(frozen=True)
+class PressSpec:
+    """A compression request: the item's canonical prefill is observed, its compressed entry
+    stored (`mpic.engine.vllm.presses`)."""
+
+    press: str
+    budget: float
+
+
+@dataclass
+class LinkJob:
+    """One linked request whose KV the worker half writes into its blocks."""
+
+    req_id: str
+    token_ids: list[int]
+    """The prompt token ids (N)."""
+    block_ids: list[int]
+    """All the request's KV blocks, in order (block b holds positions [b*bs, (b+1)*bs))."""
+    policy: str
+    """The policy name (its depths are already in the plan)."""
+    entry_ids: tuple[str, ...]
+    """Entries the plan links, in plan order (duplicates possible)."""
+    plan_body: dict[str, Any]
+    """The encoded plan (`kv_transfer_params["mpic"]`), decoded by `plan()` in the worker."""
+    press: PressSpec | None = None
+    load_async: bool = False
+
+    @classmethod
+    def from_request(
+        cls, req_id: str, token_ids: list[int], block_ids: list[int], params: dict[str, Any]
+    ) -> LinkJob:
+        """The job of a request with MPIC `kv_transfer_params` (`vllm_params.is_linked`)."""
+        body = params[vllm_params.KEY]
+        press = params.get(vllm_presses.KEY)
+        return cls(
+            req_id=req_id,
+            token_ids=list(token_ids),
+            block_ids=list(block_ids),
+            policy=str(body.get("policy", "")),
+            entry_ids=tuple(body.get("entry_ids", ())),
+            plan_body=body,
+            press=PressSpec(str(press["press"]), float(press["budget"])) if press else None,
+        )
+
+    def plan(self) -> LinkPlan:
+        """The link plan (InvalidRequestError when malformed or not the prompt's length)."""
+        plan, _ = vllm_params.plan_from_params({vllm_params.KEY: self.plan_body}, self.token_ids)
+        return plan
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class MPICConnectorMetadata(KVConnectorMetadata):
+    """Per-step connector metadata (scheduler half -> worker half)."""
+
+    jobs: list[LinkJob] = field(default_factory=list)
+    """Linked requests to link in this step (synchronous) or to start loading (async)."""
+    uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """New upload requests: req_id -> their `kv_transfer_params` (`mpic.engine.vllm.upload`)."""
+    finished: set[str] = field(default_factory=set)
+    """Requests that ended while their async job was with the worker: it drops them and
+    reports them finished sending (vLLM then frees their blocks)."""
+
+
+def batchable(policy: Policy) -> bool:
+    """True when a policy's selective pass is the plain one (no text-first pass, no in-pass
+    hook, no scouting, no linked-key correction): its requests can share one batched pass, and
+    the last prompt token may be left to vLLM's own forward."""
+    if policy.two_step or getattr(policy, "scouts", False):
+        return False
+    return type(policy).layer_hook is Policy.layer_hook and (
+        type(policy).correction is Policy.correction if hasattr(Policy, "correction") else True
+    )
+
+
+def needs_last_token(policy_name: str) -> bool:
+    """True when the policy's pass must include the last prompt token (its selection reads it),
+    so the request cannot be linked before that token has a block."""
+    try:
+        return not batchable(get_policy(policy_name))
+    except Exception:  # noqa: BLE001 - an unknown name fails later, in the worker, as before
+        return True

@@ -1,0 +1,145 @@
+"""The MPIC connector's scheduler half and the batched pass's request routing, without an engine
+(fast): which claims are asynchronous, what each step ships, the drop protocol of requests that
+end while their entries load, and how a batch splits queries into per-request runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm import presses as vllm_presses
+from mpic.engine.vllm.batched_link import BatchedPagedKV, BatchItem
+from mpic.engine.vllm.connector_scheduler import MPICScheduler
+from mpic.engine.vllm.link_job import LinkJob, batchable, needs_last_token
+from mpic.linker.policies import get_policy
+from mpic.types import LinkPlan
+
+BS = 32
+
+
+def _plan(n: int) -> LinkPlan:
+    return LinkPlan(
+        token_ids=torch.arange(n),
+        positions=torch.arange(n),
+        source_entry=torch.full((n,), -1),
+        source_offset=torch.full((n,), -1),
+        entry_ids=[],
+        recompute_depth=torch.full((n,), 2),
+    )
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    policy: str = "mpic-32"
+    press: bool = False
+    kv_transfer_params: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(range(self.num_prompt_tokens))
+        self.kv_transfer_params = vllm_params.plan_to_params(
+            _plan(self.num_prompt_tokens), self.policy
+        )
+        if self.press:
+            self.kv_transfer_params[vllm_presses.KEY] = {"press": "snapkv", "budget": 0.5}
+
+
+def _blocks(n: int):
+    return SimpleNamespace(get_block_ids=lambda: ([10 + i for i in range(n)],))
+
+
+def _output(new=(), finished=()):
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+        finished_req_ids=set(finished),
+    )
+
+
+def test_policies_that_batch() -> None:
+    assert batchable(get_policy("mpic-32")) and batchable(get_policy("full"))
+    assert not batchable(get_policy("cacheblend-15"))  # in-pass hook
+    assert not needs_last_token("mpic-4") and needs_last_token("cacheblend-15")
+
+
+def test_linked_claims_are_async_and_ship_their_blocks() -> None:
+    s = MPICScheduler(BS)
+    req = FakeRequest("a", 100)
+    assert s.get_num_new_matched_tokens(req, 0) == (99, True)
+    assert s.get_num_new_matched_tokens(req, 99) == (0, False)  # nothing left to claim
+    s.update_state_after_alloc(req, _blocks(4), 99)
+    meta = s.build_connector_meta(_output())
+    (job,) = meta.jobs
+    assert job.load_async and job.req_id == "a" and job.block_ids == [10, 11, 12, 13]
+    assert job.policy == "mpic-32" and job.plan().num_tokens == 100
+    assert s.build_connector_meta(_output()).jobs == []  # shipped once
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}))
+    assert s.request_finished(req) == (False, None)  # linked already: blocks free at once
+
+
+def test_sync_where_the_pass_needs_a_last_block_it_lacks() -> None:
+    s = MPICScheduler(BS)
+    edge = 2 * BS + 1  # N-1 claimed tokens fill 2 blocks: token N-1 has none yet
+    assert s.get_num_new_matched_tokens(FakeRequest("p", edge), 0)[1] is True  # mpic: cut
+    assert s.get_num_new_matched_tokens(FakeRequest("c", edge, "cacheblend-15"), 0)[1] is False
+    assert s.get_num_new_matched_tokens(FakeRequest("c2", edge + 1, "cacheblend-15"), 0)[1]
+    assert s.get_num_new_matched_tokens(FakeRequest("z", 80, press=True), 0)[1] is False
+    assert MPICScheduler(BS, async_loads=False).get_num_new_matched_tokens(
+        FakeRequest("q", 80), 0
+    ) == (79, False)
+
+
+def test_a_request_ending_while_loading_keeps_its_blocks_until_dropped() -> None:
+    s = MPICScheduler(BS)
+    early, late = FakeRequest("early", 70), FakeRequest("late", 70)
+    for r in (early, late):
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, _blocks(3), 69)
+    assert s.request_finished(early) == (False, None)  # not shipped yet: never seen by workers
+    meta = s.build_connector_meta(_output())
+    assert [j.req_id for j in meta.jobs] == ["late"]
+    assert s.request_finished(late) == (True, None)  # with the worker: wait for its drop
+    assert s.build_connector_meta(_output()).finished == {"late"}
+
+
+def test_batch_splits_queries_by_request_and_maps_slots() -> None:
+    items = [
+        BatchItem(_plan(40), [], None, [7, 3]),  # request 0: global 0..39
+        BatchItem(_plan(5), [], None, [9]),  # request 1: global 40..44
+    ]
+    layer = torch.zeros(12, 1, BS, 4)
+    kv = BatchedPagedKV(items, [None], [layer], BS)
+    index = torch.tensor([0, 1, 2, 38, 39, 40, 41, 44])
+    assert kv._pieces(index) == [(0, 3, 0), (3, 5, 0), (5, 7, 1), (7, 8, 1)]
+    assert kv._slots[[0, 33, 39, 40, 44]].tolist() == [
+        7 * BS,
+        3 * BS + 1,
+        3 * BS + 7,
+        9 * BS,
+        9 * BS + 4,
+    ]
+    assert kv._tables.tolist() == [[7, 3], [9, 0]]
+
+
+def test_link_job_round_trips_the_plan() -> None:
+    req = FakeRequest("j", 33, press=True)
+    job = LinkJob.from_request("j", req.prompt_token_ids, [1, 2], req.kv_transfer_params)
+    assert job.press is not None and job.press.press == "snapkv" and job.entry_ids == ()
+    assert torch.equal(job.plan().recompute_depth, _plan(33).recompute_depth)
+
+
+def test_a_failed_load_is_freed_by_its_report_not_dropped() -> None:
+    # vLLM finishes a request whose load failed before it reads the report (finished_recving):
+    # the report frees the blocks, so the request must not also come back as dropped.
+    s = MPICScheduler(BS)
+    req = FakeRequest("f", 70)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, _blocks(3), 69)
+    s.build_connector_meta(_output())
+    assert s.request_finished(req) == (True, None)
+    s.update_connector_output(SimpleNamespace(finished_recving={"f"}))
+    assert s.build_connector_meta(_output()).finished == set()

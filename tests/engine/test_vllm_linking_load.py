@@ -1,0 +1,41 @@
+"""Linking under load on the vLLM worker (issue 22 items 2 and 3; `mpic.benchmarks.linking_load`)
+with the tiny LLaVA:
+
+- head-of-line: with the object store answering every GET 200 ms late and a 0-byte memory tier
+  (every entry read is a delayed GET), requests already decoding keep their inter-token latency
+  (<= 1.2x of the same run before the arrivals) while 4 new requests' 12 entries load in the
+  background; with synchronous reads (the former behaviour) the same run stalls decoding;
+- batching: 8 linked requests arriving together are linked in one selective pass (the
+  connector's counter), and their TTFT p50 is lower than with one pass per request.
+Exactness of batched passes: `test_vllm_linking.py` (8 requests in flight equal one at a time)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpic.benchmarks.linking_load import batching, head_of_line
+
+pytestmark = pytest.mark.slow
+
+
+def test_entry_reads_do_not_stall_decoding(tiny_llava_dir: Path) -> None:
+    run = head_of_line(str(tiny_llava_dir), delay_s=0.2, async_loads=True)
+    print(run.itl_unloaded_ms, run.itl_loading_ms, run.itl_max_loading_ms, run.new_ttft_ms)
+    assert run.gets >= 12  # every entry came from the delayed store
+    assert min(run.new_ttft_ms) > 200  # the new requests did wait for their GETs
+    assert run.ratio <= 1.2
+    sync = head_of_line(str(tiny_llava_dir), delay_s=0.2, async_loads=False)
+    print(sync.itl_unloaded_ms, sync.itl_loading_ms, sync.itl_max_loading_ms)
+    assert sync.itl_max_loading_ms > 200  # reads inside the step: decoding waits on S3
+
+
+def test_eight_arriving_together_are_linked_in_one_pass(tiny_llava_dir: Path) -> None:
+    together = batching(str(tiny_llava_dir), requests=8, batch_links=True)
+    apart = batching(str(tiny_llava_dir), requests=8, batch_links=False)
+    print(together.ttft_ms, together.stats, apart.ttft_ms, apart.stats)
+    waves = len(together.ttft_ms) // 8
+    assert together.stats["largest_pass"] == 8 and together.stats["link_passes"] == waves
+    assert apart.stats["largest_pass"] == 1 and apart.stats["link_passes"] == 8 * waves
+    assert together.ttft_p50_ms < apart.ttft_p50_ms
