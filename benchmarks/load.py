@@ -9,9 +9,12 @@ Every answer is admitted (200), rejected (429/503 with `Retry-After`: the admiss
 error. Reports admitted / rejected / errors, TTFT p50/p99 of the admitted (first SSE content
 chunk), output tokens/s, and the RSS of every Serve deployment's replica processes over the run
 (sampled each second from the local processes Ray names `ServeReplica:<app>:<Deployment>`).
-`--abandon N` first opens N streams, drops each after its first chunk, and times the next small
-request (cancellation). Prints a table, writes JSON and a PNG (TTFT over time, its distribution,
-RSS per deployment over time).
+`--abandon N` first opens N streams, drops each after its first chunk (with `--abandon-queued`:
+all of them once the first streams, the others still queued), and times the next small request
+(cancellation). `--burst N` sends N requests at once instead of the timed loop. Rejections are
+checked to be OpenAI-style JSON with `Retry-After` and compared with the server's own count
+(`mpic_requests_total` on /metrics, before and after). Prints a table, writes JSON and a PNG
+(TTFT over time, its distribution, RSS per deployment over time).
 """
 
 from __future__ import annotations
@@ -67,6 +70,15 @@ class LoadResult:
     abandoned: int = 0
     after_abandon_s: float | None = None
     """Seconds until a small request was served after `abandoned` dropped streams."""
+    burst: int = 0
+    """`--burst N`: N requests sent at once (one round) instead of the timed loop."""
+    rejected_not_json: int = 0
+    """Rejections whose body is not the OpenAI-style JSON error (e.g. a proxy's plain text)."""
+    metrics_rejected: dict[str, float] = field(default_factory=dict)
+    """Growth of the server's `mpic_requests_total{outcome=429|503}` for the chat route over
+    the run (scraped from /metrics before and after)."""
+    ttft_target_s: float | None = None
+    """The server's `limits.ttft_target_s`, when the command knows its config."""
 
 
 def make_png(seed: int, side: int = 32) -> bytes:
@@ -107,7 +119,8 @@ async def _one(
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
             if resp.status_code in (429, 503):
-                await resp.aread()
+                raw = await resp.aread()
+                out.rejected_not_json += not _is_json_error(resp.headers, raw)
                 raise _Rejected(resp.status_code, resp.headers.get("retry-after"))
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -140,6 +153,41 @@ async def _one(
         out.errors += 1
         if len(out.error_samples) < 5:
             out.error_samples.append(f"{type(exc).__name__}: {exc}")
+
+
+def _is_json_error(headers: httpx.Headers, raw: bytes) -> bool:
+    """True for an OpenAI-style JSON error body."""
+    if not headers.get("content-type", "").startswith("application/json"):
+        return False
+    try:
+        return set(json.loads(raw)["error"]) >= {"message", "type", "code"}
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+_REQUEST_SERIES = ("mpic_requests_total", "ray_mpic_requests_total")
+"""The ingress's request counter as Ray's metrics agent exports it (with or without `ray_`)."""
+
+
+def rejections_in_metrics(text: str) -> dict[str, float]:
+    """`mpic_requests_total` of the chat route by rejection outcome (429, 503) in a Prometheus
+    text, summed over replicas and nodes."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name not in _REQUEST_SERIES or "/v1/chat/completions" not in line:
+            continue
+        for status in ("429", "503"):
+            if f'outcome="{status}"' in line:
+                out[status] = out.get(status, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _metrics_rejections(http: httpx.AsyncClient) -> dict[str, float]:
+    try:
+        return rejections_in_metrics((await http.get("/metrics")).text)
+    except httpx.HTTPError:
+        return {}
 
 
 def _body(cid: int, turn: int, file_ids: list[str], policy: str, max_tokens: int) -> dict:
@@ -193,10 +241,17 @@ class RssSampler:
 
 
 async def abandon_probe(
-    http: httpx.AsyncClient, file_ids: list[str], policy: str, n: int, max_tokens: int
+    http: httpx.AsyncClient,
+    file_ids: list[str],
+    policy: str,
+    n: int,
+    max_tokens: int,
+    queued: bool = False,
 ) -> float:
     """Open `n` long streams, drop each after its first chunk (a client disconnect), then time a
-    small request until its first content chunk."""
+    small request until its first content chunk. `queued`: drop every stream as soon as the
+    first of them streams (on an engine that serves one request at a time, the others are
+    still queued)."""
 
     async def drop(i: int) -> None:
         body = _body(10_000 + i, 0, file_ids, policy, max_tokens)
@@ -205,7 +260,14 @@ async def abandon_probe(
                 if sse_chunk(line) is not None:
                     break  # leaving the block closes the connection mid-stream
 
-    await asyncio.gather(*(drop(i) for i in range(n)))
+    if queued:  # all leave once the first one streams: the others never got the engine
+        tasks = [asyncio.create_task(drop(i)) for i in range(n)]
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()  # closes the connection of a stream still waiting for its first chunk
+        await asyncio.gather(*pending, return_exceptions=True)
+    else:
+        await asyncio.gather(*(drop(i) for i in range(n)))
     t0 = time.perf_counter()
     body = _body(20_000, 0, [], policy, 2)
     async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -247,12 +309,18 @@ async def run_load_async(
     rate: float | None = None,
     abandon: int = 0,
     seed: int = 0,
+    burst: int = 0,
+    abandon_queued: bool = False,
 ) -> LoadResult:
     """Run `clients` closed-loop clients, or open-loop Poisson arrivals at `rate`/s, for
-    `duration_s` against `url` (after the `abandon` probe when asked)."""
+    `duration_s` against `url` (after the `abandon` probe when asked); or, with `burst`, send
+    `burst` requests at once and wait for every answer. The server's counted rejections
+    (/metrics) are scraped before and after."""
     out = LoadResult(clients, duration_s, 0, 0, 0.0, 0.0, 0, 0.0, 0.0)
     out.mode, out.rate = ("open", rate) if rate else ("closed", None)
+    out.mode, out.burst = ("burst", burst) if burst else (out.mode, 0)
     conns = clients + abandon + 4 if not rate else max(64, int(rate * 30))
+    conns = max(conns, burst + 4)
     limits = httpx.Limits(max_connections=conns)
     rejected_lat: list[float] = []
     async with httpx.AsyncClient(
@@ -260,11 +328,27 @@ async def run_load_async(
     ) as http:
         if abandon:
             out.abandoned = abandon
-            out.after_abandon_s = await abandon_probe(http, file_ids, policy, abandon, 256)
+            out.after_abandon_s = await abandon_probe(
+                http, file_ids, policy, abandon, 256, queued=abandon_queued
+            )
+        counted_before = await _metrics_rejections(http)
         t_start = time.perf_counter()
         t_end = t_start + duration_s
         with RssSampler(out, t_start):
-            if rate:
+            if burst:
+                await asyncio.gather(
+                    *(
+                        _one(
+                            http,
+                            _body(i, 0, file_ids, policy, max_tokens),
+                            t_start,
+                            out,
+                            rejected_lat,
+                        )
+                        for i in range(burst)
+                    )
+                )
+            elif rate:
                 rng, tasks, n = random.Random(seed), [], 0
                 next_t = t_start
                 while (next_t := next_t + rng.expovariate(rate)) < t_end:
@@ -283,6 +367,15 @@ async def run_load_async(
                     ]
                 )
         elapsed = time.perf_counter() - t_start
+        if out.rejected:  # Ray's metrics agents export every few seconds: wait for the count
+            deadline = time.perf_counter() + 30
+            while True:
+                after = await _metrics_rejections(http)
+                grown = {k: after.get(k, 0.0) - counted_before.get(k, 0.0) for k in after}
+                if sum(grown.values()) >= out.rejected or time.perf_counter() > deadline:
+                    break
+                await asyncio.sleep(1)
+            out.metrics_rejected = grown
     if rejected_lat:
         out.rejected_latency_p99_s = float(np.percentile(rejected_lat, 99))
     ttfts = np.array([s[1] for s in out.samples]) if out.samples else np.zeros(1)
@@ -300,6 +393,7 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
     from rich.table import Table
 
     who = f"{res.rate:g} req/s Poisson" if res.rate else f"{res.clients} clients"
+    who = f"burst of {res.burst}" if res.burst else who
     table = Table(title=f"load: {who}, {res.duration_s:.1f} s")
     cols = [
         "sent",
@@ -324,6 +418,18 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         f"{res.requests_per_s:.2f}",
     )
     Console().print(table)
+    if res.rejected:
+        Console().print(
+            f"rejections: {res.rejected - res.rejected_not_json} of {res.rejected} OpenAI-style "
+            f"JSON, {res.rejected - res.rejected_without_retry_after} with Retry-After, p99 "
+            f"{res.rejected_latency_p99_s * 1e3:.0f} ms; counted by the server (/metrics): "
+            f"{res.metrics_rejected or 'none'}"
+        )
+    if res.ttft_target_s is not None:
+        Console().print(
+            f"admitted TTFT p99 {res.ttft_p99_s:.2f} s against the target "
+            f"{res.ttft_target_s:g} s (limits.ttft_target_s)"
+        )
     if res.rss_mb:
         rss = Table(title="RSS per deployment (MB): first / max / last")
         for col in ["deployment", "first", "max", "last"]:
@@ -382,6 +488,14 @@ def command(
     abandon: int = typer.Option(
         0, "--abandon", min=0, max=256, help="First drop N streams mid-way; time the next one."
     ),
+    burst: int = typer.Option(
+        0, "--burst", min=0, max=10000, help="Send N requests at once instead of the timed loop."
+    ),
+    abandon_queued: bool = typer.Option(
+        False,
+        "--abandon-queued",
+        help="With --abandon N: drop all N once the first streams (the rest still queued).",
+    ),
     port: int = typer.Option(8000, "--port"),
     json_out: str = typer.Option("out/load.json", "--json"),
     plot: str = typer.Option("out/load.png", "--plot"),
@@ -395,13 +509,27 @@ def command(
     from mpic.deployments.local import start_local, stop_local
 
     started = url is None
+    cfg = load_config(config) if started or config else None
     if started:
-        url = start_local(load_config(config), port=port, log_to_driver=False)
+        url = start_local(cfg, port=port, log_to_driver=False)
     try:
         file_ids = upload_images(url, key, images)
         res = asyncio.run(
-            run_load_async(url, key, file_ids, clients, duration, policy, max_tokens, rate, abandon)
+            run_load_async(
+                url,
+                key,
+                file_ids,
+                clients,
+                duration,
+                policy,
+                max_tokens,
+                rate,
+                abandon,
+                burst=burst,
+                abandon_queued=abandon_queued,
+            )
         )
+        res.ttft_target_s = cfg.limits.ttft_target_s if cfg is not None else None
         write_outputs(res, json_out, plot)
     finally:
         if started:

@@ -193,3 +193,97 @@ def test_openapi_fuzz_no_5xx(fake_app, capsys) -> None:
             f"\nfuzz: {sum(outcomes.values())} requests by kind {dict(kinds)}; "
             f"status counts {dict(sorted(outcomes.items()))}"
         )
+
+
+N_ADMIN_REQUESTS = 400
+ADMIN_SOURCES = [
+    "\x00",
+    "/tmp/\x00x",
+    "\ud800",
+    "a\udfffb",
+    "s3://refs/x\x00",
+    "s3://evil/x?endpoint=169.254.169.254:80",
+    "http://127.0.0.1:1/",
+    "../../etc",
+    "/etc/passwd",
+    "x" * 5000,
+    "",
+]
+
+
+def test_openapi_fuzz_admin_routes(tmp_path, capsys) -> None:
+    """Issue 23 item 7: every `/v1/admin/*` operation of the document, fuzzed from its schema
+    with the ADMIN key (most requests), a user key (403) or none (401), with refresh sources
+    allowed under a real root (some refreshes build a collection from its images) and hostile
+    ones (NUL, lone surrogates, SSRF-looking URLs, traversal). No 5xx; every error is the JSON
+    body the document lists; the server stays healthy."""
+    from tests.deployments.conftest import KEYS
+    from tests.deployments.inprocess import fake_config, in_process_app
+
+    root = tmp_path / "refs"
+    images = root / "images"  # the fake engine caches images only
+    images.mkdir(parents=True)
+    for i in range(2):
+        (images / f"{i}.png").write_bytes(png(200 + i))
+    (root / "note.txt").write_text("a short passage about red cats")
+    cfg = fake_config(tmp_path / "store").model_copy(update={"admin_sources": [str(root)]})
+    with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
+        c = app.client
+        doc = c.get("/openapi.json").json()
+        rng = random.Random(23)
+        fz = Fuzzer(doc, rng)
+        ops = [
+            (path, method, op)
+            for path, item in doc["paths"].items()
+            if path.startswith("/v1/admin")
+            for method, op in item.items()
+            if method in ("get", "post", "delete")
+        ]
+        assert len(ops) >= 5, [p for p, _, _ in ops]  # sweep, collections, versions, refresh, ...
+        outcomes: Counter[str] = Counter()
+        by_op: Counter[str] = Counter()
+        for i in range(N_ADMIN_REQUESTS):
+            path, method, op = ops[i % len(ops)]
+            key = rng.choice([ADMIN_KEY] * 8 + ["alice-key", None])
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            url = path
+            for p in op.get("parameters", []):
+                if p["in"] == "path":
+                    val = rng.choice(["refs"] * 8 + ["docs", "default", *NASTY_STRINGS[:8]])
+                    url = url.replace("{" + p["name"] + "}", _quote(val) or "x")
+            body = op.get("requestBody", {}).get("content", {})
+            kwargs: dict[str, Any] = {"headers": headers}
+            if "application/json" in body:
+                value = fz.value(body["application/json"]["schema"])
+                if isinstance(value, dict) and "source" in value and rng.random() < 0.7:
+                    value["source"] = rng.choice([str(images)] * 12 + [str(root), *ADMIN_SOURCES])
+                    value["captions"] = rng.choice(
+                        [None] * 8 + [str(root / "note.txt"), *ADMIN_SOURCES[:4]]
+                    )
+                raw = _json_bytes(value)
+                if rng.random() < 0.05:
+                    raw = raw[: max(1, len(raw) // 2)]
+                if path.endswith("/refresh") and i % 3 == 0:  # a valid one now and then
+                    url, raw = path.replace("{name}", "refs"), _json_bytes({"source": str(images)})
+                    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+                kwargs.update(content=raw, headers={**headers, "content-type": "application/json"})
+            r = c.request(method.upper(), url, **kwargs)
+            outcomes[str(r.status_code)] += 1
+            by_op[f"{method.upper()} {path} {r.status_code}"] += 1
+            assert r.status_code < 500, (method, url, kwargs.get("content", b"")[:300], r.text)
+            if r.status_code >= 400:
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"}, r.text
+                listed = doc["paths"][path][method]["responses"]
+                assert str(r.status_code) in listed, (path, method, r.status_code)
+            if i % 100 == 99:
+                assert c.get("/healthz").status_code == 200
+        assert outcomes["200"] >= 50  # the admin key gets real answers, not only refusals
+        assert by_op["POST /v1/admin/collections/{name}/refresh 200"] >= 5  # refreshes ran
+        ok = c.get("/v1/admin/collections", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert ok.status_code == 200
+        with capsys.disabled():
+            print(
+                f"\nadmin fuzz: {sum(outcomes.values())} requests over {len(ops)} operations "
+                f"{dict(by_op)}; status counts {dict(sorted(outcomes.items()))}"
+            )
