@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 GREEDY_TOKENS = 32
 KL_FLOOR = 1e-6
 DEFAULT_POLICIES = (
-    "full,prefix,full-reuse,cacheblend-15,vlcache-0.1,mpic-4,mpic-8,mpic-16,mpic-32,mpic-64"
+    "full,full-reuse,cacheblend-15,vlcache-0.1,mpic-32,boundary-16,scout-0.1,scout-0.2,scout-0.3"
 )
 ROW_KEYS = (
     "policy",
@@ -64,8 +64,16 @@ ROW_KEYS = (
     "exact_prefix",
     "rouge_l",
     "ttft_ms",
+    "kl_no_items",
+    "effect_kept",
+    "layout",
+    "scout_layers",
+    "scout_tokens",
 )
 """The keys every JSON result row has (plus `prompt_tokens`)."""
+
+WEAK_ITEMS_KL = 0.05
+"""Below this KL(full || no items) the items barely change the answer: a warning is printed."""
 
 _MODULES = (
     "json",
@@ -155,21 +163,85 @@ def _cut(text: str, chars: int) -> str:
     return head.rstrip()
 
 
-def question_parts(docs: list[Passage], entry_ids: list[str], question: int) -> list[PromptPart]:
-    """The prompt of question `question` over `docs` (cached as `entry_ids`): an introduction,
-    "Document i (module):" before each document, the question last."""
+LAYOUTS = ("user", "system", "two-turn")
+"""Prompt layouts: the items and the question in one user turn; the items in the system turn and
+the question in a user turn; a two-turn conversation whose second user turn links the same items
+again (the first turn asks another question, the assistant's reply is a fixed sentence)."""
+
+_INTRO = "Read the following documents from the Python standard library, then answer the question."
+_REPLY = "I have read the documents."
+
+
+def _item_block(docs: list[Passage], entry_ids: list[str]) -> list[PromptPart]:
     from mpic.prompt_parts import DocumentRef
 
-    parts: list[PromptPart] = [
-        "Read the following documents from the Python standard library, then answer the question."
-    ]
+    parts: list[PromptPart] = []
     for i, (doc, entry_id) in enumerate(zip(docs, entry_ids, strict=True), start=1):
         parts.append(f"\n\nDocument {i} ({doc.name}):\n")
         parts.append(DocumentRef(entry_id))
+    return parts
+
+
+def _question(docs: list[Passage], question: int) -> str:
     target = docs[question % len(docs)]
     template = _QUESTIONS[question % len(_QUESTIONS)]
-    parts.append("\n\nQuestion: " + template.format(name=target.name))
+    return "Question: " + template.format(name=target.name)
+
+
+def question_parts(
+    docs: list[Passage], entry_ids: list[str], question: int, layout: str = "user"
+) -> list[PromptPart]:
+    """The prompt of question `question` over `docs` (cached as `entry_ids`) in `layout`
+    (`LAYOUTS`): an introduction, "Document i (module):" before each document, the question
+    last."""
+    from mpic.prompt_parts import Turn
+
+    block = _item_block(docs, entry_ids)
+    if layout == "user":
+        return [_INTRO, *block, "\n\n" + _question(docs, question)]
+    if layout == "system":
+        return [Turn("system"), _INTRO, *block, Turn("user"), _question(docs, question)]
+    if layout == "two-turn":
+        first = _question(docs, question + 1)
+        again = "Here are the same documents again."
+        return [
+            _INTRO,
+            *block,
+            "\n\n" + first,
+            Turn("assistant"),
+            _REPLY,
+            Turn("user"),
+            again,
+            *block,
+            "\n\n" + _question(docs, question),
+        ]
+    raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+
+
+def image_parts(entry_ids: list[str], question: int) -> list[PromptPart]:
+    """A prompt over cached images (LLaVA with the trained language model): the images between
+    short text, then a question about one of them."""
+    from mpic.prompt_parts import ImageRef
+
+    parts: list[PromptPart] = ["Look at the following pictures."]
+    for i, entry_id in enumerate(entry_ids, start=1):
+        parts += [f"\nPicture {i}:\n", ImageRef(entry_id)]
+    asks = (
+        "Describe picture {i}.",
+        "What colours are in picture {i}?",
+        "Compare picture {i} with the others.",
+        "What is shown in picture {i}? Answer briefly.",
+    )
+    i = question % len(entry_ids) + 1
+    parts.append("\n" + asks[question % len(asks)].format(i=i))
     return parts
+
+
+def without_items(parts: list[PromptPart]) -> list[PromptPart]:
+    """The same prompt with every item part removed (what the items themselves change)."""
+    from mpic.prompt_parts import DocumentRef, ImageRef
+
+    return [p for p in parts if not isinstance(p, DocumentRef | ImageRef)]
 
 
 def rouge_l_f1(candidate: str, reference: str) -> float:
@@ -230,13 +302,29 @@ def run_fidelity(
     questions: int,
     chars: int = 700,
     progress: Progress | None = None,
+    layout: str = "user",
+    items: str = "documents",
+    first_question: int = 0,
 ) -> list[dict[str, Any]]:
-    """The result rows (one per policy and document count, means over `questions`); each
-    generation is counted on `progress` when given."""
+    """The result rows (one per policy and item count, means over questions `first_question`,
+    ..., `first_question + questions - 1`); each generation is counted on `progress` when given.
+
+    items: "documents" (standard-library passages; `layout` from `LAYOUTS`) or "images"
+    (synthetic pictures; one user turn). Besides each policy's KL, every prompt's exact answer is
+    compared with the exact answer to the same prompt without its items: `kl_no_items`, and
+    `effect_kept` = 1 - mean KL(full || policy) / mean KL(full || no items).
+    """
     from mpic.benchmarks.offline import kl_divergence
 
-    docs = passages(max(document_counts), chars)
-    ids = [runner.cache_document(d.text).entry_id for d in docs]
+    count = max(document_counts)
+    if items == "images":
+        from mpic.samples import synthetic_png
+
+        ids = [runner.cache_image(synthetic_png(i, size=336)).entry_id for i in range(count)]
+        docs: list[Passage] = []
+    else:
+        docs = passages(count, chars)
+        ids = [runner.cache_document(d.text).entry_id for d in docs]
     eos = runner.spec.eos_token_id
     tok = getattr(runner.processor, "tokenizer", runner.processor)
     order = ["full"] + [p for p in policies if p != "full"]
@@ -245,9 +333,13 @@ def run_fidelity(
     rows = []
     for n in document_counts:
         per_policy: dict[str, list[dict[str, float]]] = {p: [] for p in order}
+        no_items: list[float] = []
         prompt_tokens = 0
-        for q in range(questions):
-            parts = question_parts(docs[:n], ids[:n], q)
+        for q in range(first_question, first_question + questions):
+            if items == "images":
+                parts = image_parts(ids[:n], q)
+            else:
+                parts = question_parts(docs[:n], ids[:n], q, layout)
             runner.prefill(parts, "full")  # warm-up (allocator, first-call costs)
             ref = None
             for policy in order:
@@ -257,6 +349,9 @@ def run_fidelity(
                 if ref is None:
                     ref = (pre.logits, gen.tokens, text)
                     prompt_tokens = pre.plan.num_tokens
+                    bare = runner.prefill(without_items(parts), "full")
+                    no_items.append(kl_divergence(pre.logits, bare.logits))
+                scout = pre.scout
                 per_policy[policy].append(
                     {
                         "recomputed_fraction": pre.recomputed_tokens / pre.plan.num_tokens,
@@ -265,17 +360,36 @@ def run_fidelity(
                         "exact_prefix": exact_prefix(gen.tokens, ref[1], GREEDY_TOKENS, eos),
                         "rouge_l": rouge_l_f1(text, ref[2]),
                         "ttft_ms": pre.ttft_s * 1000,
+                        "scout_layers": scout.layers_run if scout else 0,
+                        "scout_tokens": scout.tokens if scout else 0,
                     }
                 )
                 logger.info("n=%d q=%d %s: %r", n, q, policy, text)
                 if progress is not None:
                     progress.advance(task)
+        kl_items = statistics.fmean(no_items)
+        if kl_items < WEAK_ITEMS_KL:
+            logger.warning(
+                "%d %s (%s): the items barely change the exact answer (KL %.4f without them): "
+                "these prompts measure nothing",
+                n,
+                items,
+                layout,
+                kl_items,
+            )
         for policy in order:
             samples = per_policy[policy]
             row: dict[str, Any] = {"policy": policy, "documents": n}
-            for key in ROW_KEYS[2:]:
+            for key in ROW_KEYS[2:8]:
                 row[key] = statistics.fmean(s[key] for s in samples)
+            row["kl_no_items"] = kl_items
+            row["effect_kept"] = 1.0 - row["kl_first"] / kl_items if kl_items > 0 else None
+            row["layout"] = layout if items == "documents" else "images"
+            row["scout_layers"] = max(s["scout_layers"] for s in samples)
+            row["scout_tokens"] = statistics.fmean(s["scout_tokens"] for s in samples)
             row["prompt_tokens"] = prompt_tokens
+            row["kl_per_question"] = [s["kl_first"] for s in samples]
+            row["kl_no_items_per_question"] = list(no_items)
             rows.append(row)
     return rows
 
@@ -323,23 +437,31 @@ def print_table(rows: list[dict[str, Any]], model: str) -> None:
     from rich.table import Table
 
     table = Table(title=f"Fidelity vs full recomputation ({model})")
-    for col in ("docs", "policy", "prompt", "recomputed", "KL first", "agree@32", "exact prefix"):
-        table.add_column(col, justify="right" if col != "policy" else "left", overflow="fold")
-    table.add_column("ROUGE-L", justify="right")
-    table.add_column("TTFT ms", justify="right")
+    cols = ("layout", "items", "policy", "prompt", "recomputed", "KL first", "KL no items")
+    for col in cols + ("effect kept", "agree@32", "exact prefix", "ROUGE-L", "TTFT ms", "scout"):
+        table.add_column(col, justify="left" if col in ("policy", "layout") else "right")
     for r in rows:
+        kept = r.get("effect_kept")
         table.add_row(
+            r.get("layout", "user"),
             str(r["documents"]),
             r["policy"],
             str(r["prompt_tokens"]),
             f"{r['recomputed_fraction']:.1%}",
             f"{r['kl_first']:.4f}",
+            f"{r['kl_no_items']:.3f}",
+            "-" if kept is None else f"{kept:.1%}",
             f"{r['agreement_32']:.2f}",
             f"{r['exact_prefix']:.1f}",
             f"{r['rouge_l']:.3f}",
             f"{r['ttft_ms']:.0f}",
+            f"{r['scout_tokens']:.0f} x {r['scout_layers']}" if r["scout_layers"] else "-",
         )
-    Console(width=160).print(table)
+    Console(width=200).print(table)
+
+
+def _group(row: dict[str, Any]) -> tuple[str, int]:
+    return (row.get("layout", "user"), row["documents"])
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -352,7 +474,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_k, ax_r) = plt.subplots(1, 2, figsize=(14, 5.5))
-    counts = sorted({r["documents"] for r in rows})
+    counts = sorted({(r.get("layout", "user"), r["documents"]) for r in rows})
     markers = dict(zip(counts, "osD^v<>p*", strict=False))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     cmap = plt.get_cmap("tab20")
@@ -360,12 +482,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     for r in rows:
         x, kw = r["recomputed_fraction"], {"color": colors[r["policy"]], "s": 36}
         if r["kl_first"] > 0:
-            ax_k.scatter(x, r["kl_first"], marker=markers[r["documents"]], **kw)
-        ax_r.scatter(x, r["rouge_l"], marker=markers[r["documents"]], **kw)
-    for family, style in (("mpic-", "-"), ("boundary-", "--")):
+            ax_k.scatter(x, r["kl_first"], marker=markers[_group(r)], **kw)
+        ax_r.scatter(x, r["rouge_l"], marker=markers[_group(r)], **kw)
+    for family, style in (("mpic-", "-"), ("boundary-", "--"), ("scout-", ":")):
         for n in counts:
             line = sorted(
-                (r for r in rows if r["documents"] == n and r["policy"].startswith(family)),
+                (r for r in rows if _group(r) == n and r["policy"].startswith(family)),
                 key=lambda r: r["recomputed_fraction"],
             )
             if len(line) > 1:
@@ -375,7 +497,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     handles = [
         plt.Line2D([], [], color=colors[p], marker="o", ls="", label=p) for p in policies
     ] + [
-        plt.Line2D([], [], color="grey", marker=markers[n], ls="", label=f"{n} documents")
+        plt.Line2D([], [], color="grey", marker=markers[n], ls="", label=f"{n[0]}, {n[1]} items")
         for n in counts
     ]
     ax_k.set_yscale("log")
@@ -384,7 +506,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax_r.set_xlabel("recomputed fraction of prompt tokens")
     ax_r.set_ylabel("ROUGE-L F1 vs the exact 32-token answer")
     ax_r.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle("Fidelity against recomputed tokens (lines: mpic-k solid, boundary-k dashed)")
+    fig.suptitle(
+        "Fidelity against recomputed tokens (lines: mpic-k solid, boundary-k dashed, scout dotted)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -402,6 +526,18 @@ def command(
     calibration_grid: str = typer.Option(
         "0.05:0.3:0.05", "--calibration-grid", help="Ratio grid of the calibration."
     ),
+    layouts: str = typer.Option(
+        "user", "--layouts", help=f"Prompt layouts, comma-separated: {', '.join(LAYOUTS)}."
+    ),
+    items: str = typer.Option("documents", "--items", help="documents or images (LLaVA)."),
+    first_question: int = typer.Option(
+        0, "--first-question", help="Index of the first question (held-out sets start later)."
+    ),
+    decode_correction: bool = typer.Option(
+        True,
+        "--decode-correction/--no-decode-correction",
+        help="Keep scout's linked-key correction while decoding (vLLM's decode does not).",
+    ),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
     json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
@@ -418,6 +554,13 @@ def command(
     if not counts or any(not 2 <= n <= 16 for n in counts):
         typer.echo("error: --documents takes counts between 2 and 16", err=True)
         raise typer.Exit(code=2)
+    chosen_layouts = [x.strip() for x in layouts.split(",") if x.strip()]
+    if not chosen_layouts or any(x not in LAYOUTS for x in chosen_layouts):
+        typer.echo(f"error: --layouts takes {', '.join(LAYOUTS)}", err=True)
+        raise typer.Exit(code=2)
+    if items not in ("documents", "images") or first_question < 0:
+        typer.echo("error: --items takes documents or images; --first-question >= 0", err=True)
+        raise typer.Exit(code=2)
     if questions < 1 or chars < 100:
         typer.echo("error: --questions must be >= 1 and --chars >= 100", err=True)
         raise typer.Exit(code=2)
@@ -431,7 +574,7 @@ def command(
     if threads:
         torch.set_num_threads(threads)
     try:
-        runner = ReferenceRunner(model)
+        runner = ReferenceRunner(model, decode_correction=decode_correction)
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -446,7 +589,19 @@ def command(
                 f"calibrated VLCache schedule (r_bar {calibrate_vlcache:g}): {name}"
             )
             names.append(name)
-        rows = run_fidelity(runner, counts, names, questions, chars, progress=progress)
+        rows = []
+        for layout in chosen_layouts if items == "documents" else ["user"]:
+            rows += run_fidelity(
+                runner,
+                counts,
+                names,
+                questions,
+                chars,
+                progress=progress,
+                layout=layout,
+                items=items,
+                first_question=first_question,
+            )
     print_table(rows, model)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -458,3 +613,10 @@ def command(
         plot(rows, plot_out)
     if not math.isfinite(sum(r["kl_first"] for r in rows)):
         typer.echo("warning: a KL is not finite", err=True)
+    for r in rows:
+        if r["policy"] == "full" and r["kl_no_items"] < WEAK_ITEMS_KL:
+            typer.echo(
+                f"warning: {r['layout']}, {r['documents']} items: the items barely change the "
+                f"exact answer (KL {r['kl_no_items']:.4f} without them); this measures nothing",
+                err=True,
+            )

@@ -14,7 +14,7 @@ from mpic.benchmarks import online as bench_online
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import routing as bench_routing
 from mpic.benchmarks import storage as bench_storage
-from mpic.cli import calibrate_vlcache, demo
+from mpic.cli import calibrate_scout, calibrate_vlcache, demo
 from mpic.cli import serve as serve_command
 from mpic.engine.tiny import models as tiny_models
 from mpic.engine.tiny import smollm2 as trained_models
@@ -30,6 +30,7 @@ app.add_typer(bench_app, name="bench")
 model_app.command("make-tiny")(tiny_models.make_tiny_command)
 model_app.command("import")(trained_models.import_command)
 model_app.command("calibrate-vlcache")(calibrate_vlcache.command)
+model_app.command("calibrate-scout")(calibrate_scout.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("storage")(bench_storage.command)
 bench_app.command("retriever")(bench_retriever.command)

@@ -29,11 +29,12 @@ from mpic.engine.hf.entries import cache_document, cache_image
 from mpic.engine.hf.loader import load_hf_model
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
-from mpic.linker.policies import Policy
+from mpic.linker.policies import Policy, get_policy
 from mpic.linker.positions import next_position
 from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt, plan_prompt
 from mpic.linker.scout import ScoutReport
+from mpic.linker.scout_calibration import load_table as load_scale_table
 from mpic.linker.selective_prefill import run_layers
 from mpic.presses.cache import CompressedKV
 from mpic.presses.entries import press_entry_id
@@ -91,6 +92,8 @@ class ReferenceRunner:
         self.adapter = make_adapter(self.model)
         self.attention_backend = attention_backend
         self.decode_correction = decode_correction
+        self.scout_scales = load_scale_table(model_dir)
+        """The model's own (budget, S) table for `scout-*` / `auto` names, or None (default)."""
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}
 
@@ -141,6 +144,8 @@ class ReferenceRunner:
         """The finished link plan of a prompt under `policy` (`mpic.linker.recipe`); raises on
         bad input. system_prompt: this request's, or None for the runner's own."""
         system = self.system_prompt if system_prompt is None else system_prompt
+        if isinstance(policy, str):
+            policy = get_policy(policy, scales=self.scout_scales)
         return plan_prompt(
             self.spec, self.processor, parts, self.entries, policy, system, max_new_tokens
         )

@@ -9,6 +9,8 @@ Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mpic.linker.policies.base import Policy
 from mpic.linker.policies.boundary import BoundaryPolicy
 from mpic.linker.policies.cacheblend import CacheBlendPolicy
@@ -18,6 +20,7 @@ from mpic.linker.policies.mpic import MPICPolicy
 from mpic.linker.policies.prefix import PrefixPolicy
 from mpic.linker.policies.scout import ScoutPolicy
 from mpic.linker.policies.vlcache import VLCachePolicy
+from mpic.linker.scout_calibration import interpolate
 
 POLICY_NAMES = (
     "full",
@@ -39,26 +42,31 @@ DEFAULT_BUDGET = 0.2
 _FIXED = {"full": FullPolicy, "prefix": PrefixPolicy, "full-reuse": FullReusePolicy}
 
 
-def best_for_budget(budget: float) -> Policy:
+def best_for_budget(budget: float, scales: Sequence[tuple[float, float]] | None = None) -> Policy:
     """The best selection measured for a budget fraction (docs/fidelity.md): `scout-<b>` with
-    its calibrated correction."""
-    return ScoutPolicy(budget)
+    its calibrated correction (S from `scales`, a model's (budget, S) table, else the default
+    table)."""
+    return ScoutPolicy(budget, None if scales is None else interpolate(scales, budget))
 
 
-def get_policy(name: str, budget: float | None = None) -> Policy:
+def get_policy(
+    name: str, budget: float | None = None, scales: Sequence[tuple[float, float]] | None = None
+) -> Policy:
     """The policy called `name`; ValueError listing the valid names otherwise. `budget` (a
-    fraction of prompt tokens) is what `auto` means (default `DEFAULT_BUDGET`)."""
+    fraction of prompt tokens) is what `auto` means (default `DEFAULT_BUDGET`); `scales` is a
+    model's own (budget, S) table for `scout-<b>` / `auto` names that do not spell S out
+    (`mpic model calibrate-scout`)."""
     name = name.strip()
     try:
         if name in _FIXED:
             return _FIXED[name]()
         if name == "auto":
-            return best_for_budget(DEFAULT_BUDGET if budget is None else budget)
+            return best_for_budget(DEFAULT_BUDGET if budget is None else budget, scales)
         family, _, arg = name.partition("-") if name.startswith("scout-") else name.rpartition("-")
         if family == "scout":
-            return ScoutPolicy.from_arg(arg)
+            return ScoutPolicy.from_arg(arg, scales)
         if family == "auto":
-            return best_for_budget(float(arg))
+            return best_for_budget(float(arg), scales)
         if family == "mpic":
             return MPICPolicy(int(arg))
         if family == "boundary":

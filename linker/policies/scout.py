@@ -84,14 +84,19 @@ class ScoutPolicy(Policy):
         self.name = f"scout-{budget:g}:s{self.scale:g}"
 
     @classmethod
-    def from_arg(cls, arg: str) -> ScoutPolicy:
-        """`0.2` or `0.2:s0.8` (the part after `scout-`)."""
+    def from_arg(cls, arg: str, scales: Sequence[tuple[float, float]] | None = None) -> ScoutPolicy:
+        """`0.2` or `0.2:s0.8` (the part after `scout-`); without `:s`, S comes from `scales`
+        (a model's (budget, S) table) or the default table."""
         budget, _, rest = arg.partition(":")
         scale = None
         if rest:
             if not rest.startswith("s"):
                 raise ValueError(f"expected ':s<S>' after the budget, got {rest!r}")
             scale = float(rest[1:])
+        elif scales is not None:
+            from mpic.linker.scout_calibration import interpolate
+
+            scale = round(interpolate(scales, float(budget)), 3)
         return cls(float(budget), scale)
 
     @property
