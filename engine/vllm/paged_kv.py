@@ -34,6 +34,7 @@ from torch import nn
 
 from mpic.kernels.attention import SelectiveAttention, default_backend_name
 from mpic.kernels.sdpa_runs import query_runs as contiguous_runs
+from mpic.linker.correction import LinkCorrection
 
 
 class PagedKVOps(ABC):
@@ -52,6 +53,15 @@ class PagedKVOps(ABC):
 
     def read_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
         """Keys at `slots` of `layer` [S, H_kv, D], or None where the layout is opaque."""
+        return None
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The request's keys and values of `layer` by prompt index ([B * bs, H_kv, D] each), or
+        None where the layout is opaque (CPU: the linked-key correction then reads mirrors)."""
+        return None
+
+    def scale(self, layer: int) -> float | None:
+        """The layer's softmax scale (None: D ** -0.5)."""
         return None
 
     @abstractmethod
@@ -239,14 +249,22 @@ class FlashPagedOps(PagedKVOps):
         slots = slots.to(key.device)
         return key[slots // self._block_size, slots % self._block_size]
 
-    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Gather the request's blocks by the block table, then one backend call."""
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's blocks by the block table: keys, values [B * bs, H_kv, D]."""
         key, value = self._views[layer]
         heads, dim = key.shape[-2], key.shape[-1]
-        keys = key.index_select(0, self._blocks).reshape(-1, heads, dim)  # [B * bs, H_kv, D]
+        keys = key.index_select(0, self._blocks).reshape(-1, heads, dim)
         values = value.index_select(0, self._blocks).reshape(-1, heads, dim)
-        scale = self._layers[layer].impl.scale if self._layers is not None else None
-        return self._attention(q, index.to(key.device), keys, values, scale)
+        return keys, values
+
+    def scale(self, layer: int) -> float | None:
+        """vLLM's softmax scale of the layer, when its modules were given."""
+        return self._layers[layer].impl.scale if self._layers is not None else None
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Gather the request's blocks by the block table, then one backend call."""
+        keys, values = self.gather(layer)
+        return self._attention(q, index.to(keys.device), keys, values, self.scale(layer))
 
 
 def _flash_write_op() -> Any:
@@ -288,12 +306,19 @@ class PagedLinkedKV:
         block_size: int,
         keys: torch.Tensor | None = None,
         ops: PagedKVOps | None = None,
+        values: torch.Tensor | None = None,
     ) -> None:
         self._block_size = block_size
         self._blocks = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].device)
         self._ops = ops or paged_ops(layers, caches, self._blocks, block_size)
-        self._keys = None if self._ops.readable else keys
+        self._keys = None if self._ops.readable and values is None else keys
+        self._values = values
+        """Dense value mirror [L, N, H_kv, D] (with `keys`): the corrected attention's input
+        where the layout is opaque (CPU)."""
+        self._layers = layers
         self._num_layers = len(caches)
+        self._correction: LinkCorrection | None = None
+        self._corrected = SelectiveAttention("sdpa_runs")  # its torch corrected path
 
     def slots(self, index: torch.Tensor) -> torch.Tensor:
         """Prompt indices int64 [S] -> cache slots int64 [S] (on the caches' device)."""
@@ -310,6 +335,8 @@ class PagedLinkedKV:
         self._ops.write(layer, self.slots(index), k, v)
         if self._keys is not None:
             self._keys[layer, index.to(self._keys.device)] = k.to(self._keys)
+        if self._values is not None:
+            self._values[layer, index.to(self._values.device)] = v.to(self._values)
 
     def write_layers(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite prompt slots `index` [S] of every layer with k, v [L, S, H_kv, D] (one
@@ -319,6 +346,8 @@ class PagedLinkedKV:
             self._ops.write(layer, slots, k[layer], v[layer])
         if self._keys is not None:
             self._keys[:, index.to(self._keys.device)] = k.to(self._keys)
+        if self._values is not None:
+            self._values[:, index.to(self._values.device)] = v.to(self._values)
 
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """The linked keys at `index` of `layer`: [S, H_kv, D]."""
@@ -329,6 +358,32 @@ class PagedLinkedKV:
             raise RuntimeError("PagedLinkedKV built without a key mirror cannot read keys")
         return self._keys[layer, index.to(self._keys.device)]
 
+    def set_correction(self, correction: LinkCorrection | None) -> None:
+        """Apply the APE-style correction of linked keys in `attend` (None: plain). vLLM's CPU
+        attention op returns no log-sum-exp, so corrected layers attend through the torch path
+        (`mpic.kernels.correction`) over the request's K/V: gathered from the blocks where the
+        layout is readable, else from the dense mirrors (`keys` and `values`), which must then
+        have been given. Exact against the dense linked KV (same f32 inputs, same code)."""
+        if correction is not None and correction.active:
+            readable = self._ops.readable and self._values is None
+            if not readable and (self._keys is None or self._values is None):
+                raise RuntimeError("the correction on an opaque paged layout needs K/V mirrors")
+        self._correction = correction
+
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
-        return self._ops.attend(layer, q, index)
+        corr = self._correction
+        if corr is None or not corr.active:
+            return self._ops.attend(layer, q, index)
+        if self._values is not None and self._keys is not None:
+            keys, values = self._keys[layer], self._values[layer]
+        else:
+            gathered = self._ops.gather(layer)
+            assert gathered is not None, "checked by set_correction"
+            keys, values = gathered
+        index = index.to(keys.device)
+        linked = corr.linked(layer, int(keys.shape[0]), keys.device)
+        scale = self._ops.scale(layer)
+        if scale is None and self._layers:
+            scale = self._layers[layer].impl.scale
+        return self._corrected(q, index, keys, values, scale, linked=linked, s=corr.scale)

@@ -71,7 +71,9 @@ def _setup(mrope):
 
 @pytest.mark.parametrize("mrope", [False, True])
 @pytest.mark.parametrize("backend", ["sdpa_runs", "flex"])
-@pytest.mark.parametrize("name", ["full", "mpic-2", "vlcache-0.5:0.34:0", "cacheblend-15"])
+@pytest.mark.parametrize(
+    "name", ["full", "mpic-2", "vlcache-0.5:0.34:0", "cacheblend-15", "scout-0.6:s0.8"]
+)
 def test_pass_over_paged_blocks_equals_dense(mrope, backend, name):
     adapter, plan, entries = _setup(mrope)
     planned = with_policy(plan, entries, name, adapter.num_layers)
@@ -89,6 +91,36 @@ def test_pass_over_paged_blocks_equals_dense(mrope, backend, name):
     index = torch.arange(plan.num_tokens)
     for layer in range(adapter.num_layers):
         torch.testing.assert_close(paged.read_keys(layer, index), dense.keys[layer])
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_scout_with_the_correction_over_mirrors_equals_dense(mrope):
+    """The opaque-layout path (vLLM's CPU cache): the scout and the corrected attention read the
+    dense K/V mirrors; same selection and logits as the dense linked KV."""
+    adapter, plan, entries = _setup(mrope)
+    planned = with_policy(plan, entries, "scout-0.6:s0.7", adapter.num_layers)
+    dense = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8, backend="sdpa_runs")
+    ref = link_and_prefill(adapter, planned, dense)
+    caches = [vllm_cache("nhd", 8, 2, 8) for _ in range(adapter.num_layers)]
+    block_ids = [3, 6]
+    ops = FlashPagedOps(caches, torch.tensor(block_ids), BLOCK, 8)
+    shape = (adapter.num_layers, len(block_ids) * BLOCK, 2, 8)
+    mirrors = torch.zeros(shape), torch.zeros(shape)
+    paged = PagedLinkedKV([], caches, block_ids, BLOCK, keys=mirrors[0], ops=ops, values=mirrors[1])
+    paged.clear()
+    out = link_and_prefill(adapter, planned, paged)
+    assert torch.equal(out.plan.recompute_depth, ref.plan.recompute_depth)
+    torch.testing.assert_close(out.result.logits, ref.result.logits, rtol=1e-5, atol=1e-5)
+    bare = PagedLinkedKV([], caches, block_ids, BLOCK, ops=_Opaque())
+    with pytest.raises(RuntimeError, match="mirrors"):
+        bare.set_correction(out.plan and dense.correction)
+
+
+class _Opaque(FlashPagedOps):
+    readable = False
+
+    def __init__(self):
+        pass
 
 
 @pytest.mark.gpu
