@@ -319,6 +319,10 @@ class PagedLinkedKV:
         self._num_layers = len(caches)
         self._correction: LinkCorrection | None = None
         self._corrected = SelectiveAttention("sdpa_runs")  # its torch corrected path
+        self._last_q: dict[int, tuple[int, torch.Tensor]] = {}
+        """layer -> (prompt index, q [H, D]) of the last query a corrected layer saw."""
+        self._shifted: list[tuple[int, torch.Tensor]] = []
+        """(layer, slots) whose keys `shift_for_last_query` moved (undone by `restore`)."""
 
     def slots(self, index: torch.Tensor) -> torch.Tensor:
         """Prompt indices int64 [S] -> cache slots int64 [S] (on the caches' device)."""
@@ -383,7 +387,68 @@ class PagedLinkedKV:
             keys, values = gathered
         index = index.to(keys.device)
         linked = corr.linked(layer, int(keys.shape[0]), keys.device)
+        self._last_q[layer] = (int(index[-1]), q[-1].detach().clone())
+        return self._corrected(
+            q, index, keys, values, self._scale(layer), linked=linked, s=corr.scale
+        )
+
+    def _scale(self, layer: int) -> float | None:
         scale = self._ops.scale(layer)
         if scale is None and self._layers:
             scale = self._layers[layer].impl.scale
-        return self._corrected(q, index, keys, values, scale, linked=linked, s=corr.scale)
+        return scale
+
+    def shift_for_last_query(self, last_index: int) -> int:
+        """Make vLLM's own (plain) attention of the prompt's last token equal the corrected one.
+
+        vLLM's forward recomputes token N-1 over the blocks with plain attention. For one query
+        the correction is a per-head constant bias c_h = (S - 1) * lse_A,h on the linked scores
+        (`mpic.kernels.correction`), which a shift of the linked keys can carry: per layer and
+        KV head g, delta_g = Q_g^T (Q_g Q_g^T)^-1 c_g / scale (least norm), Q_g [G, D] the
+        last query's heads sharing g, so that scale * q_h . (k_j + delta_g) = scale * q_h . k_j
+        + c_h for every linked key j and every h of the group. The shifted keys are written
+        into the cache only (mirrors keep the linked keys); call `restore` after vLLM's forward
+        so decoding reads the true keys again. Returns the number of layers shifted."""
+        corr = self._correction
+        if corr is None or not corr.active:
+            return 0
+        self._shifted = []
+        for layer, (index, q) in sorted(self._last_q.items()):
+            if index != last_index:
+                continue
+            if self._values is not None and self._keys is not None:
+                keys, values = self._keys[layer], self._values[layer]
+            else:
+                gathered = self._ops.gather(layer)
+                assert gathered is not None
+                keys, values = gathered
+            n = index + 1
+            linked = corr.linked(layer, n, keys.device)
+            slots = torch.nonzero(linked).flatten()
+            if slots.numel() == 0:
+                continue
+            heads, dim = q.shape
+            kv_heads = keys.shape[1]
+            group = heads // kv_heads
+            scale = self._scale(layer) or dim**-0.5
+            k_linked = keys[slots].double()  # [M, H_kv, D]
+            qd = q.double().view(kv_heads, group, dim)  # [H_kv, G, D]
+            scores = torch.einsum("mgd,gjd->gjm", k_linked, qd) * scale  # [H_kv, G, M]
+            bias = (corr.scale - 1.0) * torch.logsumexp(scores, dim=-1)  # [H_kv, G]
+            gram = qd @ qd.transpose(1, 2)  # [H_kv, G, G]
+            coef = torch.linalg.solve(gram, bias[..., None] / scale)  # [H_kv, G, 1]
+            delta = (qd.transpose(1, 2) @ coef)[..., 0]  # [H_kv, D]
+            shifted = (k_linked + delta[None]).to(keys.dtype)
+            self._ops.write(layer, self.slots(slots), shifted, values[slots])
+            self._shifted.append((layer, slots))
+        return len(self._shifted)
+
+    def restore(self) -> None:
+        """Write the true linked keys back where `shift_for_last_query` moved them."""
+        for layer, slots in self._shifted:
+            if self._values is not None and self._keys is not None:
+                keys, values = self._keys[layer], self._values[layer]
+            else:
+                raise RuntimeError("restoring shifted keys needs the K/V mirrors")
+            self._ops.write(layer, self.slots(slots), keys[slots], values[slots])
+        self._shifted = []

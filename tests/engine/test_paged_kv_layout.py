@@ -116,6 +116,37 @@ def test_scout_with_the_correction_over_mirrors_equals_dense(mrope):
         bare.set_correction(out.plan and dense.correction)
 
 
+def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention():
+    """vLLM's forward attends token N-1 plainly: after `shift_for_last_query` that plain
+    attention equals the corrected one, and `restore` puts the true keys back."""
+    adapter, plan, entries = _setup(False)
+    planned = with_policy(plan, entries, "scout-0.6:s0.7", adapter.num_layers)
+    caches = [vllm_cache("nhd", 8, 2, 8) for _ in range(adapter.num_layers)]
+    block_ids = [4, 1]
+    ops = FlashPagedOps(caches, torch.tensor(block_ids), BLOCK, 8)
+    shape = (adapter.num_layers, len(block_ids) * BLOCK, 2, 8)
+    mirrors = torch.zeros(shape), torch.zeros(shape)
+    paged = PagedLinkedKV([], caches, block_ids, BLOCK, keys=mirrors[0], ops=ops, values=mirrors[1])
+    paged.clear()
+    out = link_and_prefill(adapter, planned, paged)
+    last = plan.num_tokens - 1
+    queries = {layer: q for layer, (i, q) in paged._last_q.items() if i == last}
+    assert len(queries) == adapter.num_layers
+    corrected = {
+        layer: paged.attend(layer, q[None], torch.tensor([last])) for layer, q in queries.items()
+    }
+    assert paged.shift_for_last_query(last) == adapter.num_layers
+    index = torch.arange(plan.num_tokens)
+    for layer, q in queries.items():
+        plain = ops.attend(layer, q[None], torch.tensor([last]))
+        torch.testing.assert_close(plain, corrected[layer], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(ops.read_keys(layer, paged.slots(index)), mirrors[0][layer, :25])
+    paged.restore()
+    for layer in range(adapter.num_layers):
+        torch.testing.assert_close(ops.read_keys(layer, paged.slots(index)), mirrors[0][layer, :25])
+    assert out.result.logits is not None
+
+
 class _Opaque(FlashPagedOps):
     readable = False
 
