@@ -50,6 +50,8 @@ def link_and_prefill(
     linked_kv: zeroed, at least N slots.
     """
     plan, entries, policy = planned.plan, planned.entries, planned.policy
+    if policy.scouts:  # a plan carrying an earlier run's final depths scouts from scratch
+        plan = policy.apply(plan, entries, adapter.num_layers)
     ran = torch.zeros(plan.num_tokens, dtype=torch.bool)
     if policy.two_step:
         prefill_text_first(adapter, plan, linked_kv)

@@ -59,6 +59,12 @@ class Policy(ABC):
         final int64 [N] depths and the scout's cost."""
         raise NotImplementedError(f"{self.name} does not scout")
 
+    @property
+    def corrects(self) -> bool:
+        """True when `correction` returns one (engines then keep K/V mirrors where their cache
+        cannot be read; the vLLM worker)."""
+        return False
+
     def correction(self, plan: LinkPlan, num_layers: int) -> LinkCorrection | None:
         """The APE-style correction of linked keys for `plan` (final depths), or None (the
         default: plain attention)."""

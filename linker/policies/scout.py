@@ -160,6 +160,11 @@ class ScoutPolicy(Policy):
                 chosen[candidates[top]] = True
         return torch.where(chosen, num_layers, 0).to(torch.int64)
 
+    @property
+    def corrects(self) -> bool:
+        """True unless S == 1."""
+        return self.scale != 1.0
+
     def correction(self, plan: LinkPlan, num_layers: int) -> LinkCorrection | None:
         """S over the plan's linked item tokens (None when S == 1)."""
         if self.scale == 1.0:
