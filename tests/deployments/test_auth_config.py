@@ -198,6 +198,8 @@ def test_shipped_serve_config_deployments_section_is_serves_schema() -> None:
     graph = build_app(load_config(path), overrides)
     opts = graph._bound_deployment._deployment_config
     assert opts.autoscaling_config.max_replicas == 2  # the Ingress override
-    assert opts.max_ongoing_requests == 16  # args default, no override given
+    # no override given: the args default, raised to limits.max_pending_requests so the
+    # ingress's own TTFT admission sheds before Serve's proxy (mpic.deployments.shedding)
+    assert opts.max_ongoing_requests == 1024
     pinned = build_app(load_config(path), {"Ingress": {"num_replicas": 3}})
     assert pinned._bound_deployment._deployment_config.num_replicas == 3
