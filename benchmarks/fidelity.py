@@ -183,8 +183,12 @@ def _item_block(docs: list[Passage], entry_ids: list[str]) -> list[PromptPart]:
 
 
 def _question(docs: list[Passage], question: int) -> str:
-    target = docs[question % len(docs)]
-    template = _QUESTIONS[question % len(_QUESTIONS)]
+    """Question q asks about document q mod n with template (q + q // n) mod 4, so the first
+    max(n, 4) questions over n documents are distinct prompts (with 4 documents, questions
+    4-7 are not questions 0-3 again)."""
+    n = len(docs)
+    target = docs[question % n]
+    template = _QUESTIONS[(question + question // n) % len(_QUESTIONS)]
     return "Question: " + template.format(name=target.name)
 
 
