@@ -9,10 +9,15 @@ requests get their first token (response starts per second of busy time, measure
 
     W + 1 <= max(1, floor(σ · T))        T = limits.ttft_target_s
 
-so every admitted request's expected TTFT stays under T (the queue ahead of it drains at σ), and
-whatever arrives beyond is refused at once instead of waiting past T. Before σ is measured
-(fewer than `min_samples` first tokens seen) it is `limits.shed_initial_rate`. `Retry-After` is
-the time the backlog above the bound needs to drain, `ceil((W + 1 - bound) / σ)`, at least 1 s.
+so an admitted request's expected TTFT stays under T (the queue ahead of it drains at σ), and
+whatever arrives beyond is refused at once instead of waiting past T. Little's law bounds the
+mean; the tail of the TTFT is longer (σ moves, CPU contention slows the engine), so the bound is
+scaled by a gain g in [0.05, 1] that tracks the p99: `bound = max(1, floor(g · σ · T))`, where
+each admitted request's own server-side TTFT (admission to response start) over T multiplies g
+by 0.9 and each one under T adds 0.1 · (1 - 0.99) / 0.99 (an AIMD loop whose fixed point has
+about 1 % of the TTFTs over T). Before σ is measured (fewer than `min_samples` first tokens seen)
+it is `limits.shed_initial_rate`. `Retry-After` is the time the backlog above the bound needs to
+drain, `ceil((W + 1 - bound) / σ)`, 1 to 60 s.
 
 Each ingress replica measures its own σ (its own share of the first tokens), so the bound scales
 with the replicas without shared state. The application's bound must act before Ray Serve's: the
@@ -36,6 +41,8 @@ from typing import Any
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 """POST routes that start a generation (the ones shed)."""
+QUANTILE = 0.99
+"""The TTFT quantile the gain keeps at the target."""
 
 
 @dataclass
@@ -67,6 +74,9 @@ class TTFTAdmission:
         self.clock = clock
         self.waiting = 0
         self.admitted = self.rejected = 0
+        self.gain = 1.0  # p99 feedback (module docstring)
+        self.min_gain, self.decrease = 0.05, 0.9
+        self.increase = (1 - self.decrease) * (1 - QUANTILE) / QUANTILE
         self._busy_total = 0.0  # seconds with at least one request waiting
         self._busy_since: float | None = None
         self._starts: deque[tuple[float, float]] = deque()  # (time, busy_total) per first token
@@ -88,8 +98,8 @@ class TTFTAdmission:
         return (len(self._starts) - 1) / busy if busy > 1e-3 else self.initial_rate
 
     def bound(self, rate: float) -> int:
-        """Most requests that may wait for their first token: max(1, floor(σ · T))."""
-        return max(1, min(self.max_pending, math.floor(rate * self.target)))
+        """Most requests that may wait for their first token: max(1, floor(g · σ · T))."""
+        return max(1, min(self.max_pending, math.floor(self.gain * rate * self.target)))
 
     def try_admit(self) -> ShedDecision:
         """Admit one request (count it waiting) or refuse it with a Retry-After."""
@@ -108,13 +118,18 @@ class TTFTAdmission:
             self.admitted += 1
             return ShedDecision(True, bound, self.waiting, rate)
 
-    def started(self, first_token: bool) -> None:
+    def started(self, first_token: bool, waited_s: float | None = None) -> None:
         """An admitted request's response started (its first token, or an answer without one:
-        an error); only first tokens count towards σ."""
+        an error) after `waited_s` seconds; only first tokens count towards σ and the gain."""
         with self._lock:
             now = self.clock()
             if first_token:
                 self._starts.append((now, self._busy_now(now)))
+                if waited_s is not None:
+                    if waited_s > self.target:
+                        self.gain = max(self.min_gain, self.gain * self.decrease)
+                    else:
+                        self.gain = min(1.0, self.gain + self.increase)
             self.waiting -= 1
             if self.waiting == 0 and self._busy_since is not None:
                 self._busy_total += now - self._busy_since
@@ -130,6 +145,7 @@ class TTFTAdmission:
                 "rate": rate,
                 "admitted": self.admitted,
                 "rejected": self.rejected,
+                "gain": self.gain,
             }
 
 
@@ -155,6 +171,7 @@ class SheddingGuard:
             or path not in GENERATION_ROUTES
         ):
             return await self.app(scope, receive, send)
+        t0 = time.monotonic()
         decision = adm.try_admit()
         if not decision.admitted:
             scope["route"] = SimpleNamespace(path=path)  # the request counter's route label
@@ -165,7 +182,8 @@ class SheddingGuard:
             nonlocal started
             if message["type"] == "http.response.start" and not started:
                 started = True
-                adm.started(first_token=message.get("status") == 200)
+                ok = message.get("status") == 200
+                adm.started(first_token=ok, waited_s=time.monotonic() - t0)
             await send(message)
 
         try:

@@ -54,6 +54,19 @@ def test_bound_follows_the_measured_first_token_rate() -> None:
     # old samples leave the window: back to the initial rate
     clock.t += 60
     assert adm.rate() == 2.0
+    # the p99 feedback: TTFTs over the target shrink the bound, TTFTs under it regrow it slowly
+    fb = TTFTAdmission(2.0, initial_rate=10.0, clock=clock)
+    assert fb.bound(10.0) == 20
+    for _ in range(5):
+        fb.try_admit()
+        fb.started(first_token=True, waited_s=3.0)
+    assert fb.gain == pytest.approx(0.9**5) and fb.bound(10.0) == 11
+    for _ in range(99):  # about 1 % over the target keeps the gain where it is
+        fb.try_admit()
+        fb.started(first_token=True, waited_s=0.5)
+    assert fb.gain == pytest.approx(0.9**5 + 99 * fb.increase)
+    fb.started(first_token=False, waited_s=9.0)  # errors do not move it
+    assert fb.gain == pytest.approx(0.9**5 + 99 * fb.increase)
     # Retry-After grows with the excess over the bound
     slow = TTFTAdmission(1.0, initial_rate=0.5, clock=clock)
     assert slow.try_admit().admitted
@@ -157,15 +170,10 @@ def test_burst_of_300_shed_with_json_through_serve(serve_app) -> None:
     the rejections are counted in /metrics."""
     import httpx
 
-    from tests.deployments.conftest import ADMIN_KEY  # noqa: F401 - same app as the other tests
+    from mpic.benchmarks.load import rejections_in_metrics
 
     def count_429(text: str) -> float:
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("mpic_requests_total{") and 'outcome="429"' in line:
-                if "/v1/chat/completions" in line:
-                    total += float(line.rsplit(" ", 1)[1])
-        return total
+        return rejections_in_metrics(text).get("429", 0.0)
 
     before = count_429(httpx.get(f"{serve_app.url}/metrics", timeout=30).text)
 
