@@ -160,6 +160,11 @@ class Workload:
         return req
 
 
+async def _reset_prefix_cache(engine: Any) -> None:
+    """vLLM's prefix cache emptied (on the engine's own event loop, from any other loop)."""
+    await asyncio.to_thread(engine._call, engine.llm.reset_prefix_cache())
+
+
 async def _ttft(engine: Any, req: Any, max_tokens: int) -> tuple[float, float]:
     """(seconds to the first token, seconds to the last) of one request."""
     t0 = time.perf_counter()
@@ -184,7 +189,7 @@ def run_rate(
     reqs = [work.request(c, system, max_tokens) for c in chats]
 
     async def run() -> tuple[list[float], float]:
-        await work.engine.llm.reset_prefix_cache()
+        await _reset_prefix_cache(work.engine)
         t0 = time.perf_counter()
 
         async def one(at: float, req: Any) -> tuple[float, float]:
@@ -209,7 +214,7 @@ def unloaded(work: Workload, system: str, chats: list[ChatSpec], max_tokens: int
     """p50 TTFT (ms) of `chats` sent one after the other."""
 
     async def run() -> list[float]:
-        await work.engine.llm.reset_prefix_cache()
+        await _reset_prefix_cache(work.engine)
         return [(await _ttft(work.engine, work.request(c, system, max_tokens), max_tokens))[0]
                 for c in chats]  # fmt: skip
 
