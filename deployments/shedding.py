@@ -13,7 +13,7 @@ so an admitted request's expected TTFT stays under T (the queue ahead of it drai
 whatever arrives beyond is refused at once instead of waiting past T. Little's law bounds the
 mean; the tail of the TTFT is longer (σ moves, CPU contention slows the engine), so the bound is
 scaled by a gain g in [0.05, 1] that tracks the p99: `bound = max(1, floor(g · σ · T))`, where
-each admitted request's own server-side TTFT (admission to response start) over T multiplies g
+each admitted stream's own server-side TTFT (admission to its first chunk) over T multiplies g
 by 0.9 and each one under T adds 0.1 · (1 - 0.99) / 0.99 (an AIMD loop whose fixed point has
 about 1 % of the TTFTs over T). Before σ is measured (fewer than `min_samples` first tokens seen)
 it is `limits.shed_initial_rate`. `Retry-After` is the time the backlog above the bound needs to
@@ -183,7 +183,11 @@ class SheddingGuard:
             if message["type"] == "http.response.start" and not started:
                 started = True
                 ok = message.get("status") == 200
-                adm.started(first_token=ok, waited_s=time.monotonic() - t0)
+                headers = dict(message.get("headers") or [])
+                streamed = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                # a stream starts at its first token: its wait is the TTFT the gain tracks; a
+                # non-streaming answer starts when it is complete (not a TTFT)
+                adm.started(first_token=ok, waited_s=time.monotonic() - t0 if streamed else None)
             await send(message)
 
         try:

@@ -131,6 +131,13 @@ def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
         assert adm.waiting == 0 and adm.stats()["rejected"] == 2
         ok = app.client.post("/v1/chat/completions", headers=app.headers("bob-key"), json=body)
         assert ok.status_code == 200
+        # the p99 gain moves with streams' TTFTs only (a non-streaming answer starts when done)
+        adm.gain = 0.5
+        ok = app.client.post("/v1/chat/completions", headers=app.headers("bob-key"), json=body)
+        assert ok.status_code == 200 and adm.gain == pytest.approx(0.5 + adm.increase)
+        plain = {**body, "stream": False}
+        ok = app.client.post("/v1/chat/completions", headers=app.headers("bob-key"), json=plain)
+        assert ok.status_code == 200 and adm.gain == pytest.approx(0.5 + adm.increase)
 
 
 def test_target_zero_disables_shedding(tmp_path: Path) -> None:
