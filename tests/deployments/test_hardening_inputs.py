@@ -251,6 +251,7 @@ def test_full_object_store_507_nothing_half_written(tmp_path: Path) -> None:
                 if statuses.count(507) >= 5:
                     break
             assert 500 not in statuses and statuses.count(507) >= 5, statuses
+            print(f"full store: {statuses.count(200)} x 200 then {statuses.count(507)} x 507")
             assert first_ok is not None
             store = mount / "store"
             assert not any((store / ".tmp").iterdir())  # no temp file left
