@@ -21,7 +21,7 @@ import typer
 from mpic.config import MPICHome
 
 logger = logging.getLogger(__name__)
-DEMO_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1"
+DEMO_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1,auto"
 
 
 def ensure_small_model(home: MPICHome) -> Path:
@@ -88,6 +88,6 @@ def command(
     console = Console()
     parts = interleaved_prompt([engine.cache_image(synthetic_png(i)) for i in range(3)])
     tokenizer = engine.runner.processor.tokenizer
-    for name in ("full", "mpic-32"):
+    for name in ("full", "mpic-32", "auto"):
         answer = tokenizer.decode(engine.greedy(parts, name, 16))
         console.print(f"[bold]{name}[/bold] answers (random weights): {answer!r}")

@@ -318,7 +318,11 @@ class ServeAppConfig(BaseModel):
     )
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
-    default_policy: str = Field("mpic-32", description="Policy when `mpic.policy` is absent.")
+    default_policy: str = Field(
+        "auto",
+        description="Policy when `mpic.policy` is absent: `auto` = the best selection for the "
+        "recompute budget (`scout-0.2` without one; docs/fidelity.md).",
+    )
     default_press: str | None = Field(
         None,
         description="KV press when `mpic.press` is absent (docs/presses.md; reference engine).",

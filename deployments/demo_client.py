@@ -22,7 +22,7 @@ import typer
 
 from mpic.deployments.chat_client import sse_chunk, streaming_chat_body
 
-DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1"
+DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1,auto"
 DEFAULT_CONCURRENCY = "1,2,4,8"
 
 

@@ -156,7 +156,7 @@ class MPICOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     policy: str = Field(
-        "mpic-32",
+        "auto",
         min_length=1,
         description="Token-selection policy (linker registry name); `auto`: the best selection "
         "for `recompute_budget` (absent: the server's default policy).",

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm import upload as vllm_upload
-from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, needs_last_token
+from mpic.engine.vllm.link_job import (
+    LinkJob,
+    MPICConnectorMetadata,
+    links_in_its_forward_step,
+    needs_last_token,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,8 +67,11 @@ class MPICScheduler:
         params = request.kv_transfer_params or {}
         if not self.async_loads or vllm_presses.KEY in params:
             return False
+        policy = str(params[vllm_params.KEY].get("policy"))
+        if links_in_its_forward_step(policy):  # linked-key correction: see link_job
+            return False
         last_has_block = (request.num_prompt_tokens - 1) % self.block_size != 0
-        return last_has_block or not needs_last_token(str(params[vllm_params.KEY].get("policy")))
+        return last_has_block or not needs_last_token(policy)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

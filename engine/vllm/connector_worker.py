@@ -99,6 +99,8 @@ class MPICWorker:
         self._dropped: set[str] = set()
         self._failed_blocks: set[int] = set()
         self.stats = {"link_passes": 0, "linked_requests": 0, "largest_pass": 0, "failed": 0}
+        self._shifted: list[PagedLinkedKV] = []
+        """Linked KV whose keys are shifted for this step's forward (restored after it)."""
 
     # ---------------------------------------------------------------- set-up
     def attach_runner(self, runner: Any) -> None:
@@ -258,15 +260,22 @@ class MPICWorker:
         adapter = self.adapter()
         policy = get_policy(job.policy)
         planned = PlannedPrompt(plan, entries, policy, refs=[])
-        mirror = None
+        mirror = values = None
+        shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
         if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:
             # CacheBlend and the presses read linked keys
-            shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
             mirror = torch.zeros(shape, dtype=adapter.dtype)
-        kv = PagedLinkedKV(layers, caches, job.block_ids, self.block_size, keys=mirror)
+        if policy.corrects:  # the linked-key correction attends over K/V mirrors (CPU cache)
+            mirror = torch.zeros(shape, dtype=adapter.dtype)
+            values = torch.zeros(shape, dtype=adapter.dtype)
+        kv = PagedLinkedKV(
+            layers, caches, job.block_ids, self.block_size, keys=mirror, values=values
+        )
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
         if job.press is None:
             link_and_prefill(adapter, planned, kv)
+            if kv.shift_for_last_query(plan.num_tokens - 1):  # vLLM's forward of token N-1
+                self._shifted.append(kv)
         else:  # the item's canonical prefill, observed; its compressed entry -> the store
             entry = press_item_entry(adapter, planned, kv, job.press.press, job.press.budget)
             self.store().put(entry)
@@ -285,7 +294,11 @@ class MPICWorker:
         )
 
     def wait_for_save(self) -> None:
-        """After the forward: finish uploads whose prompt has fully run (entry -> store)."""
+        """After the forward: put back the linked keys shifted for it, and finish uploads whose
+        prompt has fully run (entry -> store)."""
+        shifted, self._shifted = self._shifted, []
+        for kv in shifted:
+            kv.restore()
         if self._capture is not None:
             self._capture.end_step(self.store().put)
 

@@ -109,6 +109,17 @@ def batchable(policy: Policy) -> bool:
     )
 
 
+def links_in_its_forward_step(policy_name: str) -> bool:
+    """True for policies with a linked-key correction (`scout-*`): the worker shifts the linked
+    keys so that vLLM's plain attention of the last prompt token equals the corrected one and
+    restores them after that forward (`PagedLinkedKV.shift_for_last_query`), so the request must
+    be linked in the step that runs that forward: a synchronous claim."""
+    try:
+        return bool(get_policy(policy_name).corrects)
+    except Exception:  # noqa: BLE001 - an unknown name fails later, in the worker, as before
+        return False
+
+
 def needs_last_token(policy_name: str) -> bool:
     """True when the policy's pass must include the last prompt token (its selection reads it),
     so the request cannot be linked before that token has a block."""

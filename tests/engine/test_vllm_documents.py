@@ -155,6 +155,30 @@ def test_policies_with_documents_match_reference_runner(setup: Setup, policy: st
     assert got.token_ids == expected.tokens
 
 
+@pytest.mark.parametrize("policy", ["scout-0.5:s0.8", "scout-0.4:s1"])
+def test_scout_selects_the_same_tokens_and_answers_as_the_reference_runner(
+    setup: Setup, policy: str
+) -> None:
+    """Issue 21: the scout runs in the worker through the shared linker code over the paged KV
+    (K/V mirrors on the CPU cache), the correction's first token through shifted linked keys
+    (vLLM's own forward of the last token attends plainly); vLLM decodes with plain attention,
+    so the reference runner decodes without the correction here."""
+    parts = setup.parts(policy)
+    setup.ref.decode_correction = False
+    try:
+        expected = setup.ref.generate(parts, policy, max_new_tokens=8)
+    finally:
+        setup.ref.decode_correction = True
+    plan = expected.prefilled.plan
+    items = plan.source_entry >= 0
+    chosen = plan.recompute_depth == setup.engine.spec.num_layers
+    assert bool((chosen & items).any()) and bool((~chosen & items).any())  # a real selection
+    front = setup.ref.plan(parts, policy).plan  # what a front end ships: the pre-scout plan
+    (got,) = setup.engine.generate([linked_request(front, policy, setup.engine.spec)], 8)
+    assert not got.fell_back
+    assert got.token_ids == expected.tokens
+
+
 @pytest.mark.parametrize("damage", ["deleted", "corrupt"])
 def test_unloadable_document_entry_is_recomputed_exactly(setup: Setup, damage: str) -> None:
     # A document entry the worker has never loaded (put by this process), damaged in the store.
