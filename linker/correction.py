@@ -31,6 +31,7 @@ class LinkCorrection:
     decode: bool = True
     """Also apply it to decode-time queries (reference runner; vLLM decodes plain)."""
     _masks: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _levels: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def active(self) -> bool:
@@ -40,7 +41,13 @@ class LinkCorrection:
     def linked(self, layer: int, capacity: int, device: torch.device) -> torch.Tensor:
         """bool [capacity] on `device`: keys linked at `layer` (cached per layer and device;
         layers with the same depth threshold share one tensor object)."""
-        key = (layer, capacity, str(device))
+        # the mask changes only at layers equal to a depth value: key it by how many distinct
+        # depths are <= layer, so layers with the same linked set share ONE tensor object (the
+        # attention backend keeps its prepared masks while it is handed the same object)
+        if "depths" not in self._levels:
+            self._levels["depths"] = torch.unique(self.depth.cpu())
+        level = int((self._levels["depths"] <= layer).sum())
+        key = (level, capacity, str(device))
         if key not in self._masks:
             mask = linked_mask(self.is_item.cpu(), self.depth.cpu(), layer, capacity)
             self._masks[key] = mask.to(device)
