@@ -116,22 +116,24 @@ def corrected_attention(
     if state is None:
         state = prepare_corrected(q_index, linked, int(keys.shape[0]))
     kv_len = state.kv_len
-    group = heads // keys.shape[1]
+    kv_heads = int(keys.shape[1])
+    group = heads // kv_heads
+    # GQA without copying K/V per query head: the G query heads sharing a KV head become G x C
+    # rows of that head (row order (g, c); head h uses KV head h // G, as HF's repeat_kv)
     k = keys[:kv_len].float().transpose(0, 1)  # [H_kv, N, D]
     v = values[:kv_len].float().transpose(0, 1)
-    if group > 1:
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-    # [H, N, 2D]: all values, then the linked group's values only (one bmm gives both sums)
+    # [H_kv, N, 2D]: all values, then the linked group's values only (one bmm gives both sums)
     v2 = torch.cat([v, v * state.linked[None, :, None]], dim=-1)
     outs = []
     for r0, r1, b, causal in state.chunks:
-        qc = q[r0:r1].float().transpose(0, 1) * scale  # [H, C, D]
-        scores = torch.baddbmm(causal.expand(heads, -1, -1), qc, k[:, :b].transpose(1, 2))
-        top = scores.amax(dim=-1, keepdim=True)  # [H, C, 1] (finite: a query sees itself)
+        c = r1 - r0
+        qc = q[r0:r1].float().transpose(0, 1).reshape(kv_heads, group * c, dim) * scale
+        mask = causal.repeat(group, 1) if group > 1 else causal  # [G * C, b]
+        scores = torch.baddbmm(mask.expand(kv_heads, -1, -1), qc, k[:, :b].transpose(1, 2))
+        top = scores.amax(dim=-1, keepdim=True)  # [H_kv, G*C, 1] (finite: a query sees itself)
         e = scores.sub_(top).exp_()  # exp(s - m), 0 where not visible
-        z_all = e.sum(dim=-1)  # [H, C]
-        z_a = torch.matmul(e, state.linked[:b])  # [H, C]: sum over the linked group
+        z_all = e.sum(dim=-1)
+        z_a = torch.matmul(e, state.linked[:b])  # sum over the linked group
         z_b = (z_all - z_a).clamp_min(torch.finfo(torch.float32).tiny)
         m = top[..., 0]
         # log-weights of the two groups: S * lse_A and lse_B (lse = m + log z)
@@ -142,9 +144,9 @@ def corrected_attention(
         total = wa + wb
         alpha = torch.where(z_a > 0, wa / (total * z_a.clamp_min(1e-38)), 0.0)  # linked keys
         beta = wb / (total * z_b)  # the rest
-        both, linked_part = torch.bmm(e, v2[:, :b]).split(dim, dim=-1)  # [H, C, D] each
+        both, linked_part = torch.bmm(e, v2[:, :b]).split(dim, dim=-1)  # [H_kv, G*C, D] each
         out = beta[..., None] * (both - linked_part) + alpha[..., None] * linked_part
-        outs.append(out.transpose(0, 1))  # [C, H, D]
+        outs.append(out.reshape(heads, c, dim).transpose(0, 1))  # [C, H, D]
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.to(q.dtype)
 
