@@ -72,6 +72,8 @@ class LoadResult:
     """Seconds until a small request was served after `abandoned` dropped streams."""
     burst: int = 0
     """`--burst N`: N requests sent at once (one round) instead of the timed loop."""
+    rejected_by_code: dict[str, int] = field(default_factory=dict)
+    """Rejections by the JSON body's `error.code` (server_overloaded, engine_unavailable, ...)."""
     rejected_not_json: int = 0
     """Rejections whose body is not the OpenAI-style JSON error (e.g. a proxy's plain text)."""
     metrics_rejected: dict[str, float] = field(default_factory=dict)
@@ -121,6 +123,8 @@ async def _one(
             if resp.status_code in (429, 503):
                 raw = await resp.aread()
                 out.rejected_not_json += not _is_json_error(resp.headers, raw)
+                code = _error_code(raw)
+                out.rejected_by_code[code] = out.rejected_by_code.get(code, 0) + 1
                 raise _Rejected(resp.status_code, resp.headers.get("retry-after"))
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -163,6 +167,14 @@ def _is_json_error(headers: httpx.Headers, raw: bytes) -> bool:
         return set(json.loads(raw)["error"]) >= {"message", "type", "code"}
     except (ValueError, KeyError, TypeError):
         return False
+
+
+def _error_code(raw: bytes) -> str:
+    """`error.code` of a JSON error body ("?" when there is none)."""
+    try:
+        return str(json.loads(raw)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
 
 
 _REQUEST_SERIES = ("mpic_requests_total", "ray_mpic_requests_total")
@@ -422,8 +434,8 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         Console().print(
             f"rejections: {res.rejected - res.rejected_not_json} of {res.rejected} OpenAI-style "
             f"JSON, {res.rejected - res.rejected_without_retry_after} with Retry-After, p99 "
-            f"{res.rejected_latency_p99_s * 1e3:.0f} ms; counted by the server (/metrics): "
-            f"{res.metrics_rejected or 'none'}"
+            f"{res.rejected_latency_p99_s * 1e3:.0f} ms, by code {res.rejected_by_code}; counted "
+            f"by the server (/metrics): {res.metrics_rejected or 'none'}"
         )
     if res.ttft_target_s is not None:
         Console().print(
