@@ -283,6 +283,12 @@ class FidelityConfig(BaseModel):
         "requests are admitted on the LLM-worker replica (running or waiting for the engine).",
     )
     max_pending: int = Field(1, ge=1, description="Shadows in flight per replica at most.")
+    idle_s: float = Field(
+        0.5,
+        ge=0,
+        description="A shadow starts only after the replica saw no new request for this long "
+        "(else it is shed): back-to-back traffic still in the ingress is not yet admitted.",
+    )
     seed: int | None = Field(None, description="Seed of the sampling draw (None: random).")
     fidelity_target: float | None = Field(
         None,

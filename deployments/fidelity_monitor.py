@@ -10,8 +10,10 @@ Per served request (`FidelityMonitor`):
 2. `submit(...)` after the answer finished (the worker's generator is done and the request has
    left the admission budget): a background task, unless the replica is busy - more than
    `fidelity.shed_above` other requests admitted (running or waiting for the engine), or a
-   shadow already pending - in which case the shadow is shed (counted, never queued). The load
-   is checked again right before the shadow starts.
+   shadow already pending - in which case the shadow is shed (counted, never queued). Right
+   before it starts, after `fidelity.idle_s`, it is shed too if any request arrived meanwhile or
+   the load grew (back-to-back traffic whose next request is still in the ingress is not yet
+   admitted here; the arrival count sees it).
 3. The shadow: `ServeEngine.exact_first_token` (policy `full`, max 1 token) and `compare`:
    - reference engine: both passes' full first-token logits [V]; KL(exact || served) in float64
      exactly as `mpic bench fidelity` computes it, and top-1 agreement;
@@ -192,6 +194,10 @@ class FidelityMonitor:
         self.counts: Counter[str] = Counter()
         self.samples: deque[FidelitySample] = deque(maxlen=1024)
         self._pending = 0
+        self.arrivals = 0
+        """Requests this replica was asked to serve (every `wants` call): a shadow waits until
+        none arrived for `fidelity.idle_s` (requests still in the ingress or resolver, not yet
+        admitted here, are invisible to the admission count)."""
         self._tasks: set[asyncio.Task] = set()
         self.metrics = _Metrics()
         self.controller: BudgetController | None = None
@@ -213,6 +219,11 @@ class FidelityMonitor:
         """True when requests may be sampled (rate > 0 and the engine can run shadows)."""
         return self.cfg.sample_rate > 0 and self.engine.supports_fidelity
 
+    @property
+    def pending(self) -> int:
+        """Shadows started and not finished."""
+        return self._pending
+
     def default_policy(self, prompt: LinkedPrompt) -> None:
         """A request that named neither a policy nor a budget is served at the default
         recompute budget: the loop's current one, else the configured `recompute_budget`
@@ -224,6 +235,7 @@ class FidelityMonitor:
     def wants(self, prompt: LinkedPrompt) -> bool:
         """Draw whether this request gets a shadow; marks the prompt to capture its served
         first-token distribution when it does."""
+        self.arrivals += 1
         if not self.enabled or prompt.policy == "full":
             return False
         if self._rng.random() >= self.cfg.sample_rate:
@@ -271,8 +283,9 @@ class FidelityMonitor:
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
     ) -> FidelitySample | None:
         try:
-            await asyncio.sleep(0)  # the answer's last bytes leave first
-            if self.load() > self.cfg.shed_above:  # load arrived meanwhile: shed
+            seen = self.arrivals
+            await asyncio.sleep(self.cfg.idle_s)  # the answer's last bytes leave first
+            if self.arrivals != seen or self.load() > self.cfg.shed_above:  # traffic: shed
                 self._count("shed_load")
                 return None
             self._count("run")

@@ -130,7 +130,9 @@ def test_monitor_samples_sheds_under_load_and_feeds_the_loop() -> None:
     exact, served = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([0.0, 2.0, -1.0])
     engine = StubEngine(exact)
     load = {"n": 0}
-    cfg = FidelityConfig(sample_rate=1.0, fidelity_target=0.01, min_samples=2, step=0.1)
+    cfg = FidelityConfig(
+        sample_rate=1.0, fidelity_target=0.01, min_samples=2, step=0.1, idle_s=0.01
+    )
     mon = FidelityMonitor(cfg, engine, lambda: load["n"], start_budget=0.1)
 
     async def serve(rid: str, defaulted: bool = True):
@@ -182,3 +184,24 @@ def test_config_defaults_and_limits() -> None:
         ServeAppConfig.model_validate({"fidelity": {"sample_rate": 1.5}})
     with pytest.raises(ValueError):
         ServeAppConfig.model_validate({"fidelity": {"typo": 1}})
+
+
+def test_monitor_sheds_when_a_request_arrives_while_it_waits() -> None:
+    """Back-to-back traffic whose next request is not admitted yet (still in the ingress): the
+    admission count is 0, but the arrival during `idle_s` sheds the shadow."""
+    engine = StubEngine(torch.zeros(3))
+    mon = FidelityMonitor(FidelityConfig(sample_rate=1.0, idle_s=0.2), engine, lambda: 0, None)
+
+    async def run():
+        p = _prompt("a")
+        assert mon.wants(p)
+        task = mon.submit(p, {}, FirstToken.from_logits(torch.zeros(3)))
+        await asyncio.sleep(0.05)
+        mon.wants(_prompt("b"))  # the next request arrives before the replica was idle 0.2 s
+        assert await task is None
+        p = _prompt("c")
+        assert mon.wants(p)
+        assert await mon.submit(p, {}, FirstToken.from_logits(torch.zeros(3))) is not None
+
+    asyncio.run(run())
+    assert mon.counts == {"shed_load": 1, "run": 1} and engine.calls == 1
