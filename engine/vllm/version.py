@@ -69,8 +69,7 @@ def check_vllm_version(allow_untested: bool = False, version: str | None = None)
     )
     if not override:
         raise UntestedVllmError(
-            f"{message}. To start anyway set engine.allow_untested_vllm: true or "
-            f"{OVERRIDE_ENV}=1."
+            f"{message}. To start anyway set engine.allow_untested_vllm: true or {OVERRIDE_ENV}=1."
         )
     logger.warning("!" * 78)
     logger.warning("UNTESTED vLLM: %s; starting anyway (override given)", message)
