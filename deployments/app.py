@@ -51,7 +51,12 @@ def build_app(
     ingress_cfg = config.ingress
     if config.limits.ttft_target_s:  # the app sheds (JSON 429), not Serve's proxy (plain 503)
         ongoing = max(ingress_cfg.max_ongoing_requests, config.limits.max_pending_requests)
-        ingress_cfg = ingress_cfg.model_copy(update={"max_ongoing_requests": ongoing})
+        # and no bound on the proxy's queue for it: under CPU starvation Serve's router queues
+        # requests while its replica probes are slow, and past max_queued_requests its proxy
+        # answers a plain-text 503 (seen in a 300-request burst); the ingress sheds them instead
+        ingress_cfg = ingress_cfg.model_copy(
+            update={"max_ongoing_requests": ongoing, "max_queued_requests": -1}
+        )
     ingress = serve.deployment(Ingress, **opts("Ingress", ingress_cfg))
     enc, wrk = encoder.bind(config), worker.bind(config)
     ret = retriever.bind(config, wrk)

@@ -164,6 +164,7 @@ def test_app_builder_raises_ingress_serve_bound() -> None:
     ingress = app._bound_deployment
     assert ingress.name == "Ingress"
     assert ingress._deployment_config.max_ongoing_requests == 500
+    assert ingress._deployment_config.max_queued_requests == -1
     off = build_app(
         cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"ttft_target_s": 0})})
     )
