@@ -2,7 +2,8 @@
 subprocess (a real Ray cluster; reference engine on the tiny LLaVA; every request sampled). After
 two linked chats, the ingress's `/metrics` carries the KL and top-1 histograms of the `mpic`
 policy family (recorded by the LLM-worker replica, exported by Ray's metrics agent) and the
-shadow counter, each sample once."""
+shadow counter, each sample once; then, while six clients keep the worker busy, every shadow is
+shed (counted) and none runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +123,37 @@ def test_fidelity_histograms_on_metrics(tmp_path: Path, tiny_llava_dir: Path) ->
         assert _value(text, "ray_mpic_fidelity_top1_agreement_count", policy="mpic") == 2
         assert _value(text, "ray_mpic_fidelity_shadows_total", outcome="run") == 2
         assert _value(text, "ray_mpic_fidelity_topk_kl_count") == 0  # vLLM's kind only
+        # overload: 6 clients back to back; while they run, every shadow is shed, none runs
+        stop, answered = threading.Event(), []
+
+        def client(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                r = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    headers={**h, "X-Request-ID": f"load-{i}-{n}"},
+                    timeout=120,
+                )
+                answered.append(r.status_code)
+                n += 1
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            deadline, shed = time.monotonic() + 90, 0.0
+            while time.monotonic() < deadline and shed < 10:
+                time.sleep(2)
+                text = httpx.get(f"{url}/metrics", timeout=10).text
+                shed = _value(text, "ray_mpic_fidelity_shadows_total", outcome="shed_load")
+            run = _value(text, "ray_mpic_fidelity_shadows_total", outcome="run")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        print(f"overload: {len(answered)} answers {set(answered)}, shed {shed}, run {run}")
+        assert shed >= 10 and run == 2  # only the two shadows from before the overload
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
