@@ -12,7 +12,9 @@ the S3 host only through the bridge: no loopback between them. The engine is the
    still listed and answerable. The host is reconnected and its Ray node restarted (what a
    node's supervisor does): Serve places the replacement replica there again.
 2. The S3 host cut off and back: uploads answer a JSON 503 within the store's timeouts while it
-   is away, and the first upload after it returns succeeds; nothing uploaded is lost.
+   is away, a chat on a file read once before (its entry in the worker's memory tier, its record
+   in the resolver's) is answered, and the first upload after the host returns succeeds;
+   nothing uploaded is lost.
 
 What the client saw, the times and the files lost are printed as JSON (docs/deployment.md
 "Faults across hosts"). Skipped without root, `ip`, Ray or moto. Every process started runs in
@@ -96,7 +98,7 @@ def _app_config(hosts: netns.Hosts) -> dict:
         },
         "auth": {"mode": "production"},
         "sweep_interval_s": 0,
-        "llm_router": "power-of-two",
+        "llm_router": "cache-aware",
         **{d: head for d in ("ingress", "encoder", "retriever", "resolver")},
         "llm_worker": {
             "num_cpus": 0.1,
@@ -320,7 +322,7 @@ def test_worker_host_cut_off_mid_stream(cluster: Cluster) -> None:
         assert r.status_code == 200, r.text
         fids.append(r.json()["id"])
     streams = []
-    for _ in range(4):  # power-of-two routing spreads them over both replicas
+    for _ in range(4):  # entry-less: power-of-two choices spread them over both replicas
         s = Stream(url, 300)
         s.start()
         assert s.first.wait(60) and s.lines, s.end
@@ -381,6 +383,10 @@ def test_s3_host_cut_off_and_back(cluster: Cluster) -> None:
     r = _upload(url, 7101)
     assert r.status_code == 200, r.text
     fids = [r.json()["id"]]
+    # read once before the outage: the resolver keeps the file's record, the serving worker its
+    # entry in memory (and reports it to the cache-aware router within a second)
+    assert _chat(url, fids[0]).status_code == 200
+    time.sleep(2)
     cluster.hosts.cut("s3")
     try:
         t0 = time.monotonic()
@@ -391,6 +397,7 @@ def test_s3_host_cut_off_and_back(cluster: Cluster) -> None:
         c = _chat(url, fids[0], timeout=60)
         chat_s = time.monotonic() - t0
         outage_chat = c.status_code
+        outage_tiers = c.json().get("mpic", {}).get("tier_hits") if c.status_code == 200 else None
     finally:
         cluster.hosts.restore("s3")
     t_back = time.monotonic()
@@ -408,13 +415,14 @@ def test_s3_host_cut_off_and_back(cluster: Cluster) -> None:
         "upload_while_cut": outage_upload,
         "upload_answer_s": round(upload_s, 1),
         "chat_on_memory_tier_file_while_cut": outage_chat,
+        "its_tier_hits": outage_tiers,
         "chat_answer_s": round(chat_s, 1),
         "upload_ok_after_restore_s": recovered and round(recovered, 1),
         "files_lost": lost,
     }
     print(json.dumps(facts))
     assert outage_upload[0] == 503 and outage_upload[1], outage_upload
-    assert outage_chat in (200, 503)
+    assert outage_chat == 200 and outage_tiers == {"memory": 1}, (outage_chat, outage_tiers)
     assert recovered is not None and lost == 0
 
 
