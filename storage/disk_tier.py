@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpic.errors import CorruptEntryError
-from mpic.storage.entry_codec import decode
 from mpic.storage.fs_store import FileSystemObjectStore
 from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.tier import Admitted, StorageTier, TierHit
-from mpic.types import CacheEntry
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
     from mpic.storage.config import StorageConfig
     from mpic.storage.object_store import ObjectStore
+    from mpic.types import CacheEntry
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +86,10 @@ class DiskTier(StorageTier):
             self._forget(key)
             return None
         try:
+            # the codec needs torch: imported on first read, so the HTTP processes that build
+            # the store's tiers stay torch-free
+            from mpic.storage.entry_codec import decode
+
             return decode(blob, check="xxh3_128"), len(blob)
         except CorruptEntryError:
             log.warning("disk tier: corrupt entry %s deleted", key)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpic.storage.tier import Admitted, StorageTier, TierHit
-from mpic.types import CacheEntry
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
     from mpic.storage.config import StorageConfig
     from mpic.storage.object_store import ObjectStore
+    from mpic.types import CacheEntry
 
 log = logging.getLogger(__name__)
 

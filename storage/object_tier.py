@@ -7,13 +7,16 @@ entry is corrupt. Absence is None; an unreachable store raises StoreUnavailableE
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mpic.errors import CorruptEntryError
 from mpic.storage.config import StorageConfig
-from mpic.storage.entry_codec import read_entry
 from mpic.storage.keys import entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError, ObjectStore
 from mpic.storage.tier import Admitted, StorageTier, TierHit
-from mpic.types import CacheEntry
+
+if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
+    from mpic.types import CacheEntry
 
 
 class ObjectTier(StorageTier):
@@ -35,6 +38,10 @@ class ObjectTier(StorageTier):
         except ObjectNotFoundError:
             return None
         try:
+            # the codec needs torch: imported on first read, so the HTTP processes that build
+            # the store's tiers stay torch-free
+            from mpic.storage.entry_codec import read_entry
+
             entry, blob = read_entry(stream)
         finally:
             stream.close()

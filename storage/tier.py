@@ -12,11 +12,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from mpic.types import CacheEntry
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
     from mpic.storage.config import StorageConfig
     from mpic.storage.object_store import ObjectStore
+    from mpic.types import CacheEntry
 
 
 @dataclass(frozen=True)
