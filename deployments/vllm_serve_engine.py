@@ -98,9 +98,7 @@ class VllmServeEngine(ServeEngine):
             from mpic.engine.vllm.config import VllmEngineConfig, VllmOptions
 
             options = cfg.model_dump(include=set(VllmOptions.model_fields))
-            self.vllm = AsyncVllmEngine(
-                VllmEngineConfig(**options, model=cfg.model, storage=store)
-            )
+            self.vllm = AsyncVllmEngine(VllmEngineConfig(**options, model=cfg.model, storage=store))
 
     @property
     def fingerprint(self) -> str:
