@@ -100,11 +100,15 @@ def start_local(
 
 
 def wait_healthy(url: str, timeout_s: float = 300) -> None:
-    """Poll `GET /healthz` until it answers 200 (TimeoutError otherwise)."""
+    """Poll `GET /healthz`, then `GET /readyz`, until both answer 200: the proxy routes and every
+    deployment can serve (TimeoutError otherwise)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            if all(
+                httpx.get(f"{url}{path}", timeout=2).status_code == 200
+                for path in ("/healthz", "/readyz")
+            ):
                 return
         except httpx.HTTPError:
             pass

@@ -72,7 +72,9 @@ class AppReadiness:
 
     probe: deployment -> can serve (None: always ready); period_s: how often it is polled;
     retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a first request
-    waits for the first answer (a request never waits longer, hence the fast 503)."""
+    waits for the first answer (a request never waits longer, hence the fast 503);
+    poll_timeout_s: how long one poll may take (a poll that fails or times out after the app was
+    ready keeps the ready answer)."""
 
     def __init__(
         self,
@@ -80,11 +82,13 @@ class AppReadiness:
         period_s: float = 0.5,
         retry_after_s: int = 5,
         probe_timeout_s: float = 0.5,
+        poll_timeout_s: float = 10.0,
     ) -> None:
         self._probe = probe
         self.period_s = period_s
         self.retry_after_s = retry_after_s
         self.probe_timeout_s = probe_timeout_s
+        self.poll_timeout_s = poll_timeout_s
         self.deployments: dict[str, bool] = {}
         self._ready = probe is None
         self._checked = 0.0
@@ -99,10 +103,16 @@ class AppReadiness:
         assert self._probe is not None
         try:
             states = await asyncio.wait_for(
-                asyncio.to_thread(self._probe), timeout=max(self.period_s, self.probe_timeout_s)
+                asyncio.to_thread(self._probe), timeout=self.poll_timeout_s
             )
-        except Exception as exc:  # noqa: BLE001 - controller busy or gone: not ready
+        except Exception as exc:  # noqa: BLE001 - controller busy or gone
+            # A slow or unreachable controller says nothing about the replicas: keep the last
+            # answer once the app was ready (a busy 2-core host made a 0.5 s probe time out and
+            # flipped a serving app to 503); before that, not ready.
             logger.debug("readiness probe failed: %s", exc)
+            if self._ready:
+                self._checked = time.monotonic()
+                return
             states = {}
         ready = bool(states) and all(states.values())
         if ready != self._ready:

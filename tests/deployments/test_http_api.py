@@ -128,7 +128,8 @@ def test_retrieval_and_admin_routes(serve_app: ServeApp, offline, tmp_path: Path
     assert versions["versions"] == sorted([first.json()["version"], second["version"]])
     assert versions["current"] == second["version"]
     listing = httpx.get(base, headers=admin).json()["data"]
-    assert {"collection": "docs", "current": second["version"]} in listing
+    docs = [c for c in listing if c["collection"] == "docs"]
+    assert docs == [{"collection": "docs", "current": second["version"], "items": 2}]
 
     content = [{"type": "text", "text": "what do the references show?"}]
     spec = {"collection": "docs", "top_k": 2, "min_score": -1.0}

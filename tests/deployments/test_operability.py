@@ -93,7 +93,10 @@ def test_two_ingress_replicas_metrics_and_sigterm(tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()
             try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                if all(  # the proxy routes and every deployment can serve
+                    httpx.get(f"{url}{path}", timeout=2).status_code == 200
+                    for path in ("/healthz", "/readyz")
+                ):
                     break
             except httpx.HTTPError:
                 pass
