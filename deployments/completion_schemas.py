@@ -10,7 +10,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpic.deployments.messages import Sampling
-from mpic.deployments.schemas import MPICOptions, StreamOptions, Usage
+from mpic.deployments.schemas import (
+    MPICOptions,
+    StreamOptions,
+    Usage,
+    check_n_and_logit_bias,
+)
 from mpic.errors import InvalidRequestError
 
 
@@ -69,13 +74,7 @@ class CompletionRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise InvalidRequestError("stop: at most 4 non-empty strings", param="stop")
-        if self.n > 1 and self.stream:
-            raise InvalidRequestError("n > 1 is served without streaming only", param="n")
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= bias <= 100:
-                raise InvalidRequestError(
-                    "logit_bias maps token ids to biases in [-100, 100]", param="logit_bias"
-                )
+        check_n_and_logit_bias(self.n, self.stream, self.logit_bias)
         return self
 
     @property

@@ -17,6 +17,18 @@ from mpic.presses import PRESS_NAMES
 from mpic.retriever.spec import RetrievalSpec
 
 
+def check_n_and_logit_bias(n: int, stream: bool, logit_bias: dict[str, float] | None) -> None:
+    """The sampling checks chat and completion requests share: n > 1 only without streaming,
+    logit_bias keys are token ids with biases in [-100, 100]."""
+    if n > 1 and stream:
+        raise InvalidRequestError("n > 1 is served without streaming only", param="n")
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit() or not -100 <= bias <= 100:
+            raise InvalidRequestError(
+                "logit_bias maps token ids to biases in [-100, 100]", param="logit_bias"
+            )
+
+
 class FileObject(BaseModel):
     """An uploaded file as `GET /v1/files/{id}` returns it (OpenAI `file` object + MPIC fields)."""
 
@@ -314,13 +326,7 @@ class ChatCompletionRequest(BaseModel):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        if self.n > 1 and self.stream:
-            raise InvalidRequestError("n > 1 is served without streaming only", param="n")
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= bias <= 100:
-                raise InvalidRequestError(
-                    "logit_bias maps token ids to biases in [-100, 100]", param="logit_bias"
-                )
+        check_n_and_logit_bias(self.n, self.stream, self.logit_bias)
         return self
 
     def sampling(self) -> Sampling:
