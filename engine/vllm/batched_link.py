@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpic.engine.vllm.paged_kv import CpuPagedOps, PagedLinkedKV
+from mpic.engine.vllm.paged_kv import CpuPagedOps, PagedLinkedKV, cpu_attend_sequences
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.link import gather_input_embeds, link_entries
 from mpic.linker.selective_prefill import run_layers
@@ -121,60 +121,15 @@ class BatchedPagedKV:
     def _cpu_attend(
         self, layer: int, q: torch.Tensor, index: torch.Tensor, pieces: list[tuple[int, int, int]]
     ) -> torch.Tensor:
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
-        attn = self._layers[layer]
-        impl = attn.impl
         host = index.cpu()
         starts = torch.tensor([0] + [b for _, b, _ in pieces], dtype=torch.int32)
         seq_lens = torch.tensor(
             [int(host[b - 1]) - int(self.offsets[r]) + 1 for _, b, r in pieces], dtype=torch.int32
         )
         block_table = self._tables[[r for _, _, r in pieces]].contiguous()
-        fmt = {
-            "k_scale": attn._k_scale_float,
-            "v_scale": attn._v_scale_float,
-            "kv_cache_dtype": impl.kv_cache_dtype,
-        }
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(pieces),
-            num_heads=q.shape[1],
-            num_kv_heads=impl.num_kv_heads,
-            head_dim=q.shape[2],
-            seq_lens=seq_lens,
-            dtype=q.dtype,
-            query_start_loc=starts,
-            causal=True,
-            sliding_window_size=-1,
-            isa=attn.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=impl.kv_cache_dtype,
+        return cpu_attend_sequences(
+            self._layers[layer], self._caches[layer], q, starts, seq_lens, block_table
         )
-        cache = self._caches[layer]
-        num_blocks, num_kv_heads, block_size, _ = cache.shape
-        key_cache, value_cache = cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(
-            2, dim=2
-        )
-        out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q.contiguous(),
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
-            query_start_loc=starts,
-            seq_lens=seq_lens,
-            scale=impl.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=block_table,
-            softcap=0.0,
-            scheduler_metadata=metadata,
-            s_aux=None,
-            **fmt,
-        )
-        return out
 
 
 def link_batch(

@@ -78,6 +78,66 @@ def _cache_format(attn: nn.Module) -> dict:
     }
 
 
+def split_cpu_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_blocks, H_kv, block_size, 2*D] CPU cache -> its key and value regions, as vLLM's CPU
+    kernel views them (K region then V region per block and head)."""
+    num_blocks, num_kv_heads, block_size, _ = cache.shape
+    both = cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
+    key_cache, value_cache = both.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+def cpu_attend_sequences(
+    attn: nn.Module,
+    cache: torch.Tensor,
+    q: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> torch.Tensor:
+    """One `cpu_attention_with_kv_cache` call over virtual sequences: query rows
+    starts[i]:starts[i+1] of q [S, H, D] attend causally to the first seq_lens[i] slots of
+    block_table[i] (int32 [R+1], [R], [R, blocks]) in one layer's paged cache -> [S, H, D]."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    impl = attn.impl
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens),
+        num_heads=q.shape[1],
+        num_kv_heads=impl.num_kv_heads,
+        head_dim=q.shape[2],
+        seq_lens=seq_lens,
+        dtype=q.dtype,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=-1,
+        isa=attn.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
+    key_cache, value_cache = split_cpu_cache(cache)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        scale=impl.scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+        **_cache_format(attn),
+    )
+    return out
+
+
 class CpuPagedOps(PagedKVOps):
     """vLLM's CPU attention backend (its own ops for every access; see the module docstring)."""
 
@@ -100,11 +160,7 @@ class CpuPagedOps(PagedKVOps):
             cache[self._blocks] = 0
 
     def _split(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self._caches[layer]
-        num_blocks, num_kv_heads, block_size, _ = cache.shape
-        both = cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
-        key_cache, value_cache = both.chunk(2, dim=2)
-        return key_cache, value_cache
+        return split_cpu_cache(self._caches[layer])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`cpu_attn_reshape_and_cache`: the portable write for every ISA layout."""
@@ -124,51 +180,14 @@ class CpuPagedOps(PagedKVOps):
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """One `cpu_attention_with_kv_cache` call, one virtual sequence per run."""
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
-        attn = self._layers[layer]
-        impl = attn.impl
         runs = contiguous_runs(index)
         host = index.cpu()
         starts = torch.tensor([0] + [b for _, b in runs], dtype=torch.int32)
         seq_lens = torch.tensor([int(host[b - 1]) + 1 for _, b in runs], dtype=torch.int32)
         block_table = self._block_table.expand(len(runs), -1).contiguous()
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(runs),
-            num_heads=num_heads,
-            num_kv_heads=impl.num_kv_heads,
-            head_dim=head_dim,
-            seq_lens=seq_lens,
-            dtype=q.dtype,
-            query_start_loc=starts,
-            causal=True,
-            sliding_window_size=-1,
-            isa=attn.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=impl.kv_cache_dtype,
+        return cpu_attend_sequences(
+            self._layers[layer], self._caches[layer], q, starts, seq_lens, block_table
         )
-        key_cache, value_cache = self._split(layer)
-        out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q.contiguous(),
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
-            query_start_loc=starts,
-            seq_lens=seq_lens,
-            scale=impl.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=block_table,
-            softcap=0.0,
-            scheduler_metadata=metadata,
-            s_aux=None,
-            **_cache_format(attn),
-        )
-        return out
 
 
 def flash_views(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
