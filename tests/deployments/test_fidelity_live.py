@@ -156,9 +156,9 @@ def test_loop_moves_the_budget_up_then_down(llava_app, caplog) -> None:
     """Requests naming no policy are served at the loop's budget. Image prompts drift (any KL
     is above the 1e-9 target): the budget climbs to its bound; text-only prompts are exact under
     every policy (KL 0): it comes back down to the floor."""
-    from mpic.deployments.fidelity_control import budget_policy
+    from mpic.deployments.monitoring.fidelity_control import budget_policy
 
-    caplog.set_level(logging.INFO, logger="mpic.deployments.fidelity_monitor")
+    caplog.set_level(logging.INFO, logger="mpic.deployments.monitoring.fidelity_monitor")
     worker = llava_app.worker
     deadline = time.monotonic() + 60
     while worker.fidelity.pending and time.monotonic() < deadline:

@@ -98,7 +98,7 @@ def test_guard_stops_reading_at_the_limit() -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from mpic.deployments.limits import GUARD, MULTIPART_ALLOWANCE, RequestGuard
+    from mpic.deployments.http.request_guard import GUARD, MULTIPART_ALLOWANCE, RequestGuard
 
     async def echo(request: Request):
         return JSONResponse({"n": len(await request.body())})
@@ -465,7 +465,7 @@ def test_serve_plain_text_503_becomes_json() -> None:
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from mpic.deployments.limits import GUARD, RequestGuard
+    from mpic.deployments.http.request_guard import GUARD, RequestGuard
 
     async def dropped(_request):
         return PlainTextResponse("Request dropped due to backpressure", status_code=503)

@@ -171,8 +171,8 @@ def test_file_expiry_update_strict_types(fake_app) -> None:
 def test_keys_compared_exactly(fake_app, suffix: str) -> None:
     """A key followed by NBSP or NEL (str.strip() would drop them) does not authenticate; the
     header is sent as raw latin-1 bytes, as a hostile client sends them."""
-    from mpic.deployments.auth import KeyRing
     from mpic.deployments.config import AuthConfig
+    from mpic.deployments.http.auth import KeyRing
     from mpic.errors import AuthenticationError
 
     ring = KeyRing.from_config(AuthConfig(), env={"MPIC_API_KEYS": json.dumps(KEYS)})

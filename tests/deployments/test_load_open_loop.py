@@ -25,7 +25,7 @@ def test_open_loop_overload_is_refused_fast(tmp_path: Path) -> None:
     import uvicorn
 
     from mpic.benchmarks.load import run_load_async, upload_images, write_outputs
-    from mpic.deployments.ingress import app as fastapi_app
+    from mpic.deployments.http.ingress import app as fastapi_app
 
     cfg = fake_config(tmp_path / "store", fake_token_delay_s=0.05)
     cfg = cfg.model_copy(

@@ -113,7 +113,7 @@ def test_vllm_engine_logprob_bytes(qwen_tokenizer) -> None:
     ]
     (item,) = engine._logprobs(steps, [BYTE_TOKEN], 2)
     assert item.raw == bytes([0xBE]) and item.top_raw == [bytes([0xBE]), piece]
-    from mpic.deployments.ingress import _logprobs
+    from mpic.deployments.http.ingress import _logprobs
 
     (content,) = _logprobs([item]).content
     assert content.bytes == [190] and content.top_logprobs[1].bytes == list(piece)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mpic.deployments.readiness import AppReadiness, NotReadyError
+from mpic.deployments.http.readiness import AppReadiness, NotReadyError
 from tests.deployments.conftest import ServeApp, serve_config
 
 

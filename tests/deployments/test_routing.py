@@ -1,6 +1,6 @@
-"""`EntryAffinityRouter` (mpic.deployments.router), driven through Serve's router interface with
-stand-in replicas (fast): replicas rank by expected cost (queue wait + entry loads by tier), ties
-together; memory beats disk beats the object store; a slow object store makes waiting for the
+"""`EntryAffinityRouter` (mpic.deployments.serve.router), driven through Serve's router interface
+with stand-in replicas (fast): replicas rank by expected cost (queue wait + entry loads by tier),
+ties together; memory beats disk beats the object store; a slow object store makes waiting for the
 holder worth it; past the imbalance threshold the least loaded replica wins; the service time is
 learned from completions; routed requests are remembered until the replicas report; uploads (no
 entries) go to power of two; and the `llm_router` config puts the router class into the
@@ -17,7 +17,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
-from mpic.deployments.router import EntryAffinityRouter, request_entry_ids, router_options
+from mpic.deployments.serve.router import EntryAffinityRouter, request_entry_ids, router_options
 
 DEP = DeploymentID(name="LLMWorker", app_name="t")
 

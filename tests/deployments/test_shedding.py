@@ -25,7 +25,7 @@ class Clock:
 
 
 def test_bound_follows_the_measured_first_token_rate() -> None:
-    from mpic.deployments.shedding import TTFTAdmission
+    from mpic.deployments.http.shedding import TTFTAdmission
 
     clock = Clock()
     adm = TTFTAdmission(5.0, initial_rate=2.0, window_s=10.0, min_samples=4, clock=clock)
@@ -77,7 +77,7 @@ def test_bound_follows_the_measured_first_token_rate() -> None:
 def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
     limits = {"ttft_target_s": 1.0, "shed_initial_rate": 2.0}  # bound: 2 waiting
     with _app(tmp_path, limits=limits) as app:
-        from mpic.deployments.shedding import SheddingGuard
+        from mpic.deployments.http.shedding import SheddingGuard
 
         gate = threading.Event()
         real = app.worker.generate
@@ -143,7 +143,7 @@ def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
 
 def test_target_zero_disables_shedding(tmp_path: Path) -> None:
     with _app(tmp_path, limits={"ttft_target_s": 0}) as app:
-        from mpic.deployments.shedding import SheddingGuard
+        from mpic.deployments.http.shedding import SheddingGuard
 
         assert SheddingGuard.admission is None
         body = {"model": "mpic", "messages": [{"role": "user", "content": "hi"}]}

@@ -1,4 +1,4 @@
-"""vLLM's non-chat routes (`mpic.deployments.vllm_routes`), in-process: `/v1/completions`
+"""vLLM's non-chat routes (`mpic.deployments.http.vllm_routes`), in-process: `/v1/completions`
 (OpenAI legacy shapes, streaming, usage, the official `openai` client), `/tokenize`,
 `/detokenize`, `/health`, `/version`, `max_model_len` in `/v1/models`, the served-name check and
 auth. The fake engine covers the shapes in milliseconds; the reference engine on the tiny LLaVA
@@ -153,7 +153,7 @@ def test_completion_is_greedy_generation_of_the_raw_prompt(ref_app, tiny_llava_d
 
 
 def test_vllm_metrics_are_summed_over_replicas() -> None:
-    from mpic.deployments.vllm_metrics import render_vllm_metrics
+    from mpic.deployments.monitoring.vllm_metrics import render_vllm_metrics
 
     ttft = "ray_vllm_time_to_first_token_seconds"
     ray_text = "\n".join(

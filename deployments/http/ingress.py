@@ -7,7 +7,7 @@ into the LLM worker, asks the Resolver to resolve a chat request, and streams th
 Every request carries a request id (Serve's, taken from an `X-Request-ID` header when the client
 sends one): it is in every log line of every deployment that handles the request (Serve's JSON
 logs), in the `LinkedPrompt` the engine receives, and in the `x-request-id` response header.
-Every request is counted by route template and outcome (`mpic.deployments.metrics`).
+Every request is counted by route template and outcome (`mpic.deployments.monitoring.metrics`).
 """
 
 from __future__ import annotations
@@ -24,25 +24,19 @@ from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from mpic.deployments.auth import KeyRing, Principal
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.files import FileCatalog, document_media_type
-from mpic.deployments.http_errors import (
+from mpic.deployments.http.auth import KeyRing, Principal
+from mpic.deployments.http.chat_limits import check_chat_shape
+from mpic.deployments.http.http_errors import (
     ModelNotFoundError,
     error_body,
     install_error_handlers,
     status_of,
 )
-from mpic.deployments.limits import (
-    RequestGuard,
-    check_chat_shape,
-    configure_guard,
-    install_openapi_errors,
-)
-from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
-from mpic.deployments.metrics import ServeMetrics, metrics_page
-from mpic.deployments.readiness import AppReadiness, replica_probe
-from mpic.deployments.schemas import (
+from mpic.deployments.http.openapi_errors import install_openapi_errors
+from mpic.deployments.http.readiness import AppReadiness, replica_probe
+from mpic.deployments.http.request_guard import RequestGuard, configure_guard
+from mpic.deployments.http.schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -66,8 +60,11 @@ from mpic.deployments.schemas import (
     TopLogprob,
     Usage,
 )
-from mpic.deployments.shedding import SheddingGuard, configure_shedding
-from mpic.deployments.vllm_routes import VllmRoutes, router
+from mpic.deployments.http.shedding import SheddingGuard, configure_shedding
+from mpic.deployments.http.vllm_routes import VllmRoutes, router
+from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
+from mpic.deployments.monitoring.metrics import ServeMetrics, metrics_page
+from mpic.deployments.serve.files import FileCatalog, document_media_type
 from mpic.errors import PayloadTooLargeError
 from mpic.retriever.sources import allowed_source
 
@@ -257,7 +254,8 @@ class Ingress(VllmRoutes):
     @app.get("/readyz")
     async def readyz(self) -> dict[str, str]:
         """Readiness (no auth): 200 once every deployment can serve (engines loaded), else 503
-        `not_ready` with Retry-After (`mpic.deployments.readiness`; the k8s readiness probe)."""
+        `not_ready` with Retry-After (`mpic.deployments.http.readiness`; the k8s readiness
+        probe)."""
         await self.readiness.require()
         return {"status": "ready"}
 

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from mpic.deployments.admission import EngineUnavailableError
+from mpic.deployments.serve.admission import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 

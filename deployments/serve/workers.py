@@ -20,17 +20,17 @@ from typing import Any, Literal
 
 import ray
 
-from mpic.deployments.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engine import build_engine
-from mpic.deployments.fidelity_monitor import FidelityMonitor
-from mpic.deployments.files import FileLostError, Sweeper, file_object, open_library
-from mpic.deployments.limits import check_image_pixels
+from mpic.deployments.http.schemas import FileObject
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
-from mpic.deployments.metrics import StoreMetricsExporter
-from mpic.deployments.schemas import FileObject
+from mpic.deployments.monitoring.fidelity_monitor import FidelityMonitor
+from mpic.deployments.monitoring.metrics import StoreMetricsExporter
+from mpic.deployments.monitoring.vllm_metrics import RunningGauge
+from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engine_death
+from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
+from mpic.deployments.serve.image_limits import check_image_pixels
 from mpic.deployments.tokenization import detokenize, tokenize_chat, tokenize_text
-from mpic.deployments.vllm_metrics import RunningGauge
 from mpic.documents import decode_document
 from mpic.errors import InvalidRequestError, MPICError
 from mpic.linker.policies import get_policy
@@ -215,7 +215,7 @@ class LLMWorker:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry
         ids this replica's memory and disk tiers hold, and the mean seconds it took to load an
-        entry from each tier (`load_s`: memory, disk, remote), so `mpic.deployments.router`
+        entry from each tier (`load_s`: memory, disk, remote), so `mpic.deployments.serve.router`
         costs a miss by where the entry lives."""
         disk = self.entries.disk
         metrics = self.entries.metrics

@@ -30,7 +30,7 @@ Per served request (`FidelityMonitor`):
    the policy family (`mpic`, `cacheblend`, ...), bounded whatever a request names. One INFO log
    line per sample names the request id. With `fidelity.fidelity_target` set, the samples of
    requests served at the default budget (they named neither a policy nor a budget) feed the
-   `BudgetController` (`mpic.deployments.fidelity_control`).
+   `BudgetController` (`mpic.deployments.monitoring.fidelity_control`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from mpic.deployments.config import FidelityConfig
-from mpic.deployments.fidelity_control import BudgetController, ControllerBounds, budget_policy
-from mpic.deployments.limits import policy_label
 from mpic.deployments.messages import LinkedPrompt
+from mpic.deployments.monitoring.fidelity_control import (
+    BudgetController,
+    ControllerBounds,
+    budget_policy,
+)
+from mpic.deployments.monitoring.metrics import policy_label
 
 if TYPE_CHECKING:
     import torch

@@ -11,18 +11,43 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mpic.deployments.admission import as_backpressure
-from mpic.deployments.limits import public_message
-from mpic.deployments.schemas import ErrorBody, ErrorDetail
+from mpic.deployments.http.schemas import ErrorBody, ErrorDetail
+from mpic.deployments.serve.admission import as_backpressure
 from mpic.errors import MPICError, NotFoundError
 
 logger = logging.getLogger(__name__)
+
+
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def public_message(exc: Any) -> tuple[str, int | None]:
+    """What a client may see of a typed error: (message, Retry-After seconds or None).
+
+    5xx errors other than the admission ones (which carry `retry_after` and clean messages) get a
+    generic message (no store key, endpoint or path: those stay in the server's log); 4xx
+    messages lose Python object representations (`<_io.BytesIO object at 0x...>`). Every 503
+    carries a Retry-After."""
+    retry = getattr(exc, "retry_after", None)
+    status = getattr(exc, "status", 500)
+    if status >= 500 and retry is None:
+        message = (
+            "a backing service (object store) is unreachable; retry shortly"
+            if status == 503
+            else "internal error"
+        )
+    else:
+        message = _OBJECT_REPR.sub("the data", exc.message)
+    if status == 503 and retry is None:
+        retry = 5
+    return message, retry
 
 
 class ModelNotFoundError(NotFoundError):

@@ -18,9 +18,7 @@ import re
 from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.files import FileCatalog
-from mpic.deployments.messages import EncodedImage, LinkedPrompt, LinkedTurn, Segment
-from mpic.deployments.schemas import (
+from mpic.deployments.http.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FilePart,
@@ -28,6 +26,8 @@ from mpic.deployments.schemas import (
     MPICOptions,
     TextPart,
 )
+from mpic.deployments.messages import EncodedImage, LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.serve.files import FileCatalog
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
 from mpic.retriever.spec import RetrievalSpec
 

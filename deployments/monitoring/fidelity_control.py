@@ -1,5 +1,6 @@
 """The closed loop of the live fidelity guarantee (LLM-worker Serve replica): the server's default
-recompute budget follows the drift the shadow passes measure (`mpic.deployments.fidelity_monitor`).
+recompute budget follows the drift the shadow passes measure
+(`mpic.deployments.monitoring.fidelity_monitor`).
 
 `BudgetController` is a bounded step controller with hysteresis. Samples (first-token KL of the
 served pass against an exact prefill of the same prompt) are collected in a window; once the

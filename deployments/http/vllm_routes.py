@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mpic.deployments.completion_schemas import (
+from mpic.deployments.http.completion_schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
@@ -37,9 +37,8 @@ from mpic.deployments.completion_schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from mpic.deployments.http_errors import error_body, status_of
-from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
-from mpic.deployments.schemas import (
+from mpic.deployments.http.http_errors import error_body, status_of
+from mpic.deployments.http.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FilePart,
@@ -49,6 +48,7 @@ from mpic.deployments.schemas import (
     TextPart,
     Usage,
 )
+from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

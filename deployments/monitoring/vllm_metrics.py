@@ -2,10 +2,10 @@
 and alerts built for `vllm serve` read an MPIC deployment unchanged, and their `/metrics` view
 summed over every replica.
 
-Recorded with `ray.serve.metrics` like the `mpic_*` series (`mpic.deployments.metrics`): each
-replica reports its own as `vllm_<name>` (Ray refuses ':' in a metric name), Ray's metrics agent
-on each node exports them as `ray_vllm_<name>`, and `render_vllm_metrics` turns the agents' text
-into vLLM's exposition: `vllm:<name>`, labels `model_name` (and `finished_reason`) only, values
+Recorded with `ray.serve.metrics` like the `mpic_*` series (`mpic.deployments.monitoring.metrics`):
+each replica reports its own as `vllm_<name>` (Ray refuses ':' in a metric name), Ray's metrics
+agent on each node exports them as `ray_vllm_<name>`, and `render_vllm_metrics` turns the agents'
+text into vLLM's exposition: `vllm:<name>`, labels `model_name` (and `finished_reason`) only, values
 summed over replicas and nodes (histogram buckets, sums and counts alike).
 
 What each series means here (measured at the ingress, for every engine kind):

@@ -19,7 +19,7 @@ Series (all prefixed `mpic_`; Ray appends `_total` to counters in the exposition
   recomputed_tokens, tier_hits{tier}
                                   prompt tokens computed (not linked); entries per tier
 The same requests are also recorded under vLLM's names (`vllm:time_to_first_token_seconds`,
-...; `mpic.deployments.vllm_metrics`), shown by `/metrics` summed over replicas.
+...; `mpic.deployments.monitoring.vllm_metrics`), shown by `/metrics` summed over replicas.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import logging
 
 from ray.serve.metrics import Counter, Histogram
 
-from mpic.deployments.limits import policy_label
 from mpic.deployments.messages import DoneEvent
-from mpic.deployments.vllm_metrics import VllmRequestMetrics, render_vllm_metrics
+from mpic.deployments.monitoring.vllm_metrics import VllmRequestMetrics, render_vllm_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +41,19 @@ _STORE_SERIES = {
     "mpic_store_read_bytes": "store_read_bytes",
     "mpic_store_written_bytes": "store_written_bytes",
 }
+
+
+def policy_label(policy: str) -> str:
+    """The bounded metrics label of a policy name: its family (`mpic-32` -> `mpic`,
+    `vlcache-0.1:0.2` -> `vlcache`), or "other" for anything not a known family, so no request
+    can create a time series of its own."""
+    from mpic.linker.policies import POLICY_NAMES
+
+    families = {n.split("-<", 1)[0] for n in POLICY_NAMES}
+    if policy in families:
+        return policy
+    head = policy.rsplit("-", 1)[0] if "-" in policy else policy
+    return head if head in families and "<" not in head else "other"
 
 
 class ServeMetrics:
@@ -84,7 +96,8 @@ class ServeMetrics:
             tag_keys=("tier",),
         )
         self.vllm = VllmRequestMetrics()
-        """The same requests under vLLM's metric names (`mpic.deployments.vllm_metrics`)."""
+        """The same requests under vLLM's metric names
+        (`mpic.deployments.monitoring.vllm_metrics`)."""
         self.model_name = "mpic"
         """`model_name` label of the vLLM-named series (the ingress sets the served name)."""
 

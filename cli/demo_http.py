@@ -1,4 +1,4 @@
-"""The HTTP demo (CLI process): `mpic demo` / `python -m mpic.deployments.demo_client`.
+"""The HTTP demo (CLI process): `mpic demo` / `python -m mpic.cli.demo_http`.
 
 Starts the embedded server in this process if none answers at the URL (the vLLM worker on the
 small random model), uploads the offline demo's three images, asks its interleaved question (text
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import typer
 
-from mpic.deployments.chat_client import sse_chunk, streaming_chat_body
+from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
 
 DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1,auto"
 DEFAULT_CONCURRENCY = "1,2,4,8"
