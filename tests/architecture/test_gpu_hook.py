@@ -37,6 +37,9 @@ def test_no_gpu_test_repeats_the_skip() -> None:
 
     root = Path(__file__).resolve().parents[1]
     files = [*sorted((root / "kernels").glob("test_*.py"))]
-    files += [root / "engine/test_reference_runner_gpu.py", root / "engine/test_paged_kv_layout.py"]
+    files += [
+        root / "engine/hf/test_reference_runner_gpu.py",
+        root / "engine/vllm/test_paged_kv_layout.py",
+    ]
     for path in files:
         assert "skipif(not torch.cuda.is_available()" not in path.read_text(), path
