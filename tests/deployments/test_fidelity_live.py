@@ -214,7 +214,7 @@ def test_loop_on_the_trained_model(llava_smollm2_dir: Path, tmp_path: Path) -> N
         fids = {d.name: _upload(app, d.text.encode(), f"{d.name}.txt", "user_data") for d in docs}
         loop = app.worker.fidelity.controller
         n = 0
-        for start, requests in ((0.1, 8), (0.6, 16)):
+        for start, requests in ((0.1, 8), (0.6, 8)):
             loop.budget, first = start, len(loop.decisions)
             trajectory = []
             for _ in range(requests):
