@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
 from mpic.deployments.ingress import Ingress
+from mpic.deployments.policy_check import model_layers
 from mpic.deployments.resolver import Resolver
 from mpic.deployments.retriever import Retriever
 from mpic.deployments.router import router_options
@@ -24,7 +25,9 @@ from mpic.deployments.workers import Encoder, LLMWorker
 def build_app(
     config: ServeAppConfig, overrides: Mapping[str, Mapping[str, Any]] | None = None
 ) -> Application:
-    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them.
+    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them. The
+    model's layer count is read here (its config.json only) and bound into the Resolver, which
+    checks a chat's policy against it without asking the worker.
 
     `overrides`: per-deployment options in the form of a Serve config's `deployments:` section
     (name -> `serve.deployment` options such as `num_replicas`, `autoscaling_config`,
@@ -60,7 +63,8 @@ def build_app(
     ingress = serve.deployment(Ingress, **opts("Ingress", ingress_cfg))
     enc, wrk = encoder.bind(config), worker.bind(config)
     ret = retriever.bind(config, wrk)
-    return ingress.bind(config, enc, resolver.bind(config, enc, ret, wrk), wrk, ret)
+    res = resolver.bind(config, enc, ret, model_layers(config.engine))  # checks policies itself
+    return ingress.bind(config, enc, res, wrk, ret)
 
 
 def app_builder(args: ServeAppConfig) -> Application:

@@ -32,8 +32,7 @@ from mpic.deployments.schemas import FileObject
 from mpic.deployments.tokenization import detokenize, tokenize_chat, tokenize_text
 from mpic.deployments.vllm_metrics import RunningGauge
 from mpic.documents import decode_document
-from mpic.errors import InvalidRequestError, MPICError
-from mpic.linker.policies import get_policy
+from mpic.errors import MPICError
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.keys import entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError
@@ -198,19 +197,6 @@ class LLMWorker:
     def make_document_entry(self, text: str) -> CacheEntry:
         """The canonical entry of a text passage (dynamic-library refresh); not stored here."""
         return self.engine.compute_document_entry(text)
-
-    def check_policy(self, policy: str) -> None:
-        """InvalidRequestError (400) for an unknown policy name."""
-        self.engine.check_policy(policy)
-        spec = getattr(self.engine, "spec", None) or getattr(
-            getattr(self.engine, "runner", None), "spec", None
-        )
-        layer_ratios = getattr(get_policy(policy), "layer_ratios", None)
-        if spec is not None and layer_ratios is not None:
-            try:
-                layer_ratios(spec.num_layers)  # e.g. more vlcache ratios than the model's layers
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="mpic.policy") from None
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry

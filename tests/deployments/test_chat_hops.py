@@ -1,0 +1,59 @@
+"""A chat's Ray hops (fast, no Ray): every deployment-handle call the application makes for one
+chat, counted through the in-process harness's handles (`tests/deployments/inprocess.py`), whose
+ingress, resolver and worker are the Serve classes themselves. A chat is two hops, Ingress ->
+Resolver.resolve and Ingress -> LLMWorker.generate: the policy is checked where the request is
+resolved, against the model's layer count bound in at build time (`build_app`), never by asking
+the worker. A bad policy is a 400 after one hop, the worker untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.deployments.conftest import png
+
+TWO_HOPS = [("Resolver", "resolve"), ("LLMWorker", "generate")]
+
+
+def _chat(app, content, stream: bool = False, **mpic):
+    body = {"model": "mpic", "messages": [{"role": "user", "content": content}], "stream": stream}
+    if mpic:
+        body["mpic"] = mpic
+    r = app.client.post("/v1/chat/completions", headers=app.headers("alice-key"), json=body)
+    return r
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "mpic",
+    [{}, {"policy": "mpic-4"}, {"policy": "auto"}, {"recompute_budget": 0.3}],
+    ids=["default", "named", "auto", "budget"],
+)
+def test_a_chat_is_two_ray_hops(fake_app, stream: bool, mpic: dict) -> None:
+    upload = fake_app.client.post(
+        "/v1/files",
+        headers=fake_app.headers("alice-key"),
+        files={"file": ("a.png", png(3), "image/png")},
+        data={"purpose": "vision"},
+    )
+    assert upload.status_code == 200, upload.text
+    file_id = upload.json()["id"]
+    content = [{"type": "file", "file": {"file_id": file_id}}, {"type": "text", "text": "hi"}]
+    for turn in ("hi there", content):
+        fake_app.calls.clear()
+        r = _chat(fake_app, turn, stream=stream, **mpic)
+        assert r.status_code == 200, r.text
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]")
+        assert fake_app.calls == TWO_HOPS, fake_app.calls
+
+
+@pytest.mark.parametrize("policy", ["magic", "mpic-" + "9" * 5000, "vlcache-0.5:0.4:0.3"])
+def test_a_bad_policy_is_one_hop_and_400(fake_app, policy: str) -> None:
+    fake_app.resolver.num_layers = 2  # as build_app reads it from a 2-layer model's config
+    fake_app.calls.clear()
+    r = _chat(fake_app, "hi", policy=policy)
+    assert r.status_code == 400, r.text
+    assert json.loads(r.text)["error"]["param"] == "mpic.policy"
+    assert fake_app.calls == [("Resolver", "resolve")]
