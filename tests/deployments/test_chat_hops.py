@@ -57,3 +57,24 @@ def test_a_bad_policy_is_one_hop_and_400(fake_app, policy: str) -> None:
     assert r.status_code == 400, r.text
     assert json.loads(r.text)["error"]["param"] == "mpic.policy"
     assert fake_app.calls == [("Resolver", "resolve")]
+
+
+def test_the_resolver_is_bound_with_the_layer_count_and_no_worker(tiny_llava_dir) -> None:
+    """In the Serve graph `build_app` binds, the Resolver gets the model's layer count (read from
+    its config.json) and holds no LLM-worker handle, so it cannot make the third hop."""
+    from mpic.deployments.app import build_app
+    from mpic.deployments.config import ServeAppConfig
+
+    cfg = ServeAppConfig.model_validate(
+        {"engine": {"kind": "reference", "model": str(tiny_llava_dir)}}
+    )
+    ingress = build_app(cfg)._bound_deployment
+    bound = {
+        a._bound_deployment.name: a for a in ingress.init_args if hasattr(a, "_bound_deployment")
+    }
+    resolver = bound["Resolver"]._bound_deployment
+    handles = [
+        a._bound_deployment.name for a in resolver.init_args if hasattr(a, "_bound_deployment")
+    ]
+    assert handles == ["Encoder", "Retriever"]
+    assert resolver.init_args[-1] == 2  # the tiny LLaVA's layers
