@@ -27,7 +27,8 @@ def build_app(
 ) -> Application:
     """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them. The
     model's layer count is read here (its config.json only) and bound into the Resolver, which
-    checks a chat's policy against it without asking the worker.
+    checks a chat's policy against it without asking the worker; where the model folder is not
+    readable here (it lives on the GPU nodes), the worker checks per-layer ratios itself.
 
     `overrides`: per-deployment options in the form of a Serve config's `deployments:` section
     (name -> `serve.deployment` options such as `num_replicas`, `autoscaling_config`,
@@ -61,9 +62,10 @@ def build_app(
             update={"max_ongoing_requests": ongoing, "max_queued_requests": -1}
         )
     ingress = serve.deployment(Ingress, **opts("Ingress", ingress_cfg))
-    enc, wrk = encoder.bind(config), worker.bind(config)
+    layers = model_layers(config.engine)  # None: no model, or its folder is not here
+    enc, wrk = encoder.bind(config), worker.bind(config, check_policy_layers=layers is None)
     ret = retriever.bind(config, wrk)
-    res = resolver.bind(config, enc, ret, model_layers(config.engine))  # checks policies itself
+    res = resolver.bind(config, enc, ret, layers)  # checks policies itself, asking no worker
     return ingress.bind(config, enc, res, wrk, ret)
 
 

@@ -7,7 +7,9 @@ linker's `Policy` and answers 400 (`mpic.policy`, the message listing the valid 
 unknown or malformed one, a number over `MAX_POLICY_NUMBER`, or more VLCache per-layer ratios
 than the served model has layers. The layer count comes from the model's own `config.json`,
 read by `model_layers` in the app builder and bound into the Resolver, so validating a policy
-asks no other deployment: a chat is two Ray calls (Resolver, then LLM worker).
+asks no other deployment: a chat is two Ray calls (Resolver, then LLM worker). Where the builder
+cannot read it (the model folder exists on the GPU nodes only, as in `k8s/rayservice.yaml`),
+the LLM worker checks the layers at `generate` from its own read, still within those two calls.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def model_layers(engine: EngineConfig) -> int | None:
     by transformers' `AutoConfig` as `mpic.model_spec.ModelSpec` reads it), from its
     `config.json` alone: a local folder, or the one object of an `s3://` prefix (no weights
     are read or copied). None for an engine without a model (`fake`, a custom class) or a
-    config that cannot be read here (logged; the engine then refuses such ratios itself)."""
+    config that cannot be read here (logged; `build_app` then has the LLM worker check the
+    layers)."""
     if engine.kind not in ("reference", "vllm"):
         return None
     try:
@@ -70,7 +73,7 @@ def model_layers(engine: EngineConfig) -> int | None:
         text = getattr(config, "text_config", None) or config
         return int(text.num_hidden_layers)
     except (OSError, ValueError, LookupError, AttributeError, TypeError, MPICError) as exc:
-        logger.warning("model %s: layer count not read (%s); policies unchecked", engine.model, exc)
+        logger.warning("model %s: layer count not read here (%s)", engine.model, exc)
         return None
 
 

@@ -28,6 +28,7 @@ from mpic.deployments.files import FileLostError, Sweeper, file_object, open_lib
 from mpic.deployments.limits import check_image_pixels
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.metrics import StoreMetricsExporter
+from mpic.deployments.policy_check import check_policy, model_layers
 from mpic.deployments.schemas import FileObject
 from mpic.deployments.tokenization import detokenize, tokenize_chat, tokenize_text
 from mpic.deployments.vllm_metrics import RunningGauge
@@ -64,9 +65,13 @@ class Encoder:
 class LLMWorker:
     """The engine that owns KV: caches uploads and runs linked prefill + decode."""
 
-    def __init__(self, config: ServeAppConfig) -> None:
+    def __init__(self, config: ServeAppConfig, check_policy_layers: bool = False) -> None:
+        """`check_policy_layers`: the app builder could not read the model's layer count (its
+        folder is on the GPU nodes only), so the Resolver left per-layer policy ratios unchecked
+        and `generate` checks them against this replica's own read of it."""
         self.cfg = config
         self.engine = build_engine(config.engine, config.store, "worker")
+        self.policy_layers = model_layers(config.engine) if check_policy_layers else None
         self.entries = EntryStore.from_config(config.store)
         self.library = open_library(config.store, self.entries)
         self.sweeper = Sweeper(self.library, config.sweep_interval_s)
@@ -246,6 +251,8 @@ class LLMWorker:
         if self.health.dead():
             raise self.health.unavailable()
         self.fidelity.default_policy(prompt)
+        if self.policy_layers is not None:  # the Resolver could not check the layers (400)
+            check_policy(prompt.policy, self.policy_layers)
         shadow: dict | None = {} if self.fidelity.wants(prompt) else None
         try:
             with self.budget.admit(self.cost(prompt)):

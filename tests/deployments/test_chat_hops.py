@@ -78,3 +78,29 @@ def test_the_resolver_is_bound_with_the_layer_count_and_no_worker(tiny_llava_dir
     ]
     assert handles == ["Encoder", "Retriever"]
     assert resolver.init_args[-1] == 2  # the tiny LLaVA's layers
+    assert bound["LLMWorker"]._bound_deployment.init_kwargs == {"check_policy_layers": False}
+
+
+def test_the_worker_checks_the_layers_when_the_builder_could_not(fake_app, tmp_path) -> None:
+    """A model folder the app builder cannot read (on the GPU nodes only): the Resolver is bound
+    without a layer count and the LLM worker with `check_policy_layers`; per-layer ratios are
+    then refused by the worker's generate, still a 400 in two hops."""
+    from mpic.deployments.app import build_app
+    from mpic.deployments.config import ServeAppConfig
+
+    missing = str(tmp_path / "on-the-gpu-nodes")
+    cfg = ServeAppConfig.model_validate({"engine": {"kind": "reference", "model": missing}})
+    ingress = build_app(cfg)._bound_deployment
+    bound = {
+        a._bound_deployment.name: a for a in ingress.init_args if hasattr(a, "_bound_deployment")
+    }
+    assert bound["Resolver"]._bound_deployment.init_args[-1] is None
+    assert bound["LLMWorker"]._bound_deployment.init_kwargs == {"check_policy_layers": True}
+
+    fake_app.worker.policy_layers = 2  # as that worker reads it from its own model folder
+    fake_app.calls.clear()
+    r = _chat(fake_app, "hi", policy="vlcache-0.5:0.4:0.3")
+    assert r.status_code == 400, r.text
+    assert json.loads(r.text)["error"]["param"] == "mpic.policy"
+    assert fake_app.calls == TWO_HOPS
+    assert _chat(fake_app, "hi", policy="vlcache-0.5:0.4").status_code == 200
