@@ -39,7 +39,14 @@ MOVED: dict[str, str] = {
     },
     **{
         name: f"mpic.deployments.serve.{name}"
-        for name in ("resolver", "workers", "retriever", "router", "admission", "files")
+        for name in (
+            "resolver",
+            "workers",
+            "retriever",
+            "router",
+            "admission",
+            "files",
+        )
     },
     **{
         name: f"mpic.deployments.monitoring.{name}"

@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
 from mpic.deployments.http.ingress import Ingress
+from mpic.deployments.serve.policy_check import model_layers
 from mpic.deployments.serve.resolver import Resolver
 from mpic.deployments.serve.retriever import Retriever
 from mpic.deployments.serve.router import router_options
@@ -24,7 +25,10 @@ from mpic.deployments.serve.workers import Encoder, LLMWorker
 def build_app(
     config: ServeAppConfig, overrides: Mapping[str, Mapping[str, Any]] | None = None
 ) -> Application:
-    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them.
+    """Bind Encoder, LLMWorker, Retriever, Resolver and the Ingress that routes to them. The
+    model's layer count is read here (its config.json only) and bound into the Resolver, which
+    checks a chat's policy against it without asking the worker; where the model folder is not
+    readable here (it lives on the GPU nodes), the worker checks per-layer ratios itself.
 
     `overrides`: per-deployment options in the form of a Serve config's `deployments:` section
     (name -> `serve.deployment` options such as `num_replicas`, `autoscaling_config`,
@@ -58,9 +62,11 @@ def build_app(
             update={"max_ongoing_requests": ongoing, "max_queued_requests": -1}
         )
     ingress = serve.deployment(Ingress, **opts("Ingress", ingress_cfg))
-    enc, wrk = encoder.bind(config), worker.bind(config)
+    layers = model_layers(config.engine)  # None: no model, or its folder is not here
+    enc, wrk = encoder.bind(config), worker.bind(config, check_policy_layers=layers is None)
     ret = retriever.bind(config, wrk)
-    return ingress.bind(config, enc, resolver.bind(config, enc, ret, wrk), wrk, ret)
+    res = resolver.bind(config, enc, ret, layers)  # checks policies itself, asking no worker
+    return ingress.bind(config, enc, res, wrk, ret)
 
 
 def app_builder(args: ServeAppConfig) -> Application:

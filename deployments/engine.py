@@ -15,7 +15,6 @@ lock, so an engine that batches (vLLM's `AsyncLLM`) serves concurrent requests t
 from __future__ import annotations
 
 import importlib
-import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,16 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.errors import InvalidRequestError, UnreadableMediaError
-from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
 if TYPE_CHECKING:
     from mpic.deployments.monitoring.fidelity_monitor import FirstToken
-
-MAX_POLICY_NUMBER = 1 << 20
-"""Largest number a policy name may carry (`mpic-<k>`: k selected tokens per item): more than
-any context, and far from integer overflow."""
 
 
 class ServeEngine(ABC):
@@ -109,24 +103,6 @@ class ServeEngine(ABC):
         the critical path: logits [V], or the logprobs of `served.token_ids` where the engine
         returns logprobs only (vLLM)."""
         raise NotImplementedError(f"{type(self).__name__} runs no fidelity shadows")
-
-    def check_policy(self, policy: str) -> None:
-        """InvalidRequestError (listing the valid names) unless `policy` is a registered one."""
-        # digits are counted before any int(): Python refuses to convert more than 4,300 digits
-        # (ValueError), and a shorter huge number must not reach a policy constructor either
-        width = len(str(MAX_POLICY_NUMBER))
-        for digits in re.findall(r"\d+", policy):
-            if len(digits) > width or int(digits) > MAX_POLICY_NUMBER:
-                shown = digits if len(digits) <= 24 else f"a {len(digits)}-digit number"
-                raise InvalidRequestError(
-                    f"policy {policy[:64]!r}: {shown} is out of range (at most "
-                    f"{MAX_POLICY_NUMBER})",
-                    param="mpic.policy",
-                )
-        try:
-            get_policy(policy)
-        except (ValueError, OverflowError) as exc:
-            raise InvalidRequestError(str(exc), param="mpic.policy") from exc
 
 
 ENGINES = {

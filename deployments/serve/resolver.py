@@ -5,8 +5,10 @@ Resolution happens in the CALLER's namespace only: a file id of another user is 
 encoded for this request only (not cached) and travel to the worker as ObjectRefs; MRAG
 retrieval asks the Retriever deployment and links its hits (images, and text passages as
 documents) before the last user turn's text.
-The link plan itself (token ids, positions, policy selection) is built in the LLM worker, next
-to the KV it indexes (docs/design.md "Link plan").
+The policy is parsed and checked here, once (`mpic.deployments.serve.policy_check`, against the
+served model's layer count bound in at build time), so a chat makes two Ray calls: this resolve,
+then the worker's generate. The link plan itself (token ids, positions, policy selection) is built
+in the LLM worker, next to the KV it indexes (docs/design.md "Link plan").
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mpic.deployments.http.schemas import (
 )
 from mpic.deployments.messages import EncodedImage, LinkedPrompt, LinkedTurn, Segment
 from mpic.deployments.serve.files import FileCatalog
+from mpic.deployments.serve.policy_check import check_policy
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
 from mpic.retriever.spec import RetrievalSpec
 
@@ -42,11 +45,14 @@ class Resolver:
         config: ServeAppConfig,
         encoder: DeploymentHandle,
         retriever: DeploymentHandle,
-        worker: DeploymentHandle,
+        num_layers: int | None = None,
     ) -> None:
+        """`num_layers`: the served model's layer count (`policy_check.model_layers`, read by the
+        app builder), which per-layer policies are checked against; None: unchecked."""
         self.cfg = config
         self.files = FileCatalog(config.store)
-        self.encoder, self.retriever, self.worker = encoder, retriever, worker
+        self.encoder, self.retriever = encoder, retriever
+        self.num_layers = num_layers
 
     async def resolve(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:
         """Resolve files, inline images and retrieval; validate policy and budget."""
@@ -55,7 +61,7 @@ class Resolver:
         policy = budgeted_policy(policy, opts.recompute_budget if opts else None, self.cfg)
         named = opts.model_fields_set if opts is not None else set()
         defaulted = not named & {"policy", "recompute_budget"}  # the server's default applies
-        await self.worker.check_policy.remote(policy)
+        check_policy(policy, self.num_layers)
         press, budget = self._press(opts)
         turns = [await self._turn(user, m) for m in req.messages]
         retrieved: list[str] = []

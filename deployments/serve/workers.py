@@ -30,10 +30,10 @@ from mpic.deployments.monitoring.vllm_metrics import RunningGauge
 from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.serve.image_limits import check_image_pixels
+from mpic.deployments.serve.policy_check import check_policy, model_layers
 from mpic.deployments.tokenization import detokenize, tokenize_chat, tokenize_text
 from mpic.documents import decode_document
-from mpic.errors import InvalidRequestError, MPICError
-from mpic.linker.policies import get_policy
+from mpic.errors import MPICError
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.keys import entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError
@@ -65,9 +65,13 @@ class Encoder:
 class LLMWorker:
     """The engine that owns KV: caches uploads and runs linked prefill + decode."""
 
-    def __init__(self, config: ServeAppConfig) -> None:
+    def __init__(self, config: ServeAppConfig, check_policy_layers: bool = False) -> None:
+        """`check_policy_layers`: the app builder could not read the model's layer count (its
+        folder is on the GPU nodes only), so the Resolver left per-layer policy ratios unchecked
+        and `generate` checks them against this replica's own read of it."""
         self.cfg = config
         self.engine = build_engine(config.engine, config.store, "worker")
+        self.policy_layers = model_layers(config.engine) if check_policy_layers else None
         self.entries = EntryStore.from_config(config.store)
         self.library = open_library(config.store, self.entries)
         self.sweeper = Sweeper(self.library, config.sweep_interval_s)
@@ -199,19 +203,6 @@ class LLMWorker:
         """The canonical entry of a text passage (dynamic-library refresh); not stored here."""
         return self.engine.compute_document_entry(text)
 
-    def check_policy(self, policy: str) -> None:
-        """InvalidRequestError (400) for an unknown policy name."""
-        self.engine.check_policy(policy)
-        spec = getattr(self.engine, "spec", None) or getattr(
-            getattr(self.engine, "runner", None), "spec", None
-        )
-        layer_ratios = getattr(get_policy(policy), "layer_ratios", None)
-        if spec is not None and layer_ratios is not None:
-            try:
-                layer_ratios(spec.num_layers)  # e.g. more vlcache ratios than the model's layers
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="mpic.policy") from None
-
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry
         ids this replica's memory and disk tiers hold, and the mean seconds it took to load an
@@ -260,6 +251,8 @@ class LLMWorker:
         if self.health.dead():
             raise self.health.unavailable()
         self.fidelity.default_policy(prompt)
+        if self.policy_layers is not None:  # the Resolver could not check the layers (400)
+            check_policy(prompt.policy, self.policy_layers)
         shadow: dict | None = {} if self.fidelity.wants(prompt) else None
         try:
             with self.budget.admit(self.cost(prompt)):

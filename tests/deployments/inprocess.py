@@ -55,20 +55,24 @@ class LocalResponse:
 
 
 class LocalHandle:
-    """A `DeploymentHandle` look-alike over one in-process replica object."""
+    """A `DeploymentHandle` look-alike over one in-process replica object. `calls`, when given,
+    records every `.remote` call as (deployment class name, method name): one Ray hop each."""
 
-    def __init__(self, obj: Any) -> None:
-        self._obj = obj
+    def __init__(self, obj: Any, calls: list[tuple[str, str]] | None = None) -> None:
+        self._obj, self._calls = obj, calls
 
     def options(self, **_: Any) -> LocalHandle:
         return self
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._obj, name)
+        calls, hop = self._calls, (type(self._obj).__name__, name)
 
         class _Method:
             @staticmethod
             def remote(*args: Any, **kwargs: Any) -> LocalResponse:
+                if calls is not None:
+                    calls.append(hop)
                 return LocalResponse(method, args, kwargs)
 
         return _Method
@@ -76,12 +80,15 @@ class LocalHandle:
 
 @dataclass
 class InProcessApp:
-    """The application behind a TestClient (`client`), its config and its replica objects."""
+    """The application behind a TestClient (`client`), its config and its replica objects;
+    `calls`: every deployment-handle call made so far, in order (see `LocalHandle`)."""
 
     client: Any
     config: Any
     ingress: Any
     worker: Any
+    resolver: Any
+    calls: list[tuple[str, str]]
     url: str = "http://testserver"
 
     def headers(self, key: str) -> dict[str, str]:
@@ -104,6 +111,7 @@ def in_process_app(
     from fastapi.testclient import TestClient
 
     from mpic.deployments.http.ingress import app
+    from mpic.deployments.serve.policy_check import model_layers
     from mpic.deployments.serve.resolver import Resolver
     from mpic.deployments.serve.retriever import Retriever
     from mpic.deployments.serve.workers import Encoder, LLMWorker
@@ -112,12 +120,14 @@ def in_process_app(
     os.environ.update(
         {"MPIC_API_KEYS": json.dumps(keys), "MPIC_ADMIN_KEYS": json.dumps(admin_keys)}
     )
+    calls: list[tuple[str, str]] = []
     try:
-        enc = LocalHandle(Encoder(config))
+        enc = LocalHandle(Encoder(config), calls)
         worker = LLMWorker(config)
-        wrk = LocalHandle(worker)
-        ret = LocalHandle(Retriever(config, wrk))
-        res = LocalHandle(Resolver(config, enc, ret, wrk))
+        wrk = LocalHandle(worker, calls)
+        ret = LocalHandle(Retriever(config, wrk), calls)
+        resolver = Resolver(config, enc, ret, model_layers(config.engine))  # as build_app
+        res = LocalHandle(resolver, calls)
         cls = ingress_class()
         ingress = cls.__new__(cls)
         cls.__init__(ingress, config, enc, res, wrk, ret)
@@ -135,7 +145,14 @@ def in_process_app(
     app.dependency_overrides.update(overrides)
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
-            yield InProcessApp(client=client, config=config, ingress=ingress, worker=worker)
+            yield InProcessApp(
+                client=client,
+                config=config,
+                ingress=ingress,
+                worker=worker,
+                resolver=resolver,
+                calls=calls,
+            )
     finally:
         for call in overrides:
             app.dependency_overrides.pop(call, None)

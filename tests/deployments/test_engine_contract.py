@@ -1,6 +1,6 @@
 """What the engine protocol (`mpic.deployments.engine.ServeEngine`) promises, checked against
 every serve engine: the fake engine, the HF reference engine and vLLM + the MPIC connector (slow:
-vLLM start-up), in-process (no Ray). Addressing, encoding, entries, policy checks, the event
+vLLM start-up), in-process (no Ray). Addressing, encoding, entries, the event
 stream's shape, max_tokens, stop strings, logprobs, seeded sampling, concurrent streams, an
 abandoned stream and the context limit: the same assertions for each engine."""
 
@@ -108,16 +108,6 @@ def test_document_entry_or_415(engine) -> None:  # noqa: ANN001
         return
     assert entry.media_type == "text" and entry.num_tokens > 0
     assert re.fullmatch(r"[0-9a-f]{64}", entry.entry_id)
-
-
-def test_check_policy(engine) -> None:  # noqa: ANN001
-    from mpic.errors import InvalidRequestError
-
-    for good in ("full", "mpic-2", "full-reuse"):
-        engine.check_policy(good)
-    for bad in ("no-such-policy", "mpic-" + "9" * 5000, "mpic-99999999999"):
-        with pytest.raises(InvalidRequestError):
-            engine.check_policy(bad)
 
 
 def test_stream_shape_and_determinism(engine, cached) -> None:  # noqa: ANN001

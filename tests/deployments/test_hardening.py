@@ -420,9 +420,7 @@ def test_error_bodies_carry_no_internals(fake_app) -> None:
 
 
 def test_vlcache_ratios_longer_than_layers_400(fake_app) -> None:
-    from types import SimpleNamespace
-
-    fake_app.worker.engine.spec = SimpleNamespace(num_layers=2)  # as the real engines expose it
+    fake_app.resolver.num_layers = 2  # as build_app reads it from a 2-layer model's config
     h = fake_app.headers("alice-key")
 
     def chat(policy: str):

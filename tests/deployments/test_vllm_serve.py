@@ -152,6 +152,23 @@ async def _stream(client: httpx.AsyncClient, url: str, content: list, policy: st
     return "".join(pieces), times, time.perf_counter()
 
 
+def test_policies_checked_at_the_resolver_on_the_vllm_app(vllm_url) -> None:
+    """The vLLM app's Resolver checks the policy against the layer count `build_app` read from
+    the tiny LLaVA's config.json (2 layers), without asking the vLLM worker: 400 on
+    `mpic.policy` for an unknown name or three VLCache ratios, 200 for two."""
+    text = [{"type": "text", "text": "hi"}]
+    for policy in ("magic", "vlcache-0.5:0.4:0.3"):
+        body = {
+            "model": "mpic",
+            "mpic": {"policy": policy},
+            "messages": [{"role": "user", "content": text}],
+        }
+        resp = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "mpic.policy", resp.text
+    assert _chat(vllm_url, text, "vlcache-0.5:0.4", max_tokens=2)["mpic"]["policy"]
+
+
 def test_concurrent_streams_are_batched_exact_and_incremental(vllm_url, files, runner) -> None:
     media, ids = files
     n = 24
