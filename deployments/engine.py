@@ -149,7 +149,7 @@ def build_engine(cfg: EngineConfig, store: StorageConfig, role: Role) -> ServeEn
     name a `ServeEngine` subclass."""
     if cfg.chat_template and cfg.kind in ("reference", "vllm"):  # vLLM's --chat-template
         from mpic.engine.hf.chat_template import with_chat_template
-        from mpic.engine.hf.loader import resolve_model_dir
+        from mpic.engine.model_dir import resolve_model_dir
 
         folder = with_chat_template(resolve_model_dir(cfg.model), cfg.chat_template)
         cfg = cfg.model_copy(update={"model": folder})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from mpic.deployments.prompting import Detokenizer, token_events
+from mpic.engine.detokenize import Detokenizer, token_events
 
 
 def test_pieces_join_to_the_decoded_text(tiny_llava_dir: Path) -> None:
