@@ -2,13 +2,15 @@
 reference`): the same linking path as `mpic.engine.hf.reference_runner` offline, so an HTTP answer
 equals the offline engine's for the same prompt and policy.
 
-Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`, on a decode thread that
-does not wait for the consumer), with the request's own system prompt. The runner is not
-thread-safe and keeps a table of linkable entries, so every call into the runner holds one lock
-(the LLM worker holds none; requests wait for the lock on their own threads, and one whose client
-left stops waiting or decoding at once: `generate`), and the entries
-of a request are made linkable for that request only (inline images included: their entry is
-computed for the request and never stored).
+A thin adapter over the reference backend of `mpic.engine.protocol.Engine`: tokens are streamed
+as the runner decodes them (`ReferenceRunner.stream`, on one decode thread per request that hands
+each token straight to the event loop and does not wait for the consumer), with the request's
+own system prompt, sampled by `mpic.engine.sampling.Sampler` and turned into text by the shared
+`mpic.engine.request_flow.TextStream`. The runner is not thread-safe, so every call into it holds
+one lock (the LLM worker holds none; requests wait for the lock on their own decode threads, and
+one whose client left stops waiting or decoding at once: `generate`), and the entries of a
+request are linkable for that request only (passed to the runner with it; inline images
+included: their entry is computed for the request and never stored).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mpic.engine.request_flow import TextStream, done_event, finish_reason
 from mpic.engine.sampling import Sampler
 from mpic.engine.token_bytes import TokenBytes
 from mpic.linker.prompt import canonical_context_ids
+from mpic.prompt_parts import PromptPart
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
@@ -120,9 +123,11 @@ class ReferenceServeEngine(ServeEngine):
         the first-token logits [V], on a thread under the runner's lock."""
         return await asyncio.to_thread(self._exact_first_token, prompt, entries)
 
-    def _exact_first_token(
+    def _parts(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
-    ) -> FirstToken:
+    ) -> tuple[str | None, list[PromptPart], dict[str, CacheEntry]]:
+        """(system prompt, parts, entry table) of a request: `entries` plus its inline images'
+        entries, computed for this request alone (blocking: call on a thread)."""
         table = dict(entries)
 
         def inline_entry(image: EncodedImage) -> str:
@@ -131,6 +136,12 @@ class ReferenceServeEngine(ServeEngine):
             return entry_id
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        return system, parts, table
+
+    def _exact_first_token(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> FirstToken:
+        system, parts, table = self._parts(prompt, entries)
         with self._lock:
             pre = self.runner.prefill(parts, "full", 0, system_prompt=system, entries=table)
         return FirstToken.from_logits(pre.logits)
@@ -211,14 +222,7 @@ class ReferenceServeEngine(ServeEngine):
         prefill, logprobs) `put` as decoded, an exception put as it is raised, then None.
         Stops at once when `gone` is set (before the prefill when still waiting)."""
         try:
-            table = dict(entries)
-
-            def inline_entry(image: EncodedImage) -> str:
-                entry_id = INLINE_PREFIX + image.content_hash
-                table[entry_id] = self.compute_entry(entry_id, image)
-                return entry_id
-
-            system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+            system, parts, table = self._parts(prompt, entries)
             tokenizer = self.runner.processor.tokenizer
             sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
             with self._runner_for(gone.is_set) as held:

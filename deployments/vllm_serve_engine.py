@@ -1,6 +1,7 @@
 """`ServeEngine` on vLLM + the MPIC KV connector (Encoder and LLM-worker replicas,
-`engine.kind: vllm`), wrapping `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM V1's
-`AsyncLLM`).
+`engine.kind: vllm`), a thin adapter over `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM
+V1's `AsyncLLM`; the vLLM backend of `mpic.engine.protocol.Engine`): a request's plan and vLLM
+request come from `VllmFrontEnd.prepare`, its text from `mpic.engine.request_flow.TextStream`.
 
 vLLM runs its own vision tower inside the request that computes an entry (the upload path of
 `mpic.engine.vllm.upload`), so the Encoder replica here only validates and identifies the image

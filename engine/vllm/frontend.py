@@ -266,27 +266,19 @@ class VllmFrontEnd:
         """Upload path (blocks the calling thread): the image's entry computed by vLLM's own
         forward (batched with requests in flight on the async engine), written to the store by
         the connector and read back."""
-        return self._store_entry(*self._upload_form(media, system_prompt))
+        return self._store_entry(self._upload_form(media, system_prompt))
 
     def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
         """Upload path of a text document (blocks the calling thread): its entry (the KV of its
         own token ids after its canonical context) computed by vLLM, written to the store."""
-        return self._store_entry(*self._document_form(text, system_prompt))
+        return self._store_entry(self._document_form(text, system_prompt))
 
-    def _store_entry(
-        self,
-        prompt_token_ids: list[int],
-        multi_modal_data: dict[str, Any] | None,
-        span: tuple[int, int],
-        entry_id: str,
-        extra: dict[str, Any] | None = None,
-    ) -> CacheEntry:
-        """Run an upload prompt (one placeholder per image; None: a text document) through vLLM
-        and read back the entry its worker stored for the tokens [span)."""
-        self._run_to_end(
-            *self._entry_form(prompt_token_ids, multi_modal_data, span, entry_id, extra)
-        )
-        return self.store.get(entry_id)
+    def _store_entry(self, form: tuple) -> CacheEntry:
+        """Run an upload prompt (`_upload_form` / `_document_form`: ids, multi-modal data or
+        None, span, entry id, extra) through vLLM and read back the entry its worker stored for
+        the tokens [span)."""
+        self._run_to_end(*self._entry_form(*form))
+        return self.store.get(form[3])
 
     def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
         """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's

@@ -1,4 +1,4 @@
-"""Streamed text (`mpic.deployments.prompting.Detokenizer`, LLM-worker replicas): pieces pushed
+"""Streamed text (`mpic.engine.detokenize.Detokenizer`, LLM-worker replicas): pieces pushed
 one token or several at a time join to the decoded text, and a piece never ends in an
 incomplete character (U+FFFD) while more tokens may complete it."""
 
