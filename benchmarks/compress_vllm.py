@@ -40,10 +40,10 @@ import torch
 
 from mpic.benchmarks.compress_rows import baseline_row, press_row
 from mpic.benchmarks.offline import kl_divergence
+from mpic.engine.request_flow import pressed_parts
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
-from mpic.engine.vllm.requests import EngineRequest, linked_request
-from mpic.linker.recipe import plan_prompt
-from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
+from mpic.engine.vllm.requests import EngineRequest
+from mpic.prompt_parts import PromptPart
 from mpic.samples import interleaved_prompt, synthetic_png
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
@@ -101,21 +101,15 @@ class VllmCompressBench:
     def pressed(self, parts: list[PromptPart], press: str, budget: float) -> list[PromptPart]:
         """`parts` with every image and document replaced by its compressed entry (made on
         first use)."""
-        out: list[PromptPart] = []
-        for part in parts:
-            if isinstance(part, ImageRef | DocumentRef):
-                entry = self.engine.press_entry(self.entries[part.entry_id], press, budget)
-                self.entries[entry.entry_id] = entry
-                part = type(part)(entry.entry_id)
-            out.append(part)
-        return out
+        return pressed_parts(
+            parts, self.entries, lambda e: self.engine.press_entry(e, press, budget)
+        )
 
     def _request(self, parts: list[PromptPart], policy: str, steps: int) -> EngineRequest:
-        planned = plan_prompt(self.spec, self.engine.processor, parts, self.entries, policy, None,
-                              steps)  # fmt: skip
-        req = linked_request(planned.plan, policy, self.spec)
-        req.cache_salt = f"mpic-bench-{uuid.uuid4().hex}"  # no prefix-cache hit between runs
-        return req
+        """The linked request (`VllmFrontEnd.prepare`), salted: no prefix-cache hit between
+        runs."""
+        salt = f"mpic-bench-{uuid.uuid4().hex}"
+        return self.engine.prepare(parts, self.entries, policy, None, steps, salt=salt)[1]
 
     def run(self, parts: list[PromptPart], policy: str, steps: int) -> dict[str, Any]:
         """Greedy `steps` tokens with per-step log-probs [V], KV bytes held and decode time."""

@@ -1,5 +1,6 @@
-"""Engines the offline benchmark can drive, by name (CLI process). `reference` is the HF
-reference runner; other engines (e.g. `vllm`) register a factory with `register_engine`.
+"""Engines the offline benchmark can drive, by name (CLI process): thin adapters over a backend
+of `mpic.engine.protocol.Engine`. `reference` is the HF reference runner; other engines (e.g.
+`vllm`, `mpic.benchmarks.vllm_engine`) register a factory with `register_engine`.
 
 An engine caches images (entries in memory before timing starts), times one prompt's first
 token under a policy, and decodes greedily. An engine that can also time a plain forward of S

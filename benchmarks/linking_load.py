@@ -49,19 +49,16 @@ def _engine(model: str, storage: Any, **options: Any) -> Any:
 
 
 def _linked(engine: Any, entries: list[Any], text: str, policy: str = "mpic-32") -> Any:
-    """The linked request of text, image 1, 'and', image 2, ... (`policy` depths)."""
-    from mpic.engine.vllm.requests import linked_request
+    """The linked request of text, image 1, 'and', image 2, ... (`policy` depths;
+    `VllmFrontEnd.prepare`), salted: no prefix-cache hit between requests."""
     from mpic.linker.prompt import ImageRef
-    from mpic.linker.recipe import plan_prompt
 
     parts: list[Any] = [f"{text} ({uuid.uuid4().hex[:6]})"]
     for e in entries:
         parts += [ImageRef(e.entry_id), "and"]
     table = {e.entry_id: e for e in entries}
-    planned = plan_prompt(engine.spec, engine.processor, parts, table, policy, None, 16)
-    req = linked_request(planned.plan, policy, engine.spec)
-    req.cache_salt = f"bench-{uuid.uuid4().hex}"  # no prefix-cache hit between requests
-    return req
+    salt = f"bench-{uuid.uuid4().hex}"
+    return engine.prepare(parts, table, policy, None, 16, salt=salt)[1]
 
 
 async def _stream(engine: Any, req: Any, max_tokens: int, times: list[float]) -> None:

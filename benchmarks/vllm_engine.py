@@ -21,11 +21,9 @@ from collections.abc import Sequence
 from tempfile import mkdtemp
 
 from mpic.benchmarks.first_token import FirstToken
-from mpic.engine.hf.vision import load_image
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
-from mpic.engine.vllm.requests import EngineRequest, exact_request, linked_request
+from mpic.engine.vllm.requests import EngineRequest
 from mpic.linker.prompt import PromptPart
-from mpic.linker.recipe import plan_prompt
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry, LinkPlan
 
@@ -53,17 +51,16 @@ class VllmBenchEngine:
         return entry.entry_id
 
     def _request(self, parts: Sequence[PromptPart], policy: str) -> tuple[EngineRequest, int, int]:
-        """The request for `parts` under `policy`, its prompt and recomputed token counts."""
-        rule = "full" if policy in EXACT_POLICIES else policy
-        planned = plan_prompt(
-            self.spec, self.engine.processor, parts, self.entries, rule, self.system_prompt
+        """The request for `parts` under `policy` (`VllmFrontEnd.prepare`: plain vLLM with the
+        images for `full` and `prefix`), its prompt and recomputed token counts."""
+        exact = policy in EXACT_POLICIES
+        media = self.media if exact else None  # a linked run that cannot link fails loudly
+        planned, request = self.engine.prepare(
+            parts, self.entries, policy, self.system_prompt, media=media, exact=exact
         )
         plan = planned.plan
-        if policy in EXACT_POLICIES:
-            images = [load_image(self.media[r]) for r in planned.refs]
-            request = exact_request(plan, self.spec.image_token_id, images)
+        if exact:
             return request, plan.num_tokens, plan.num_tokens
-        request = linked_request(plan, policy, self.spec)
         return request, plan.num_tokens, _recomputed(plan, planned.policy.two_step)
 
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:

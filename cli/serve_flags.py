@@ -78,7 +78,7 @@ def api_keys(values: list[str]) -> list[str]:
 def model_facts(model: str) -> tuple[str, int]:
     """(family, max_position_embeddings) read from the checkpoint's own config.json (a local
     folder, or an s3:// prefix copied locally first). FlagError when it cannot be served."""
-    from mpic.engine.hf.loader import resolve_model_dir
+    from mpic.engine.model_dir import resolve_model_dir
     from mpic.model_spec import ModelSpec
 
     try:

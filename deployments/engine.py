@@ -1,9 +1,10 @@
 """The small engine interface the Encoder and LLM-worker deployments drive (Serve replicas).
 
 Ray Serve LLM keeps its engine behind an ABC so the deployment graph does not care which engine
-runs; MPIC does the same: `ServeEngine` is implemented by the HF reference runner
-(`mpic.deployments.reference_engine`) and by vLLM + the MPIC connector
-(`mpic.deployments.vllm_serve_engine`), chosen by `EngineConfig.kind` through `build_engine`.
+runs; MPIC does the same: `ServeEngine` is implemented by thin adapters over the two backends of
+`mpic.engine.protocol.Engine`, the HF reference runner (`mpic.deployments.reference_engine`) and
+vLLM + the MPIC connector (`mpic.deployments.vllm_serve_engine`), and by a model-free fake
+(`mpic.deployments.fake_engine`), chosen by `EngineConfig.kind` through `build_engine`.
 
 The linker deployment hands the worker a `LinkedPrompt`: the chat turns with every file
 reference already resolved to a content-addressed entry id in the caller's namespace. The worker
@@ -125,7 +126,7 @@ def build_engine(cfg: EngineConfig, store: StorageConfig, role: Role) -> ServeEn
     name a `ServeEngine` subclass."""
     if cfg.chat_template and cfg.kind in ("reference", "vllm"):  # vLLM's --chat-template
         from mpic.engine.hf.chat_template import with_chat_template
-        from mpic.engine.hf.loader import resolve_model_dir
+        from mpic.engine.model_dir import resolve_model_dir
 
         folder = with_chat_template(resolve_model_dir(cfg.model), cfg.chat_template)
         cfg = cfg.model_copy(update={"model": folder})

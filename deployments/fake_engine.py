@@ -27,7 +27,9 @@ from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
-from mpic.deployments.prompting import Sampler, StopMatcher, identify_image
+from mpic.deployments.prompting import identify_image
+from mpic.engine.detokenize import StopMatcher
+from mpic.engine.sampling import Sampler
 from mpic.errors import InvalidRequestError
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry

@@ -3,13 +3,16 @@
 Torch-free, so the HTTP ingress can import them without loading torch: an `EncodedImage` carries
 a tensor from the Encoder to the LLM worker, but only its type is named here. The Resolver hands
 the worker a `LinkedPrompt` (chat turns with every file reference resolved to a content-addressed
-entry id in the caller's namespace); the worker streams `TokenEvent`s, then one `DoneEvent`.
+entry id in the caller's namespace); the worker streams `TokenEvent`s, then one `DoneEvent`
+(the engines' vocabulary, `mpic.engine.protocol`, re-exported here with `Sampling`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from mpic.engine.protocol import DoneEvent, Sampling, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
     import torch
@@ -39,26 +42,6 @@ class LinkedTurn:
 
     role: str
     segments: list[Segment]
-
-
-@dataclass
-class Sampling:
-    """How to pick tokens (OpenAI's sampling fields, validated by the ingress); every engine
-    honours all of them. temperature 0 is greedy; `seed` makes sampling reproducible."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    """Strings that end the answer; the matched stop string is not part of it."""
-    logprobs: int | None = None
-    """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely."""
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    """Token id -> bias added to its logit before sampling (OpenAI `logit_bias`)."""
-    ignore_eos: bool = False
-    """Decode past the model's end token up to `max_tokens` (vLLM's option; benchmarks)."""
 
 
 @dataclass
@@ -108,45 +91,13 @@ class EncodedImage:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class TokenLogprob:
-    """One generated token with its logprob and the most likely alternatives."""
-
-    token: str
-    logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
-    raw: bytes | None = None
-    """The token's own bytes (`mpic.deployments.token_bytes`; a byte token of a multi-byte
-    character is that one byte, not U+FFFD's three); None: the UTF-8 of `token`."""
-    top_raw: list[bytes] | None = None
-    """The bytes of each alternative in `top`, in order; None: the UTF-8 of their text."""
-
-
-@dataclass
-class TokenEvent:
-    """A piece of generated text (and, when asked for, the logprobs of its tokens)."""
-
-    text: str
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class DoneEvent:
-    """The end of a generation, with what the ingress reports and records as metrics."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    """Linked (reused) tokens: OpenAI's `usage.prompt_tokens_details.cached_tokens`."""
-    completion_tokens: int
-    finish_reason: Literal["stop", "length"]
-    ttft_s: float
-    """Engine-side time to first token (link plan + loads + prefill + first decode)."""
-    tier_hits: dict[str, int] = field(default_factory=dict)
-    """Entries served per storage tier, e.g. {"memory": 2, "disk": 1}."""
-    fallbacks: int = 0
-    """Entries that were missing or corrupt and were recomputed instead."""
-    policy: str = ""
-    """The policy the worker served (the fidelity loop may replace the default); "" unknown."""
-    first_token: Any = None
-    """Only inside the LLM worker, when `capture_first_token` was set: the served pass's
-    `mpic.deployments.monitoring.fidelity_monitor.FirstToken` (the worker strips it)."""
+__all__ = [
+    "DoneEvent",
+    "EncodedImage",
+    "LinkedPrompt",
+    "LinkedTurn",
+    "Sampling",
+    "Segment",
+    "TokenEvent",
+    "TokenLogprob",
+]

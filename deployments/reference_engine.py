@@ -2,24 +2,25 @@
 reference`): the same linking path as `mpic.engine.hf.reference_runner` offline, so an HTTP answer
 equals the offline engine's for the same prompt and policy.
 
-Tokens are streamed as the runner decodes them (`ReferenceRunner.stream`, on a decode thread that
-does not wait for the consumer), with the request's own system prompt. The runner is not
-thread-safe and keeps a table of linkable entries, so every call into the runner holds one lock
-(the LLM worker holds none; requests wait for the lock on their own threads, and one whose client
-left stops waiting or decoding at once: `generate`), and the entries
-of a request are made linkable for that request only (inline images included: their entry is
-computed for the request and never stored).
+A thin adapter over the reference backend of `mpic.engine.protocol.Engine`: tokens are streamed
+as the runner decodes them (`ReferenceRunner.stream`, on one decode thread per request that hands
+each token straight to the event loop and does not wait for the consumer), with the request's
+own system prompt, sampled by `mpic.engine.sampling.Sampler` and turned into text by the shared
+`mpic.engine.request_flow.TextStream`. The runner is not thread-safe, so every call into it holds
+one lock (the LLM worker holds none; requests wait for the lock on their own decode threads, and
+one whose client left stops waiting or decoding at once: `generate`), and the entries of a
+request are linkable for that request only (passed to the runner with it; inline images
+included: their entry is computed for the request and never stored).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -28,36 +29,21 @@ from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.deployments.monitoring.fidelity_monitor import FirstToken
-from mpic.deployments.prompting import (
-    INLINE_PREFIX,
-    Detokenizer,
-    Sampler,
-    StopMatcher,
-    identify_image,
-    prompt_parts,
-    stored_linked_tokens,
-)
-from mpic.deployments.token_bytes import TokenBytes
+from mpic.deployments.prompting import INLINE_PREFIX, identify_image, prompt_parts
 from mpic.engine.hf.entries import cache_document, compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
-from mpic.engine.hf.vision import encode, load_image
+from mpic.engine.hf.vision import encode
+from mpic.engine.items import load_image
+from mpic.engine.request_flow import TextStream, done_event, finish_reason
+from mpic.engine.sampling import Sampler
+from mpic.engine.token_bytes import TokenBytes
 from mpic.linker.prompt import canonical_context_ids
-from mpic.linker.raw_prompt import RawPrompt
+from mpic.prompt_parts import PromptPart
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _finish_reason(
-    tokens: list[int], prompt: LinkedPrompt, stopped: bool, end_ids: tuple[int, ...]
-) -> Literal["stop", "length"]:
-    """ "stop" at a stop string or an end id (unless `ignore_eos`), else "length" once
-    `max_tokens` tokens ran (vLLM's rule, so both engines report alike)."""
-    if stopped or (tokens and tokens[-1] in end_ids and not prompt.sampling.ignore_eos):
-        return "stop"
-    return "length" if len(tokens) >= prompt.max_tokens else "stop"
 
 
 class ReferenceServeEngine(ServeEngine):
@@ -137,9 +123,11 @@ class ReferenceServeEngine(ServeEngine):
         the first-token logits [V], on a thread under the runner's lock."""
         return await asyncio.to_thread(self._exact_first_token, prompt, entries)
 
-    def _exact_first_token(
+    def _parts(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
-    ) -> FirstToken:
+    ) -> tuple[str | None, list[PromptPart], dict[str, CacheEntry]]:
+        """(system prompt, parts, entry table) of a request: `entries` plus its inline images'
+        entries, computed for this request alone (blocking: call on a thread)."""
         table = dict(entries)
 
         def inline_entry(image: EncodedImage) -> str:
@@ -148,21 +136,26 @@ class ReferenceServeEngine(ServeEngine):
             return entry_id
 
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
+        return system, parts, table
+
+    def _exact_first_token(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    ) -> FirstToken:
+        system, parts, table = self._parts(prompt, entries)
         with self._lock:
-            self.runner.entries = table
-            try:
-                pre = self.runner.prefill(parts, "full", 0, system_prompt=system)
-            finally:
-                self.runner.entries = {}
+            pre = self.runner.prefill(parts, "full", 0, system_prompt=system, entries=table)
         return FirstToken.from_logits(pre.logits)
 
     async def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """`_stream` on its own thread, its events handed over through an asyncio queue: the
-        event loop never waits on the runner, and a consumer that goes away (the client left:
-        Serve cancels the worker's generator, or closes it) is never held up by a thread. Its
-        `gone` is set at once, so a request still queued for the runner never prefills and a
+        """Link + selective prefill + decode on a decode thread (`_decode`), one event per token
+        as it is decoded, tokens picked by the request's `Sampler` (greedy at temperature 0;
+        seeded sampling, top_p, penalties, logit_bias, logprobs) and cut at a stop string
+        (`mpic.engine.request_flow.TextStream`). The thread hands each token over through an
+        asyncio queue, so the event loop never waits on the runner, and a consumer that goes
+        away (the client left: Serve cancels the worker's generator, or closes it) or a stop
+        string sets `gone` at once: a request still queued for the runner never prefills and a
         running one stops decoding after its current step (the runner is free for the next)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -174,25 +167,36 @@ class ReferenceServeEngine(ServeEngine):
             except RuntimeError:  # the loop is gone: nobody listens any more
                 gone.set()
 
-        def pump() -> None:
-            try:
-                for ev in self._stream(prompt, entries, gone):
-                    if gone.is_set():
-                        break
-                    put(ev)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-                put(exc)
-            finally:
-                put(None)
-
-        threading.Thread(target=pump, name="mpic-request", daemon=True).start()
+        args = (prompt, entries, gone, put)
+        threading.Thread(target=self._decode, args=args, name="mpic-decode", daemon=True).start()
+        logger.debug("request %s: decoding", prompt.request_id)
+        text = TextStream(self.runner.processor.tokenizer, prompt.sampling.stop)
+        prefilled: Prefilled | None = None
         try:
             while (item := await events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                token, prefilled, logprobs = item
+                yield text.push([token], logprobs)
+                if text.stopped:
+                    break
+            if (rest := text.flush()) is not None:
+                yield rest
         finally:
             gone.set()
+        if prefilled is None:  # abandoned before its prefill: nobody waits for a DoneEvent
+            return
+        tokens, pre = text.tokens, prefilled
+        ended = bool(tokens) and tokens[-1] in self.runner.spec.end_token_ids
+        length = len(tokens) >= prompt.max_tokens and not (ended and not prompt.sampling.ignore_eos)
+        yield done_event(
+            pre.plan,
+            len(tokens),
+            finish_reason(text.stopped, length),
+            pre.ttft_s,
+            prompt.policy,
+            first_token=FirstToken.from_logits(pre.logits) if prompt.capture_first_token else None,
+        )
 
     @contextmanager
     def _runner_for(self, stop: Callable[[], bool]) -> Iterator[bool]:
@@ -206,92 +210,40 @@ class ReferenceServeEngine(ServeEngine):
         finally:
             self._lock.release()
 
-    def _stream(
+    def _decode(
         self,
         prompt: LinkedPrompt,
         entries: dict[str, CacheEntry],
-        abandoned: threading.Event | None = None,
-    ) -> Iterator[TokenEvent | DoneEvent]:
-        """Generation through the runner's link + selective prefill + decode, one event per
-        token as it is decoded, tokens picked by the request's `Sampler` (greedy at temperature
-        0; seeded sampling, top_p, penalties, logit_bias, logprobs) and cut at a stop string
-        (the decode thread stops too). The runner is held for the whole generation."""
-        table = dict(entries)
-
-        def inline_entry(image: EncodedImage) -> str:
-            entry_id = INLINE_PREFIX + image.content_hash
-            table[entry_id] = self.compute_entry(entry_id, image)
-            return entry_id
-
-        system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
-        tokenizer = self.runner.processor.tokenizer
-        sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
-        stops = StopMatcher(prompt.sampling.stop)
-        tokens: list[int] = []
-        prefilled: list[Prefilled] = []
-        out: queue.SimpleQueue = queue.SimpleQueue()
-        cancel = threading.Event()
-
-        def stop() -> bool:  # this stream closed, or its client gone (`generate`)
-            return cancel.is_set() or (abandoned is not None and abandoned.is_set())
-
-        def produce() -> None:  # decodes at the runner's pace, whatever the consumer does
-            with self._runner_for(stop) as held:
-                if not held or stop():  # abandoned while queued: no prefill at all
-                    out.put(None)
-                    return
-                self.runner.entries = table
-                processor = self.runner.processor
-                if prompt.raw:  # a completion: no chat template (mpic.linker.raw_prompt)
-                    self.runner.processor = RawPrompt(processor)
-                try:
-                    for token, pre in self.runner.stream(
-                        parts,
-                        prompt.policy,
-                        prompt.max_tokens,
-                        system_prompt=system,
-                        pick=sampler,
-                        press=prompt.press,
-                        budget=prompt.budget,
-                        stop_at_eos=not prompt.sampling.ignore_eos,
-                    ):
-                        out.put((token, pre, sampler.take()))
-                        if stop():
-                            break
-                except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-                    out.put(exc)
-                finally:
-                    self.runner.entries = {}
-                    self.runner.processor = processor
-                    out.put(None)
-
-        threading.Thread(target=produce, name="mpic-decode", daemon=True).start()
-        logger.debug("request %s: decoding", prompt.request_id)
-        detok, stopped = Detokenizer(tokenizer), False
+        gone: threading.Event,
+        put: Callable[[object], None],
+    ) -> None:
+        """On the decode thread: the request's parts (inline images' entries computed for it
+        alone), then the runner's stream under its lock at the runner's pace, each (token,
+        prefill, logprobs) `put` as decoded, an exception put as it is raised, then None.
+        Stops at once when `gone` is set (before the prefill when still waiting)."""
         try:
-            while (item := out.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                token, pre, logprobs = item
-                prefilled[:1] = [pre]
-                tokens.append(token)
-                text, stopped = stops.push(detok.push([token]).text)
-                yield TokenEvent(text, logprobs)
-                if stopped:
-                    break
-            if not stopped and (rest := stops.push(detok.flush().text)[0] + stops.flush()):
-                yield TokenEvent(rest)
+            system, parts, table = self._parts(prompt, entries)
+            tokenizer = self.runner.processor.tokenizer
+            sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
+            with self._runner_for(gone.is_set) as held:
+                if not held or gone.is_set():  # abandoned while queued: no prefill at all
+                    return
+                for token, pre in self.runner.stream(
+                    parts,
+                    prompt.policy,
+                    prompt.max_tokens,
+                    system_prompt=system,
+                    pick=sampler,
+                    press=prompt.press,
+                    budget=prompt.budget,
+                    stop_at_eos=not prompt.sampling.ignore_eos,
+                    entries=table,
+                    raw=prompt.raw,  # a completion: no chat template (mpic.linker.raw_prompt)
+                ):
+                    put((token, pre, sampler.take()))
+                    if gone.is_set():
+                        break
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            put(exc)
         finally:
-            cancel.set()
-        if not prefilled:  # abandoned before its prefill: nobody waits for a DoneEvent
-            return
-        pre = prefilled[0]
-        yield DoneEvent(
-            prompt_tokens=pre.plan.num_tokens,
-            cached_tokens=stored_linked_tokens(pre.plan),
-            completion_tokens=len(tokens),
-            finish_reason=_finish_reason(tokens, prompt, stopped, self.runner.spec.end_token_ids),
-            ttft_s=pre.ttft_s,
-            policy=prompt.policy,
-            first_token=FirstToken.from_logits(pre.logits) if prompt.capture_first_token else None,
-        )
+            put(None)

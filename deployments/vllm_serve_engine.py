@@ -1,6 +1,7 @@
 """`ServeEngine` on vLLM + the MPIC KV connector (Encoder and LLM-worker replicas,
-`engine.kind: vllm`), wrapping `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM V1's
-`AsyncLLM`).
+`engine.kind: vllm`), a thin adapter over `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM
+V1's `AsyncLLM`; the vLLM backend of `mpic.engine.protocol.Engine`): a request's plan and vLLM
+request come from `VllmFrontEnd.prepare`, its text from `mpic.engine.request_flow.TextStream`.
 
 vLLM runs its own vision tower inside the request that computes an entry (the upload path of
 `mpic.engine.vllm.upload`), so the Encoder replica here only validates and identifies the image
@@ -25,57 +26,28 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engine import Role, ServeEngine
-from mpic.deployments.messages import (
-    DoneEvent,
-    EncodedImage,
-    LinkedPrompt,
-    Sampling,
-    TokenEvent,
-    TokenLogprob,
-)
+from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
 from mpic.deployments.monitoring.fidelity_monitor import TOP_K, FirstToken
-from mpic.deployments.prompting import (
-    Detokenizer,
-    StopMatcher,
-    identify_image,
-    prompt_parts,
-    stored_linked_tokens,
-)
-from mpic.deployments.token_bytes import TokenBytes
-from mpic.engine.hf.vision import load_image
+from mpic.deployments.prompting import identify_image, prompt_parts
+from mpic.engine.request_flow import TextStream, done_event, finish_reason, pressed_parts
+from mpic.engine.token_bytes import TokenBytes
 from mpic.engine.vllm.presses import check_press
-from mpic.engine.vllm.requests import (
-    EngineRequest,
-    EngineResult,
-    exact_request,
-    linked_request,
-    resolve_fallback,
-)
+from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
+from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids
-from mpic.linker.raw_prompt import RawPrompt
-from mpic.linker.recipe import plan_prompt
 from mpic.model_spec import ModelSpec
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
 from mpic.storage.config import StorageConfig
-from mpic.storage.object_store import ObjectNotFoundError
 from mpic.storage.static_library import media_key
 from mpic.types import CacheEntry, LinkPlan
 
 logger = logging.getLogger(__name__)
-
-
-def _finish_reason(result: EngineResult | None, stopped: bool) -> Literal["stop", "length"]:
-    """OpenAI's finish reason: "stop" at a stop string or where vLLM stopped at an end id,
-    "length" where it ran to `max_tokens` (the reference engine reports alike)."""
-    if stopped or result is None:
-        return "stop"
-    return "length" if result.finish_reason == "length" else "stop"
 
 
 class VllmServeEngine(ServeEngine):
@@ -156,8 +128,8 @@ class VllmServeEngine(ServeEngine):
     def _request(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> tuple[LinkPlan, EngineRequest]:
-        """(plan, linked request with a lazy exact fallback); blocking (inline images' entries
-        are computed by vLLM): runs on a thread."""
+        """(plan, linked request with a lazy exact fallback: `VllmFrontEnd.prepare`); blocking
+        (inline images' entries are computed by vLLM): runs on a thread."""
         table = dict(entries)
         media: dict[str, Callable[[], bytes]] = {}
         for turn in prompt.turns:
@@ -175,20 +147,10 @@ class VllmServeEngine(ServeEngine):
         system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
         if prompt.press is not None:
             parts = self._pressed(parts, table, media, prompt.press, prompt.budget)
-        renderer = RawPrompt(self.processor) if prompt.raw else self.processor
-        planned = plan_prompt(
-            self.spec, renderer, parts, table, prompt.policy, system, prompt.max_tokens
+        planned, request = self.vllm.prepare(
+            parts, table, prompt.policy, system, prompt.max_tokens, raw=prompt.raw, media=media
         )
-        plan, refs = planned.plan, planned.refs
-
-        def exact() -> EngineRequest:  # the prompt with its images (pixels read only now)
-            try:  # documents' token ids are in the plan's prompt already
-                images = [load_image(media[r]()) for r in refs if table[r].media_type == "image"]
-            except ObjectNotFoundError:
-                raise InvalidRequestError("an entry and its media are gone") from None
-            return exact_request(plan, self.spec.image_token_id, images)
-
-        return plan, linked_request(plan, prompt.policy, self.spec, fallback=exact)
+        return planned.plan, request
 
     def _pressed(
         self,
@@ -212,57 +174,9 @@ class VllmServeEngine(ServeEngine):
                 "to compress text",
                 param="mpic.press",
             )
-        out: list[PromptPart] = []
-        for part in parts:
-            if isinstance(part, ImageRef | DocumentRef):
-                entry = self.vllm.press_entry(table[part.entry_id], press, budget or 1.0)
-                table[entry.entry_id] = entry
-                if part.entry_id in media:
-                    media[entry.entry_id] = media[part.entry_id]
-                part = type(part)(entry.entry_id)
-            out.append(part)
-        return out
-
-    def _sampling(self, s: Sampling) -> dict[str, Any]:
-        """vLLM SamplingParams keywords of a request's `Sampling` (vLLM samples natively;
-        stop strings are cut by the shared `StopMatcher`, as in the other engines)."""
-        vocab = len(self.processor.tokenizer)
-        if s.logit_bias and max(s.logit_bias) >= vocab:
-            raise InvalidRequestError(
-                f"logit_bias: token id {max(s.logit_bias)} is outside the vocabulary "
-                f"({vocab} tokens)",
-                param="logit_bias",
-            )
-        return {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "seed": s.seed,
-            "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty,
-            "logit_bias": dict(s.logit_bias) or None,
-            "logprobs": s.logprobs,
-            "ignore_eos": s.ignore_eos,
-        }
-
-    def _logprobs(self, steps: list[dict], tokens: list[int], k: int) -> list[TokenLogprob]:
-        """TokenLogprobs of `tokens` from vLLM's per-step {token id: Logprob} dicts."""
-        text = self.processor.tokenizer.decode
-        if getattr(self, "_token_bytes", None) is None:
-            self._token_bytes = TokenBytes(self.processor.tokenizer)
-        raw = self._token_bytes  # a byte token's own byte, not U+FFFD's UTF-8
-        out = []
-        for step, token in zip(steps, tokens, strict=False):
-            top = sorted(step.items(), key=lambda kv: kv[1].rank)[:k]
-            out.append(
-                TokenLogprob(
-                    text([token]),
-                    float(step[token].logprob),
-                    [(text([i]), float(lp.logprob)) for i, lp in top],
-                    raw(token),
-                    [raw(i) for i, _ in top],
-                )
-            )
-        return out
+        return pressed_parts(
+            parts, table, lambda e: self.vllm.press_entry(e, press, budget or 1.0), media
+        )
 
     supports_fidelity = True
 
@@ -296,21 +210,24 @@ class VllmServeEngine(ServeEngine):
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Link by `prompt.policy` and stream tokens sampled by vLLM (`prompt.sampling`: greedy
-        by default) from the MPIC connector's linked KV; cut at a stop string."""
+        by default) from the MPIC connector's linked KV; cut at a stop string
+        (`mpic.engine.request_flow.TextStream`)."""
         assert self.vllm is not None, "generate runs in the LLM worker"
         start = time.perf_counter()
-        sampling = self._sampling(prompt.sampling)
+        tokenizer = self.processor.tokenizer
+        sampling = sampling_kwargs(prompt.sampling, len(tokenizer))
         if prompt.capture_first_token:  # the fidelity monitor's top-k (raw logprobs)
             sampling["logprobs"] = max(sampling["logprobs"] or 0, TOP_K)
         first: FirstToken | None = None
         plan, request = await asyncio.to_thread(self._request, prompt, entries)
         logger.debug("request %s: submitted to vLLM", prompt.request_id)
-        detok, stops = Detokenizer(self.processor.tokenizer), StopMatcher(prompt.sampling.stop)
-        ttft, result, stopped = None, None, False  # stopped: by a stop string
+        text = TextStream(tokenizer, prompt.sampling.stop)
+        ttft, result = None, None
         stream = self.vllm.stream(request, prompt.max_tokens, sampling)
         try:
             async for result in stream:
-                new = result.token_ids[len(detok.tokens) :]
+                done = len(text.tokens)
+                new = result.token_ids[done:]
                 if not new:
                     continue
                 ttft = ttft if ttft is not None else time.perf_counter() - start
@@ -318,27 +235,29 @@ class VllmServeEngine(ServeEngine):
                     if steps := result.extra.get("logprobs"):
                         first = FirstToken.from_logprobs(steps[0], TOP_K)
                 logprobs = None
-                if prompt.sampling.logprobs is not None:
-                    steps = result.extra.get("logprobs") or []
-                    steps = steps[len(detok.tokens) : len(detok.tokens) + len(new)]
-                    logprobs = self._logprobs(steps, new, prompt.sampling.logprobs)
-                text, stopped = stops.push(detok.push(new).text)
-                yield TokenEvent(text, logprobs)
-                if stopped:
+                if (k := prompt.sampling.logprobs) is not None:
+                    steps = (result.extra.get("logprobs") or [])[done : done + len(new)]
+                    logprobs = token_logprobs(steps, new, k, tokenizer.decode, self._raw_bytes())
+                yield text.push(new, logprobs)
+                if text.stopped:
                     break
         finally:
             await stream.aclose()  # aborts the vLLM request when cut short
-        if not stopped and (rest := stops.push(detok.flush().text)[0] + stops.flush()):
-            yield TokenEvent(rest)
-        n = len(detok.tokens)
+        if (rest := text.flush()) is not None:
+            yield rest
         fell_back = result is not None and result.fell_back
-        yield DoneEvent(
-            prompt_tokens=plan.num_tokens,
-            cached_tokens=0 if fell_back else stored_linked_tokens(plan),
-            completion_tokens=n,
-            finish_reason=_finish_reason(result, stopped),
-            ttft_s=ttft if ttft is not None else time.perf_counter() - start,
-            fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
-            policy=prompt.policy,
+        yield done_event(
+            plan,
+            len(text.tokens),
+            finish_reason(text.stopped, result is not None and result.finish_reason == "length"),
+            ttft if ttft is not None else time.perf_counter() - start,
+            prompt.policy,
+            fell_back=fell_back,
             first_token=first,
         )
+
+    def _raw_bytes(self) -> TokenBytes:
+        """The tokenizer's `TokenBytes` (logprob bytes), made on first use."""
+        if getattr(self, "_token_bytes", None) is None:
+            self._token_bytes = TokenBytes(self.processor.tokenizer)
+        return self._token_bytes

@@ -30,8 +30,15 @@ PACKAGES: dict[str, tuple[str, int]] = {
     "mpic.benchmarks": ("benchmarks", 6),
     "mpic.cli": ("cli", 7),
 }
-# Inside engine/: the random-model writer and the HF engine sit below the vLLM engine.
-SUBFLOORS: dict[str, int] = {"mpic.engine.tiny": 0, "mpic.engine.hf": 1, "mpic.engine.vllm": 2}
+# Inside engine/: the random-model writer and the HF engine sit below the vLLM engine; the modules
+# directly in engine/ (the engine protocol, the request flow, items: what both backends share)
+# sit below both (the last, catch-all prefix: a subpackage listed earlier matches first).
+SUBFLOORS: dict[str, int] = {
+    "mpic.engine.tiny": 0,
+    "mpic.engine.hf": 1,
+    "mpic.engine.vllm": 2,
+    "mpic.engine": 0,
+}
 
 
 def modules() -> Iterator[tuple[str, Path]]:

@@ -17,7 +17,9 @@ image run through the model with the one-pass layer loop (every token computed, 
 plain prefill), and the image tokens' post-RoPE K/V, positions and embeddings make the entry.
 Its id is the content address sha256(model fingerprint, canonical context, media bytes)
 (`mpic.addressing.entry_address`; the fingerprint covers the image processor's settings, so the
-address names the processed content). Nothing is written here: storage persists entries.
+address names the processed content). The model-free part of an item (decoding, token ids,
+content address: `mpic.engine.items`) is shared with vLLM's upload path. Nothing is written here:
+storage persists entries.
 """
 
 from __future__ import annotations
@@ -26,21 +28,24 @@ from typing import Any
 
 import torch
 
-from mpic.addressing import entry_address
-from mpic.engine.hf.vision import encode, load_image
-from mpic.errors import PromptTooLongError
+from mpic.engine.hf.vision import encode
+from mpic.engine.items import document_bytes, document_item, image_item, line_break_offsets
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.positions import image_positions, text_positions
-from mpic.linker.prompt import (
-    ChatTokenizer,
-    canonical_context_ids,
-    document_context_ids,
-    document_token_ids,
-)
+from mpic.linker.prompt import ChatTokenizer
 from mpic.linker.selective_prefill import run_layers
 from mpic.model_spec import ModelSpec
 from mpic.types import CacheEntry
+
+__all__ = [  # the items' forms (`mpic.engine.items`) are re-exported with the entries
+    "cache_document",
+    "cache_image",
+    "compute_entry",
+    "document_bytes",
+    "document_item",
+    "line_break_offsets",
+]
 
 
 def compute_entry(
@@ -116,41 +121,11 @@ def cache_image(
 
     Raises UnreadableMediaError (before any computation) when the bytes are not an image.
     """
-    image = load_image(media)
-    context_ids = canonical_context_ids(processor, system_prompt, spec.image_token_id)
-    entry_id = entry_address(spec.fingerprint, context_ids, media)
+    image, context_ids, entry_id = image_item(processor, spec, media, system_prompt)
     (features,) = encode(model, processor, [image])
     return compute_entry(
         adapter, spec, context_ids, features.embeds, entry_id, grid_thw=features.grid_thw
     )
-
-
-def document_bytes(text: str) -> bytes:
-    """What a document's content address hashes: b"text:" + its UTF-8 bytes."""
-    return b"text:" + text.encode("utf-8")
-
-
-def document_item(
-    tokenizer: ChatTokenizer,
-    spec: ModelSpec,
-    text: str,
-    system_prompt: str | None = None,
-    max_len: int | None = None,
-) -> tuple[list[int], list[int], str]:
-    """(token ids, canonical context ids, entry id) of a text document: what every engine
-    caches for it (the reference runner here, vLLM's upload path in `mpic.engine.vllm`).
-    InvalidRequestError for an empty document; PromptTooLongError when context + tokens exceed
-    `max_len` (default: the model's maximum length)."""
-    limit = max_len or spec.max_model_len
-    ids = document_token_ids(tokenizer, text)
-    context_ids = document_context_ids(tokenizer, system_prompt)
-    if len(context_ids) + len(ids) > limit:
-        raise PromptTooLongError(
-            f"the document has {len(ids)} tokens; with its context that is over the model's "
-            f"maximum of {limit}",
-            param="file",
-        )
-    return ids, context_ids, entry_address(spec.fingerprint, context_ids, document_bytes(text))
 
 
 def cache_document(
@@ -168,11 +143,3 @@ def cache_document(
     entry = compute_entry(adapter, spec, context_ids, embeds, entry_id, document_ids=ids)
     entry.extra["line_breaks"] = line_break_offsets(tokenizer, ids)
     return entry
-
-
-def line_break_offsets(tokenizer: ChatTokenizer, token_ids: list[int]) -> list[int]:
-    """Offsets of the tokens whose text holds a line break (the `boundary-k` policy recomputes
-    them: delimiters gather attention, docs/fidelity.md)."""
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    pieces = tokenizer.batch_decode([[t] for t in token_ids])
-    return [i for i, piece in enumerate(pieces) if "\n" in piece]

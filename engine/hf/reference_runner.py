@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +27,15 @@ from mpic.engine.hf.compress import (
 )
 from mpic.engine.hf.entries import cache_document, cache_image
 from mpic.engine.hf.loader import load_hf_model
+from mpic.engine.protocol import Sampling
+from mpic.engine.request_flow import plan_parts
+from mpic.engine.sampling import Sampler
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import Policy, get_policy
 from mpic.linker.positions import next_position
 from mpic.linker.prompt import PromptPart
-from mpic.linker.recipe import PlannedPrompt, plan_prompt
+from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
 from mpic.linker.scout_calibration import load_table as load_scale_table
 from mpic.linker.selective_prefill import run_layers
@@ -73,7 +76,8 @@ class Generation:
 
 
 class ReferenceRunner:
-    """One HF model, an in-memory entry table and the MPIC linking path."""
+    """One HF model, an in-memory entry table and the MPIC linking path: the reference backend
+    of `mpic.engine.protocol.Engine`."""
 
     def __init__(
         self,
@@ -97,41 +101,39 @@ class ReferenceRunner:
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}
 
-    def cache_image(self, media: bytes) -> CacheEntry:
+    def _system(self, system_prompt: str | None) -> str | None:
+        """A request's system prompt, or None for the runner's own."""
+        return self.system_prompt if system_prompt is None else system_prompt
+
+    def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
         """Compute (or reuse) the entry of an image and keep it in memory."""
-        entry = cache_image(
-            self.model, self.processor, self.adapter, self.spec, media, self.system_prompt
-        )
+        system = self._system(system_prompt)
+        entry = cache_image(self.model, self.processor, self.adapter, self.spec, media, system)
         return self.entries.setdefault(entry.entry_id, entry)
 
-    def cache_document(self, text: str) -> CacheEntry:
+    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
         """Compute (or reuse) the entry of a text document and keep it in memory."""
-        entry = cache_document(self.processor, self.adapter, self.spec, text, self.system_prompt)
+        system = self._system(system_prompt)
+        entry = cache_document(self.processor, self.adapter, self.spec, text, system)
         return self.entries.setdefault(entry.entry_id, entry)
 
     def add_entry(self, entry: CacheEntry) -> None:
         """Make an entry (e.g. read from storage) linkable."""
         self.entries[entry.entry_id] = entry
 
-    def press_entry(self, entry_id: str, press: str, budget: float) -> CacheEntry:
+    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
         """The uniform-across-layers variant of `press` on a cached item: its compressed entry
-        (`mpic.presses.entries`, chosen from the item's canonical prefill), kept linkable beside
-        the full one; link it (its `entry_id`) instead of `entry_id` to shorten the prompt. Budget
-        1.0 gives the entry itself."""
+        (`mpic.presses.entries`, chosen from the item's canonical prefill,
+        `mpic.engine.item_press`), kept linkable beside the full one; link it (its `entry_id`)
+        instead of `entry`'s to shorten the prompt. Budget 1.0 gives `entry` itself."""
         get_press(press)  # ValueError for an unknown press, whatever the budget
         if check_budget(budget) >= 1.0:  # nothing to compress: the entry itself
-            return self.entries[entry_id]
-        key = press_entry_id(entry_id, press, budget)
+            return entry
+        key = press_entry_id(entry.entry_id, press, budget)
         if key not in self.entries:
-            entry = press_entry_dense(
-                self.adapter,
-                self.spec,
-                self.entries[entry_id],
-                press,
-                budget,
-                self.attention_backend,
+            self.entries[key] = press_entry_dense(
+                self.adapter, self.spec, entry, press, budget, self.attention_backend
             )
-            self.entries[key] = entry
         return self.entries[key]
 
     def plan(
@@ -140,14 +142,20 @@ class ReferenceRunner:
         policy: str | Policy = "full",
         max_new_tokens: int = 0,
         system_prompt: str | None = None,
+        *,
+        entries: Mapping[str, CacheEntry] | None = None,
+        raw: bool = False,
     ) -> PlannedPrompt:
-        """The finished link plan of a prompt under `policy` (`mpic.linker.recipe`); raises on
-        bad input. system_prompt: this request's, or None for the runner's own."""
-        system = self.system_prompt if system_prompt is None else system_prompt
+        """The finished link plan of a prompt under `policy` (`mpic.engine.request_flow
+        .plan_parts`); raises on bad input. system_prompt: this request's, or None for the
+        runner's own; entries: the request's linkable entries (default: the runner's table);
+        raw: a completion prompt (no chat template)."""
         if isinstance(policy, str):
             policy = get_policy(policy, scales=self.scout_scales)
-        return plan_prompt(
-            self.spec, self.processor, parts, self.entries, policy, system, max_new_tokens
+        table = self.entries if entries is None else entries
+        system = self._system(system_prompt)
+        return plan_parts(
+            self.spec, self.processor, parts, table, policy, system, max_new_tokens, raw
         )
 
     @torch.inference_mode()
@@ -159,14 +167,17 @@ class ReferenceRunner:
         system_prompt: str | None = None,
         press: str | None = None,
         budget: float | None = None,
+        *,
+        entries: Mapping[str, CacheEntry] | None = None,
+        raw: bool = False,
     ) -> Prefilled:
         """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved.
         press/budget (`mpic.presses`): compress the prompt KV after the prefill, before the
         first decode step; budget 1.0 or no press keeps the dense KV (ValueError for an unknown
-        press or a budget outside (0, 1], before any work)."""
+        press or a budget outside (0, 1], before any work). entries, raw: as `plan`'s."""
         req = PressRequest.make(press, budget)
         start, cpu_start = time.perf_counter(), time.process_time()
-        planned = self.plan(parts, policy, max_new_tokens, system_prompt)
+        planned = self.plan(parts, policy, max_new_tokens, system_prompt, entries=entries, raw=raw)
         plan = planned.plan
         a = self.adapter
         kv = DenseLinkedKV(
@@ -208,17 +219,24 @@ class ReferenceRunner:
         pick: Callable[[torch.Tensor], int] | None = None,
         press: str | None = None,
         budget: float | None = None,
+        *,
+        entries: Mapping[str, CacheEntry] | None = None,
+        raw: bool = False,
     ) -> Iterator[tuple[int, Prefilled]]:
         """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
-        temperature is 0, else seeded sampling; `pick(logits [V]) -> token id` replaces both,
-        e.g. the serving layer's sampler); stops after an end id (`ModelSpec.end_token_ids`, the
-        same ids the vLLM engine stops at; the end token is yielded) or `max_new_tokens`."""
-        pre = self.prefill(parts, policy, max_new_tokens, system_prompt, press, budget)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        temperature is 0, else seeded sampling: `mpic.engine.sampling.Sampler`; `pick(logits
+        [V]) -> token id` replaces it, e.g. a Sampler over a request's whole `Sampling`); stops
+        after an end id (`ModelSpec.end_token_ids`, the same ids the vLLM engine stops at; the
+        end token is yielded) or `max_new_tokens`. entries, raw: as `plan`'s."""
+        pre = self.prefill(
+            parts, policy, max_new_tokens, system_prompt, press, budget, entries=entries, raw=raw
+        )
+        if pick is None:
+            pick = Sampler(Sampling(temperature=temperature, seed=seed))
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
         logits = pre.logits
         for step in range(max_new_tokens):
-            token = pick(logits) if pick is not None else _pick(logits, temperature, gen)
+            token = pick(logits)
             yield token, pre
             if (stop_at_eos and token in self.spec.end_token_ids) or step == max_new_tokens - 1:
                 return
@@ -266,11 +284,3 @@ class ReferenceRunner:
         if not steps:  # max_new_tokens == 0: prefill only
             return Generation([], self.prefill(parts, policy, 0, system_prompt, press, budget))
         return Generation([t for t, _ in steps], steps[0][1])
-
-
-def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-    """Greedy argmax, or a sample from softmax(logits / temperature)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))

@@ -19,32 +19,34 @@ transformers gives it, whatever its size:
 
 `encode_images` returns, per image, exactly the T rows the HF model writes into its input
 embeddings at the image's placeholder tokens (tests capture them from the HF forward), with the
-image's grid; `image_layout` gives T and the grid of an image without running the tower.
+image's grid. Decoding bytes (`load_image`) and an image's T and grid without the tower
+(`image_layout`) need no model: they live in `mpic.engine.items` (both backends use them) and are
+re-exported here.
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-from mpic.errors import UnreadableMediaError
+from mpic.engine.items import ImageLayout, image_layout, load_image
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ImageFeatures",
+    "ImageLayout",
+    "encode",
+    "encode_images",
+    "image_layout",
+    "load_image",
+]
 
 _QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
 SUPPORTED_MODEL_TYPES = ("llava", "llava_next", *_QWEN_TYPES)
 """HF `model_type`s whose vision towers this module drives."""
-
-
-@dataclass(frozen=True)
-class ImageLayout:
-    """How many prompt tokens an image takes, and its M-RoPE grid (None for 1-D RoPE models)."""
-
-    num_tokens: int
-    grid_thw: tuple[int, int, int] | None = None
-    """(t, h, w) in patches before the spatial merge (Qwen2-VL / Qwen2.5-VL)."""
 
 
 @dataclass
@@ -53,43 +55,6 @@ class ImageFeatures:
 
     embeds: torch.Tensor
     grid_thw: tuple[int, int, int] | None = None
-
-
-def load_image(data: bytes) -> Image.Image:
-    """Decode image bytes to an RGB PIL image; UnreadableMediaError if they are not an image."""
-    if not data:
-        raise UnreadableMediaError("empty upload: no image bytes")
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-            return img.convert("RGB")
-    except (
-        UnidentifiedImageError,
-        OSError,
-        SyntaxError,
-        ValueError,
-        Image.DecompressionBombError,
-    ) as exc:
-        raise UnreadableMediaError(f"the bytes are not a decodable image: {exc}") from exc
-
-
-def _is_qwen(processor: Any) -> bool:
-    return hasattr(processor.image_processor, "merge_size")
-
-
-def image_layout(processor: Any, image: Image.Image) -> ImageLayout:
-    """T and grid of `image` as the model's own processor lays it out (`processor` is the
-    folder's `AutoProcessor`): Qwen2-VL/2.5-VL from the image processor's grid; LLaVA and
-    LLaVA-NeXT from the processor's own token-count rule (`_get_num_multimodal_tokens`, the one
-    its `__call__` and vLLM use)."""
-    image = image.convert("RGB")
-    if _is_qwen(processor):
-        images = processor.image_processor
-        grid = images(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
-        t, h, w = (int(x) for x in grid)
-        return ImageLayout(t * h * w // int(images.merge_size) ** 2, (t, h, w))
-    data = processor._get_num_multimodal_tokens(image_sizes=[[image.height, image.width]])
-    return ImageLayout(int(data.num_image_tokens[0]))
 
 
 @torch.inference_mode()

@@ -26,9 +26,7 @@ from functools import partial
 from typing import Any
 
 from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
-from mpic.engine.vllm.presses import press_entry
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
-from mpic.types import CacheEntry
 
 _END = object()
 
@@ -136,29 +134,10 @@ class AsyncVllmEngine(VllmFrontEnd):
         async for _ in self.llm.generate(prompt, sampling, request_id=uuid.uuid4().hex):
             pass
 
-    def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
-        """Upload path (blocks the calling thread): the image's entry computed by vLLM's own
-        forward, batched with requests in flight, written to the store."""
-        ids, mm, span, entry_id, extra = self._upload_form(media, system_prompt)
-        self._call(self._run_entry(*self._entry_form(ids, mm, span, entry_id, extra)))
-        return self.store.get(entry_id)
-
-    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
-        """Upload path of a text document (blocks the calling thread): its entry computed by
-        vLLM's own forward, batched with requests in flight, written to the store."""
-        ids, mm, span, entry_id, extra = self._document_form(text, system_prompt)
-        self._call(self._run_entry(*self._entry_form(ids, mm, span, entry_id, extra)))
-        return self.store.get(entry_id)
-
-    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
-        """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's
-        worker on first use, batched with requests in flight (blocks the calling thread;
-        `mpic.engine.vllm.presses`)."""
-
-        def run(prompt: dict, sampling: Any) -> None:
-            self._call(self._run_entry(prompt, sampling))
-
-        return press_entry(self, entry, press, budget, run)
+    def _run_to_end(self, prompt: dict, sampling: Any) -> None:
+        """One request (an upload or a compression) on the engine's loop, batched with the
+        requests in flight; blocks the calling thread until it ends."""
+        self._call(self._run_entry(prompt, sampling))
 
     def close(self) -> None:
         """Stop vLLM's processes and the engine's loop."""

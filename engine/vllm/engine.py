@@ -17,9 +17,7 @@ from mpic.engine.vllm.frontend import (
     engine_kwargs,
     prepare_environment,
 )
-from mpic.engine.vllm.presses import press_entry
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
-from mpic.types import CacheEntry
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "prepare_environment"]
 
@@ -97,40 +95,9 @@ class VllmEngine(VllmFrontEnd):
             res.fell_back = True
             results[i] = res
 
-    def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
-        """Upload path: the cache entry of an image computed by vLLM and written to the store."""
-        return self.compute_entry(*self._upload_form(media, system_prompt))
-
-    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
-        """Upload path of a text document: its entry (the KV of its own token ids after its
-        canonical context) computed by vLLM and written to the store."""
-        return self.compute_entry(*self._document_form(text, system_prompt))
-
-    def compute_entry(
-        self,
-        prompt_token_ids: list[int],
-        multi_modal_data: dict[str, Any] | None,
-        span: tuple[int, int],
-        entry_id: str,
-        extra: dict[str, Any] | None = None,
-    ) -> CacheEntry:
-        """Run a prompt (one placeholder per image) with its images (None: a text document)
-        through vLLM and store the KV of the expanded prompt's tokens [span) as `entry_id`
-        (`mpic.engine.vllm.upload`)."""
-        prompt, sampling = self._entry_form(
-            prompt_token_ids, multi_modal_data, span, entry_id, extra
-        )
+    def _run_to_end(self, prompt: dict, sampling: Any) -> None:
+        """One request (an upload or a compression) through `LLM.generate`, to its end."""
         self.llm.generate([prompt], [sampling], use_tqdm=False)
-        return self.store.get(entry_id)
-
-    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
-        """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's
-        worker on first use and stored beside the full entry (`mpic.engine.vllm.presses`)."""
-
-        def run(prompt: dict, sampling: Any) -> None:
-            self.llm.generate([prompt], [sampling], use_tqdm=False)
-
-        return press_entry(self, entry, press, budget, run)
 
     def metric(self, name: str) -> float:
         """A vLLM counter/gauge summed over labels, e.g. "vllm:num_preemptions" (needs

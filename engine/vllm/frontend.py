@@ -19,21 +19,39 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mpic.addressing import entry_address
-from mpic.engine.hf.entries import document_item, line_break_offsets
-from mpic.engine.hf.loader import resolve_model_dir
-from mpic.engine.hf.vision import image_layout, load_image
+from mpic.engine.items import (
+    document_item,
+    image_item,
+    image_layout,
+    line_break_offsets,
+    load_image,
+)
+from mpic.engine.model_dir import resolve_model_dir
+from mpic.engine.request_flow import plan_parts
 from mpic.engine.vllm import params as vllm_params
+from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.config import VllmEngineConfig
-from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
+from mpic.engine.vllm.requests import (
+    EngineRequest,
+    exact_request,
+    linked_request,
+    resolve_fallback,
+)
 from mpic.engine.vllm.version import check_vllm_version
-from mpic.errors import CorruptEntryError
-from mpic.linker.prompt import canonical_context_ids
+from mpic.errors import CorruptEntryError, InvalidRequestError
+from mpic.linker.recipe import PlannedPrompt
 from mpic.model_spec import ModelSpec
+from mpic.prompt_parts import PromptPart
 from mpic.storage.entry_store import EntryStore
+from mpic.storage.object_store import ObjectNotFoundError
+from mpic.types import CacheEntry
+
+Media = Mapping[str, bytes | Callable[[], bytes]]
+"""Entry id -> the item's media bytes, or a function reading them (called only when needed)."""
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +113,10 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
 
 
 class VllmFrontEnd:
-    """What both engines share: config, model spec, processor, entry store, request forms,
-    the upload prompt and the failed-link fallback (`VllmEngine`: offline `LLM`;
-    `mpic.engine.vllm.async_engine.AsyncVllmEngine`: V1 `AsyncLLM`)."""
+    """The vLLM backend of `mpic.engine.protocol.Engine`, shared by its two drivers
+    (`VllmEngine`: offline `LLM`; `mpic.engine.vllm.async_engine.AsyncVllmEngine`: V1
+    `AsyncLLM`): config, model spec, processor, entry store, planning and the request of a
+    prompt (`prepare`), request forms, the upload prompt and the failed-link fallback."""
 
     def __init__(self, cfg: VllmEngineConfig) -> None:
         prepare_environment(cfg)
@@ -177,17 +196,105 @@ class VllmFrontEnd:
             self._processor = AutoProcessor.from_pretrained(self.spec.path)
         return self._processor
 
+    def plan(
+        self,
+        parts: Sequence[PromptPart],
+        policy: Any = "full",
+        max_new_tokens: int = 0,
+        system_prompt: str | None = None,
+        *,
+        entries: Mapping[str, CacheEntry] | None = None,
+        raw: bool = False,
+    ) -> PlannedPrompt:
+        """The finished link plan of `parts` (`mpic.engine.request_flow.plan_parts`)."""
+        table = {} if entries is None else entries
+        return plan_parts(
+            self.spec, self.processor, parts, table, policy, system_prompt, max_new_tokens, raw
+        )
+
+    def prepare(
+        self,
+        parts: Sequence[PromptPart],
+        entries: Mapping[str, CacheEntry],
+        policy: str,
+        system_prompt: str | None = None,
+        max_new_tokens: int = 0,
+        *,
+        raw: bool = False,
+        media: Media | None = None,
+        exact: bool = False,
+        salt: str | None = None,
+    ) -> tuple[PlannedPrompt, EngineRequest]:
+        """(plan, vLLM request) of a prompt: the linked request under `policy` (its exact
+        fallback, built only if the link fails, carries the images of `media` when given), or
+        with `exact` plain vLLM over the prompt planned under `full` with its images (no
+        linking). salt: the prefix-cache salt (a fresh one: no prefix-cache hit)."""
+        planned = self.plan(
+            parts, "full" if exact else policy, max_new_tokens, system_prompt, entries=entries,
+            raw=raw,
+        )  # fmt: skip
+
+        def exact_form() -> EngineRequest:  # documents' token ids are in the plan's prompt
+            return exact_request(planned.plan, self.spec.image_token_id, images())
+
+        def images() -> list[Any]:
+            found = media or {}
+            try:
+                return [
+                    load_image(m() if callable(m := found[r]) else m)
+                    for r in planned.refs
+                    if entries[r].media_type == "image"
+                ]
+            except ObjectNotFoundError:
+                raise InvalidRequestError("an entry and its media are gone") from None
+
+        if exact:
+            request = exact_form()
+        else:
+            fallback = exact_form if media is not None else None
+            request = linked_request(planned.plan, policy, self.spec, fallback=fallback)
+        if salt is not None:
+            request.cache_salt = salt
+        return planned, request
+
+    def _run_to_end(self, prompt: dict, sampling: Any) -> None:
+        """Run one vLLM request (an upload or a compression) to its end, blocking the calling
+        thread: each driver's own way (`LLM.generate`, or `AsyncLLM` on its loop)."""
+        raise NotImplementedError
+
+    def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
+        """Upload path (blocks the calling thread): the image's entry computed by vLLM's own
+        forward (batched with requests in flight on the async engine), written to the store by
+        the connector and read back."""
+        return self._store_entry(self._upload_form(media, system_prompt))
+
+    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
+        """Upload path of a text document (blocks the calling thread): its entry (the KV of its
+        own token ids after its canonical context) computed by vLLM, written to the store."""
+        return self._store_entry(self._document_form(text, system_prompt))
+
+    def _store_entry(self, form: tuple) -> CacheEntry:
+        """Run an upload prompt (`_upload_form` / `_document_form`: ids, multi-modal data or
+        None, span, entry id, extra) through vLLM and read back the entry its worker stored for
+        the tokens [span)."""
+        self._run_to_end(*self._entry_form(*form))
+        return self.store.get(form[3])
+
+    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
+        """`entry` compressed by `press` at `budget` (uniform across layers), made by vLLM's
+        worker on first use and stored beside the full entry (blocks the calling thread;
+        `mpic.engine.vllm.presses`)."""
+        return vllm_presses.press_entry(self, entry, press, budget, self._run_to_end)
+
     def _upload_form(
         self, media: bytes, system_prompt: str | None
     ) -> tuple[list[int], dict[str, Any], tuple[int, int], str, dict[str, Any]]:
         """(ids, multi-modal data, span, entry id, extra) of an image's canonical upload prompt:
         same canonical context, processor-exact image and content address as the reference runner
-        (`mpic.engine.hf.entries.cache_image`), so both engines name an image's entry alike; the
+        (`mpic.engine.items.image_item`), so both engines name an image's entry alike; the
         span and grid are the image's own (`vision.image_layout`)."""
-        image = load_image(media)
+        image, context, entry_id = image_item(self.processor, self.spec, media, system_prompt)
         layout = image_layout(self.processor, image)
-        context = canonical_context_ids(self.processor, system_prompt, self.spec.image_token_id)
-        entry_id = entry_address(self.spec.fingerprint, context, media)
         ids = context + [self.spec.image_token_id]
         if self.spec.vision_end_id is not None:
             ids.append(self.spec.vision_end_id)
@@ -202,7 +309,7 @@ class VllmFrontEnd:
     ) -> tuple[list[int], None, tuple[int, int], str, dict[str, Any]]:
         """(ids, None, span, entry id, extra) of a text document's canonical upload prompt
         (its canonical context, then its own token ids): the same token ids, content address and
-        `extra` as the reference runner's entry (`mpic.engine.hf.entries.document_item`);
+        `extra` as the reference runner's entry (`mpic.engine.items.document_item`);
         InvalidRequestError when empty, PromptTooLongError over the engine's context limit."""
         limit = self.cfg.max_model_len or self.spec.max_model_len
         doc, context, entry_id = document_item(

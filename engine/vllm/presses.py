@@ -16,7 +16,7 @@ the item's canonical prompt as a linked request under policy `full` (`press_requ
 `kv_transfer_params` also carry `{"mpic_press": {"press", "budget"}}` and a unique cache salt
 (vLLM's prefix cache must not skip the prefill). The connector's worker side then runs that
 prefill with the presses' observer over vLLM's own modules and paged blocks
-(`mpic.engine.hf.compress.press_item_entry`: the same code the reference runner uses, so both
+(`mpic.engine.item_press.press_item_entry`: the same code the reference runner uses, so both
 engines choose from the same statistics) and writes the compressed entry to the entry store;
 vLLM decodes one token and the request ends. The front end reads the entry back.
 
@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from mpic.engine.hf.compress import canonical_planned
+from mpic.engine.item_press import canonical_planned
 from mpic.engine.vllm.requests import linked_request
 from mpic.errors import CorruptEntryError, InvalidRequestError
 from mpic.model_spec import ModelSpec

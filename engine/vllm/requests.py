@@ -100,7 +100,10 @@ def image_grids(plan: LinkPlan, image_token_id: int, merge: int) -> list[list[in
 
 
 def linked_request(
-    plan: LinkPlan, policy: str, spec: ModelSpec, fallback: EngineRequest | None = None
+    plan: LinkPlan,
+    policy: str,
+    spec: ModelSpec,
+    fallback: EngineRequest | Callable[[], EngineRequest] | None = None,
 ) -> EngineRequest:
     """An `EngineRequest` for a linked prompt (plan depths already set by `policy`)."""
     ids = plan.token_ids.tolist()

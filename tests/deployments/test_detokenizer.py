@@ -1,4 +1,4 @@
-"""Streamed text (`mpic.deployments.prompting.Detokenizer`, LLM-worker replicas): pieces pushed
+"""Streamed text (`mpic.engine.detokenize.Detokenizer`, LLM-worker replicas): pieces pushed
 one token or several at a time join to the decoded text, and a piece never ends in an
 incomplete character (U+FFFD) while more tokens may complete it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from mpic.deployments.prompting import Detokenizer, token_events
+from mpic.engine.detokenize import Detokenizer, token_events
 
 
 def test_pieces_join_to_the_decoded_text(tiny_llava_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""What the engine protocol (`mpic.deployments.engine.ServeEngine`) promises, checked against
+"""What the serve engine interface (`mpic.deployments.engine.ServeEngine`) promises, checked against
 every serve engine: the fake engine, the HF reference engine and vLLM + the MPIC connector (slow:
 vLLM start-up), in-process (no Ray). Addressing, encoding, entries, the event
 stream's shape, max_tokens, stop strings, logprobs, seeded sampling, concurrent streams, an

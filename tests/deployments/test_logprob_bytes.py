@@ -25,7 +25,7 @@ def qwen_tokenizer(tiny_qwen2vl_dir: Path):
 
 
 def test_token_bytes_match_the_vocabulary(qwen_tokenizer) -> None:
-    from mpic.deployments.token_bytes import TokenBytes
+    from mpic.engine.token_bytes import TokenBytes
 
     tb = TokenBytes(qwen_tokenizer)
     assert tb.kind == "byte-level"
@@ -42,7 +42,7 @@ def test_token_bytes_match_the_vocabulary(qwen_tokenizer) -> None:
 
 
 def test_sentencepiece_byte_fallback_and_text() -> None:
-    from mpic.deployments.token_bytes import TokenBytes
+    from mpic.engine.token_bytes import TokenBytes
 
     class SP:  # a SentencePiece-style tokenizer (byte fallback pieces, ▁ for spaces)
         sp_model = object()
@@ -99,10 +99,9 @@ def test_vllm_engine_logprob_bytes(qwen_tokenizer) -> None:
     pytest.importorskip("vllm")
     from vllm.logprobs import Logprob
 
-    from mpic.deployments.vllm_serve_engine import VllmServeEngine
+    from mpic.engine.token_bytes import TokenBytes
+    from mpic.engine.vllm.sampling import token_logprobs
 
-    engine = VllmServeEngine.__new__(VllmServeEngine)  # only the tokenizer is needed here
-    engine.processor = type("P", (), {"tokenizer": qwen_tokenizer})()
     word = qwen_tokenizer.encode("the", add_special_tokens=False)[0]
     piece = qwen_tokenizer.decode([word]).encode()
     steps = [
@@ -111,7 +110,8 @@ def test_vllm_engine_logprob_bytes(qwen_tokenizer) -> None:
             word: Logprob(-2.5, rank=2, decoded_token="the"),
         }
     ]
-    (item,) = engine._logprobs(steps, [BYTE_TOKEN], 2)
+    raw = TokenBytes(qwen_tokenizer)  # what the vLLM Serve engine passes
+    (item,) = token_logprobs(steps, [BYTE_TOKEN], 2, qwen_tokenizer.decode, raw)
     assert item.raw == bytes([0xBE]) and item.top_raw == [bytes([0xBE]), piece]
     from mpic.deployments.http.ingress import _logprobs
 

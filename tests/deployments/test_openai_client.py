@@ -119,7 +119,7 @@ def test_models_list_and_file_content(client, serve_app: ServeApp) -> None:
 
 
 def test_three_turn_chat_reuses_turn_one_images_and_equals_offline(client, offline) -> None:
-    from mpic.deployments.prompting import stored_linked_tokens
+    from mpic.engine.request_flow import stored_linked_tokens
     from mpic.prompt_parts import ImageRef, Turn
 
     media = [png(32), png(33)]
@@ -165,7 +165,7 @@ def test_seed_stop_n_tools_and_unknown_model(client, offline) -> None:
     import openai
 
     from mpic.deployments.messages import Sampling
-    from mpic.deployments.prompting import Sampler
+    from mpic.engine.sampling import Sampler
     from mpic.prompt_parts import ImageRef
 
     data = png(34)

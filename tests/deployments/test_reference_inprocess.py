@@ -109,7 +109,7 @@ def test_multi_turn_rendering_equals_the_chat_template(offline) -> None:
 
 def test_sampling_fields_on_the_real_model(client, app, offline) -> None:
     from mpic.deployments.messages import Sampling
-    from mpic.deployments.prompting import Sampler
+    from mpic.engine.sampling import Sampler
 
     msgs = [{"role": "user", "content": "tell me a story"}]
 

@@ -255,7 +255,7 @@ def test_press_on_vllm_worker_links_compressed_images(vllm_url, files, runner) -
     resp = httpx.post(f"{vllm_url}/v1/chat/completions", headers=ALICE, json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     got = resp.json()
-    pressed = [runner.press_entry(runner.cache_image(m).entry_id, "elastic", 0.3) for m in media]
+    pressed = [runner.press_entry(runner.cache_image(m), "elastic", 0.3) for m in media]
     parts = [texts[0], ImageRef(pressed[0].entry_id), texts[1], ImageRef(pressed[1].entry_id)]
     gen = runner.generate([*parts, texts[2]], "mpic-4", 6, stop_at_eos=False)
     want = runner.processor.tokenizer.decode(gen.tokens, skip_special_tokens=True)

@@ -91,7 +91,7 @@ def test_press_on_vllm_equals_reference_variant(setup: Setup, press: str) -> Non
     order = [setup.entries[i] for i in (2, 0, 1)]
     pressed = [setup.engine.press_entry(e, press, BUDGET) for e in order]
     for full, got in zip(order, pressed, strict=True):
-        want = setup.ref.press_entry(full.entry_id, press, BUDGET)
+        want = setup.ref.press_entry(full, press, BUDGET)
         assert got.entry_id == want.entry_id == press_entry_id(full.entry_id, press, BUDGET)
         assert got.extra["press"]["kept"] == want.extra["press"]["kept"]
         assert got.num_tokens == keep_count(BUDGET, full.num_tokens)
@@ -116,7 +116,7 @@ def test_compressed_documents_equal_reference_variant(setup: Setup) -> None:
     for doc in docs:
         setup.ref.add_entry(doc)
         got = setup.engine.press_entry(doc, "elastic", BUDGET)
-        want = setup.ref.press_entry(doc.entry_id, "elastic", BUDGET)
+        want = setup.ref.press_entry(doc, "elastic", BUDGET)
         assert got.extra["press"]["kept"] == want.extra["press"]["kept"]
         kept = got.extra["press"]["kept"]
         assert got.extra["token_ids"] == [doc.extra["token_ids"][i] for i in kept]

@@ -1,5 +1,5 @@
-"""The raw bytes of one token id (LLM-worker replicas: the reference and vLLM engines), for
-OpenAI's `logprobs.content[].bytes`.
+"""The raw bytes of one token id, for OpenAI's `logprobs.content[].bytes` (any process that
+streams logprobs: the reference and vLLM engines in an LLM-worker replica).
 
 Decoding a single token to text loses bytes: a byte-level BPE token that holds one byte of a
 multi-byte character (the tiny Qwen2-VL tokenizer's id 130 is byte 0xBE) decodes to U+FFFD,

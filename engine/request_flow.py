@@ -1,0 +1,133 @@
+"""The flow of one request, the same for both engines (the process that plans and streams a
+request: LLM-worker replica, benchmark, CLI): prompt parts -> link plan (`plan_parts`) -> items
+swapped for their compressed entries when a press asks (`pressed_parts`) -> the backend's
+request -> token ids -> text cut at stop strings (`TextStream`) -> the closing `DoneEvent`
+(`done_event`, with the finish reason and the cached-token count).
+
+The backends implement only what differs (`mpic.engine.protocol.Engine`): the reference runner
+links and decodes in this process with `mpic.engine.sampling.Sampler`; vLLM turns the plan into
+its request (`mpic.engine.vllm.frontend.VllmFrontEnd.prepare`) and samples natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from mpic.engine.detokenize import Detokenizer, StopMatcher
+from mpic.engine.protocol import DoneEvent, TokenEvent, TokenLogprob
+from mpic.linker.policies import Policy
+from mpic.linker.raw_prompt import RawPrompt
+from mpic.linker.recipe import PlannedPrompt, plan_prompt
+from mpic.model_spec import ModelSpec
+from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
+from mpic.types import CacheEntry, LinkPlan
+
+INLINE_PREFIX = "inline-"
+"""Entry ids of inline images (computed for one request, never from the store)."""
+
+
+def plan_parts(
+    spec: ModelSpec,
+    processor: Any,
+    parts: Sequence[PromptPart],
+    entries: Mapping[str, CacheEntry],
+    policy: str | Policy,
+    system_prompt: str | None,
+    max_new_tokens: int = 0,
+    raw: bool = False,
+) -> PlannedPrompt:
+    """The finished link plan of `parts` under `policy` (`mpic.linker.recipe.plan_prompt`),
+    rendered with the model's chat template, or as given for a completion prompt (`raw`:
+    `mpic.linker.raw_prompt`). Raises InvalidRequestError (bad parts, too long), NotFoundError
+    (an entry id not in `entries`) or ValueError (bad policy) before any KV is touched."""
+    renderer = RawPrompt(processor) if raw else processor
+    return plan_prompt(spec, renderer, parts, entries, policy, system_prompt, max_new_tokens)
+
+
+def pressed_parts(
+    parts: Sequence[PromptPart],
+    table: MutableMapping[str, CacheEntry],
+    press_one: Callable[[CacheEntry], CacheEntry],
+    media: MutableMapping[str, Any] | None = None,
+) -> list[PromptPart]:
+    """`parts` with every image and document linked as its compressed entry
+    (`press_one(entry)`, e.g. `Engine.press_entry` at a press and budget), which joins `table`
+    (and inherits the item's `media`, for an exact fallback)."""
+    out: list[PromptPart] = []
+    for part in parts:
+        if isinstance(part, ImageRef | DocumentRef):
+            entry = press_one(table[part.entry_id])
+            table[entry.entry_id] = entry
+            if media is not None and part.entry_id in media:
+                media[entry.entry_id] = media[part.entry_id]
+            part = type(part)(entry.entry_id)
+        out.append(part)
+    return out
+
+
+class TextStream:
+    """Token ids -> the TokenEvents of one request: detokenized incrementally
+    (`Detokenizer`: no broken characters) and cut at the request's stop strings
+    (`StopMatcher`: the stop string and what follows are dropped). `push` per decoded batch of
+    tokens, `flush` once at the end; `stopped` tells whether a stop string ended it."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.detok, self.stops, self.stopped = Detokenizer(tokenizer), StopMatcher(stop), False
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token id pushed so far."""
+        return self.detok.tokens
+
+    def push(self, tokens: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> TokenEvent:
+        """The event of newly decoded `tokens` (its text may be empty: held back)."""
+        text, self.stopped = self.stops.push(self.detok.push(tokens).text)
+        return TokenEvent(text, logprobs)
+
+    def flush(self) -> TokenEvent | None:
+        """The text held back at the end (None when there is none or a stop string matched)."""
+        if self.stopped:
+            return None
+        rest = self.stops.push(self.detok.flush().text)[0] + self.stops.flush()
+        return TokenEvent(rest) if rest else None
+
+
+def finish_reason(stopped: bool, length: bool) -> Literal["stop", "length"]:
+    """OpenAI's finish reason, vLLM's rule for both engines: "stop" at a stop string or an end
+    id, "length" when decoding ran to `max_tokens` (`length`)."""
+    return "length" if length and not stopped else "stop"
+
+
+def stored_linked_tokens(plan: LinkPlan) -> int:
+    """Prompt tokens served from STORED entries at every layer (recompute depth 0; inline images
+    excluded). Tokens a policy recomputes at some layers (VLCache's partial depths, CacheBlend's
+    check layers) ran through the model and do not count."""
+    stored = torch.tensor([not e.startswith(INLINE_PREFIX) for e in plan.entry_ids] + [False])
+    return int(((plan.recompute_depth == 0) & stored[plan.source_entry]).sum())
+
+
+def done_event(
+    plan: LinkPlan,
+    completion_tokens: int,
+    finish: Literal["stop", "length"],
+    ttft_s: float,
+    policy: str,
+    fell_back: bool = False,
+    first_token: Any = None,
+) -> DoneEvent:
+    """The DoneEvent closing a request planned as `plan`: prompt tokens, the linked tokens
+    served from stored entries (none when the request `fell_back` to exact recomputation, which
+    then recomputed every entry of the plan)."""
+    return DoneEvent(
+        prompt_tokens=plan.num_tokens,
+        cached_tokens=0 if fell_back else stored_linked_tokens(plan),
+        completion_tokens=completion_tokens,
+        finish_reason=finish,
+        ttft_s=ttft_s,
+        fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
+        policy=policy,
+        first_token=first_token,
+    )
