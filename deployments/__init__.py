@@ -7,7 +7,7 @@
 - `serve/`: the deployments behind it (Resolver, Encoder, LLM worker, Retriever), the file catalog,
   admission and the cache-aware router.
 - `monitoring/`: metrics and the live fidelity guarantee.
-- the serve engines the Encoder and LLM-worker replicas drive (reference, vLLM, fake).
+- `engines/`: the serve engines the Encoder and LLM-worker replicas drive (reference, vLLM, fake).
 
 Modules that lived flat in this package before the rooms still import under their old names
 (`mpic.deployments.http.ingress` is `mpic.deployments.http.ingress`, the same module object), with a
@@ -51,6 +51,17 @@ MOVED: dict[str, str] = {
     **{
         name: f"mpic.deployments.monitoring.{name}"
         for name in ("metrics", "vllm_metrics", "fidelity_monitor", "fidelity_control")
+    },
+    **{
+        name: f"mpic.deployments.engines.{name}"
+        for name in (
+            "engine",
+            "reference_engine",
+            "vllm_serve_engine",
+            "fake_engine",
+            "prompting",
+            "tokenization",
+        )
     },
 }
 """Old flat module name -> where it lives now."""

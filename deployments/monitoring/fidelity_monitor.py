@@ -56,7 +56,7 @@ from mpic.deployments.monitoring.metrics import policy_label
 if TYPE_CHECKING:
     import torch
 
-    from mpic.deployments.engine import ServeEngine
+    from mpic.deployments.engines.engine import ServeEngine
     from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)

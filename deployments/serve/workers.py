@@ -21,7 +21,8 @@ from typing import Any, Literal
 import ray
 
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.engine import build_engine
+from mpic.deployments.engines.engine import build_engine
+from mpic.deployments.engines.tokenization import detokenize, tokenize_chat, tokenize_text
 from mpic.deployments.http.schemas import FileObject
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.monitoring.fidelity_monitor import FidelityMonitor
@@ -31,7 +32,6 @@ from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engi
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.serve.image_limits import check_image_pixels
 from mpic.deployments.serve.policy_check import check_policy, model_layers
-from mpic.deployments.tokenization import detokenize, tokenize_chat, tokenize_text
 from mpic.documents import decode_document
 from mpic.errors import MPICError
 from mpic.storage.entry_store import EntryStore
@@ -167,7 +167,7 @@ class LLMWorker:
         add_generation_prompt: bool = True,
         return_token_strs: bool = False,
     ) -> tuple[list[int], list[str] | None]:
-        """vLLM's `/tokenize` on the served model (`mpic.deployments.tokenization`): (ids,
+        """vLLM's `/tokenize` on the served model (`mpic.deployments.engines.tokenization`): (ids,
         token strings when asked)."""
         tok = self.engine.text_tokenizer
         if prompt is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from mpic.deployments.fake_engine import FakeServeEngine
+from mpic.deployments.engines.fake_engine import FakeServeEngine
 
 
 class SlowStartEngine(FakeServeEngine):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from mpic.deployments.engines.prompting import prompt_parts
 from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
-from mpic.deployments.prompting import prompt_parts
 from mpic.deployments.serve.files import document_media_type
 from mpic.documents import decode_document
 from mpic.errors import UnreadableMediaError

@@ -1,6 +1,6 @@
-"""What the serve engine interface (`mpic.deployments.engine.ServeEngine`) promises, checked against
-every serve engine: the fake engine, the HF reference engine and vLLM + the MPIC connector (slow:
-vLLM start-up), in-process (no Ray). Addressing, encoding, entries, the event
+"""What the serve engine interface (`mpic.deployments.engines.engine.ServeEngine`) promises, checked
+against every serve engine: the fake engine, the HF reference engine and vLLM + the MPIC connector
+(slow: vLLM start-up), in-process (no Ray). Addressing, encoding, entries, the event
 stream's shape, max_tokens, stop strings, logprobs, seeded sampling, concurrent streams, an
 abandoned stream and the context limit: the same assertions for each engine."""
 
@@ -22,7 +22,7 @@ ENGINES = ["fake", "reference", pytest.param("vllm", marks=pytest.mark.slow)]
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     from mpic.deployments.config import engine_config
-    from mpic.deployments.engine import ServeEngine, build_engine
+    from mpic.deployments.engines.engine import ServeEngine, build_engine
     from mpic.storage.config import StorageConfig
 
     kind = request.param
@@ -195,7 +195,7 @@ def test_over_context_is_invalid_request(engine) -> None:  # noqa: ANN001
 
 
 def test_engines_named(engine) -> None:  # noqa: ANN001
-    from mpic.deployments.engine import ENGINES
+    from mpic.deployments.engines.engine import ENGINES
 
     assert {"fake", "reference", "vllm"} <= set(ENGINES)
     assert type(engine).__module__ in {v.partition(":")[0] for v in ENGINES.values()}

@@ -11,13 +11,13 @@ from tests.deployments.conftest import png
 
 def test_registry_names_and_class_paths(tmp_path) -> None:
     from mpic.deployments.config import engine_config
-    from mpic.deployments.engine import build_engine
-    from mpic.deployments.fake_engine import FakeServeEngine
+    from mpic.deployments.engines.engine import build_engine
+    from mpic.deployments.engines.fake_engine import FakeServeEngine
     from mpic.errors import InvalidRequestError
     from mpic.storage.config import StorageConfig
 
     store = StorageConfig(url=tmp_path.as_uri())
-    for kind in ("fake", "mpic.deployments.fake_engine:FakeServeEngine"):
+    for kind in ("fake", "mpic.deployments.engines.fake_engine:FakeServeEngine"):
         assert isinstance(build_engine(engine_config(kind=kind), store, "worker"), FakeServeEngine)
     with pytest.raises(InvalidRequestError, match="not a ServeEngine"):
         build_engine(engine_config(kind="mpic.deployments.config:EngineConfig"), store, "worker")
@@ -28,7 +28,7 @@ def test_registry_names_and_class_paths(tmp_path) -> None:
 
 
 def test_cached_file_over_http(fake_app) -> None:
-    from mpic.deployments.fake_engine import fake_tokens
+    from mpic.deployments.engines.fake_engine import fake_tokens
 
     c, h = fake_app.client, fake_app.headers("alice-key")
     data = png(1)

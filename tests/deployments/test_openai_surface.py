@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from mpic.deployments.fake_engine import FakeServeEngine, fake_tokens
+from mpic.deployments.engines.fake_engine import FakeServeEngine, fake_tokens
 from mpic.deployments.messages import TokenEvent
 from tests.deployments.conftest import ADMIN_KEY, KEYS, png
 from tests.deployments.inprocess import fake_config, in_process_app

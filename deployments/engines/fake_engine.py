@@ -25,9 +25,9 @@ import torch
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
-from mpic.deployments.engine import Role, ServeEngine
+from mpic.deployments.engines.engine import Role, ServeEngine
+from mpic.deployments.engines.prompting import identify_image
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
-from mpic.deployments.prompting import identify_image
 from mpic.engine.detokenize import StopMatcher
 from mpic.engine.sampling import Sampler
 from mpic.errors import InvalidRequestError

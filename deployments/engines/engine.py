@@ -2,9 +2,10 @@
 
 Ray Serve LLM keeps its engine behind an ABC so the deployment graph does not care which engine
 runs; MPIC does the same: `ServeEngine` is implemented by thin adapters over the two backends of
-`mpic.engine.protocol.Engine`, the HF reference runner (`mpic.deployments.reference_engine`) and
-vLLM + the MPIC connector (`mpic.deployments.vllm_serve_engine`), and by a model-free fake
-(`mpic.deployments.fake_engine`), chosen by `EngineConfig.kind` through `build_engine`.
+`mpic.engine.protocol.Engine`, the HF reference runner
+(`mpic.deployments.engines.reference_engine`) and vLLM + the MPIC connector
+(`mpic.deployments.engines.vllm_serve_engine`), and by a model-free fake
+(`mpic.deployments.engines.fake_engine`), chosen by `EngineConfig.kind` through `build_engine`.
 
 The linker deployment hands the worker a `LinkedPrompt`: the chat turns with every file
 reference already resolved to a content-addressed entry id in the caller's namespace. The worker
@@ -107,9 +108,9 @@ class ServeEngine(ABC):
 
 
 ENGINES = {
-    "reference": "mpic.deployments.reference_engine:ReferenceServeEngine",
-    "vllm": "mpic.deployments.vllm_serve_engine:VllmServeEngine",
-    "fake": "mpic.deployments.fake_engine:FakeServeEngine",
+    "reference": "mpic.deployments.engines.reference_engine:ReferenceServeEngine",
+    "vllm": "mpic.deployments.engines.vllm_serve_engine:VllmServeEngine",
+    "fake": "mpic.deployments.engines.fake_engine:FakeServeEngine",
 }
 """Built-in engine names; `engine.kind` may also be any 'package.module:Class' path."""
 
