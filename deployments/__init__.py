@@ -63,6 +63,7 @@ MOVED: dict[str, str] = {
             "tokenization",
         )
     },
+    "token_bytes": "mpic.engine.token_bytes",
 }
 """Old flat module name -> where it lives now."""
 
