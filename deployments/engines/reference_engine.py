@@ -143,7 +143,9 @@ class ReferenceServeEngine(ServeEngine):
     ) -> FirstToken:
         system, parts, table = self._parts(prompt, entries)
         with self._lock:
-            pre = self.runner.prefill(parts, "full", 0, system_prompt=system, entries=table)
+            pre = self.runner.prefill(
+                parts, "full", 0, system_prompt=system, entries=table, raw=prompt.raw
+            )
         return FirstToken.from_logits(pre.logits)
 
     async def generate(

@@ -232,3 +232,18 @@ def test_loop_on_the_trained_model(llava_smollm2_dir: Path, tmp_path: Path) -> N
             print(f"from {start}: {trajectory}\n  decisions {decisions}")
             assert decisions[0][0] == ("raise" if start == 0.1 else "lower")
             assert all(0.1 <= b <= 0.6 for _, _, b in decisions)
+
+
+def test_completion_shadow_is_the_served_prompt(llava_app) -> None:
+    """A completion prompt has no chat template: its shadow exact prefill must not add one. With
+    no item linked the served pass recomputes everything, so the sampled KL is ~0 (with the chat
+    template wrapped around the shadow it was not)."""
+    body = {"model": "mpic", "prompt": "The cat sat on the", "max_tokens": 1}
+    body["mpic"] = {"policy": "mpic-4"}
+    resp = llava_app.client.post(
+        "/v1/completions", headers={**HEADERS, "X-Request-ID": "raw-0"}, json=body
+    )
+    assert resp.status_code == 200, resp.text
+    sample = _sample(llava_app.worker, "raw-0")
+    assert sample.policy == "mpic-4"
+    assert sample.kl < 1e-6 and sample.top1_agree
