@@ -106,19 +106,7 @@ class LLMWorker:
     ) -> FileObject:
         """Compute `image`'s canonical KV and register the file in `user`'s namespace."""
         entry = self.engine.compute_entry(self.engine.entry_id(image.media), image)
-        rec = self.library.add_file(
-            user,
-            name=name,
-            media_type=image.media_type,
-            media=image.media,
-            entry=entry,
-            ttl_s=ttl_s,
-            purpose=purpose,
-            entry_stored=self.engine.stores_entries,
-        )
-        self._count_engine_write(entry)
-        self.store_metrics.export()
-        return file_object(rec)
+        return self._register(user, name, image.media_type, image.media, entry, ttl_s, purpose)
 
     def upload_document(
         self,
@@ -132,11 +120,24 @@ class LLMWorker:
         """Compute a text document's canonical KV (415 unless UTF-8; 400 if empty) and register
         the file in `user`'s namespace: same isolation, TTL and storage as an image."""
         entry = self.engine.compute_document_entry(decode_document(data))
+        return self._register(user, name, media_type, data, entry, ttl_s, purpose)
+
+    def _register(
+        self,
+        user: str,
+        name: str,
+        media_type: str,
+        media: bytes,
+        entry: CacheEntry,
+        ttl_s: float | None,
+        purpose: Literal["vision", "user_data"],
+    ) -> FileObject:
+        """Register an uploaded file with its computed entry in `user`'s namespace."""
         rec = self.library.add_file(
             user,
             name=name,
             media_type=media_type,
-            media=data,
+            media=media,
             entry=entry,
             ttl_s=ttl_s,
             purpose=purpose,
