@@ -132,9 +132,11 @@ class ScoutPolicy(Policy):
         plan: LinkPlan,
         entries: Sequence[CacheEntry],
         linked_kv: LinkedKV,
+        cached_prefix: int = 0,
     ) -> tuple[torch.Tensor, ScoutReport]:
         """Scores from `mpic.linker.scout` (optionally with the correction over every linked
-        item token during the scout), then `select`."""
+        item token during the scout), then `select` (the first `cached_prefix` tokens, linked
+        exactly, are outside the budget; the scout still runs them, for exact scores)."""
         num_layers = adapter.num_layers
         set_correction = getattr(linked_kv, "set_correction", None)
         if self.scout_correction and self.corrects and set_correction is not None:
@@ -145,7 +147,7 @@ class ScoutPolicy(Policy):
         )
         if set_correction is not None:
             set_correction(None)
-        return self.select(plan, entries, scores, num_layers), report
+        return self.select(plan, entries, scores, num_layers, cached_prefix), report
 
     def depths(
         self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int
@@ -163,10 +165,13 @@ class ScoutPolicy(Policy):
         entries: Sequence[CacheEntry],
         scores: torch.Tensor,
         num_layers: int,
+        cached_prefix: int = 0,
     ) -> torch.Tensor:
-        """int64 [N] depths after the scout: text, boundaries, then the top-scored item tokens."""
+        """int64 [N] depths after the scout: text, boundaries, then the top-scored item tokens
+        (the first `cached_prefix` tokens get depth 0 and leave their share to items)."""
         depth = plan.recompute_depth.clone()
         chosen = depth >= num_layers
+        chosen[:cached_prefix] = False
         chosen |= boundary_mask(plan, entries, self.sinks)
         chosen[-1] = True
         room = self.budget_tokens(plan.num_tokens) - int(chosen.sum())
