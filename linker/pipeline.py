@@ -74,7 +74,8 @@ def link_and_prefill(
         linked_kv.write_layers(torch.arange(cached), prefix.keys, prefix.values)
     report = None
     if policy.scouts:
-        depth, report = policy.scout(adapter, plan, entries, linked_kv, cached_prefix=cached)
+        extra = {"cached_prefix": cached} if cached else {}  # older scouts lack the keyword
+        depth, report = policy.scout(adapter, plan, entries, linked_kv, **extra)
         plan = dataclasses.replace(plan, recompute_depth=depth)
     if cached and bool((plan.recompute_depth[:cached] > 0).any()):
         depth = plan.recompute_depth.clone()
