@@ -542,6 +542,12 @@ def command(
         "--decode-correction/--no-decode-correction",
         help="Keep scout's linked-key correction while decoding (vLLM's decode does not).",
     ),
+    link_prefix: bool = typer.Option(
+        False,
+        "--link-prefix/--no-link-prefix",
+        help="Link the template/system prefix shared with the entries' context from a prefix "
+        "cache (not recomputed; every policy but full and prefix).",
+    ),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
     json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
@@ -578,7 +584,9 @@ def command(
     if threads:
         torch.set_num_threads(threads)
     try:
-        runner = ReferenceRunner(model, decode_correction=decode_correction)
+        runner = ReferenceRunner(
+            model, decode_correction=decode_correction, link_prefix=link_prefix
+        )
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc

@@ -76,9 +76,8 @@ class DenseLinkedKV:
         if index.device != self.keys.device:
             index = index.to(self.keys.device)
         corr = self.correction
-        if corr is not None and corr.active:
+        if corr is not None and corr.active and corr.scale_at(layer) != 1.0:
             linked = corr.linked(layer, self.capacity, self.keys.device)
-            return self.attention(
-                q, index, self.keys[layer], self.values[layer], linked=linked, s=corr.scale
-            )
+            keys, values = self.keys[layer], self.values[layer]
+            return self.attention(q, index, keys, values, linked=linked, s=corr.scale_at(layer))
         return self.attention(q, index, self.keys[layer], self.values[layer])

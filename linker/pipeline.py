@@ -5,7 +5,9 @@ The plan's depths come set from `mpic.linker.recipe`. Order: run the text-first 
 policies, link the entries' rotated KV, for a scouting policy (`scout-*`) run the scout over the
 text and let the policy set the final depths (`mpic.linker.scout`), hand the policy's linked-key
 correction to the linked KV, gather the recomputed tokens' input embeddings, run the one-pass
-selective prefill (with the policy's in-pass hook, if any).
+selective prefill (with the policy's in-pass hook, if any). With a cached prefix
+(`mpic.linker.prefix`) its exact KV is written with the entries' and its tokens get depth 0
+(not recomputed; a scouting policy spends their share of the budget on item tokens).
 """
 
 from __future__ import annotations
@@ -66,9 +68,18 @@ def link_and_prefill(
         every_item=hook is not None or policy.scouts,
         device=adapter.device,  # rotate where the model runs (entries may come from storage)
     )
+    prefix = planned.prefix if not policy.two_step and hook is None else None
+    cached = prefix.length if prefix is not None else 0
+    if prefix is not None:  # two-step and in-pass-hook policies recompute it
+        linked_kv.write_layers(torch.arange(cached), prefix.keys, prefix.values)
     report = None
     if policy.scouts:
-        depth, report = policy.scout(adapter, plan, entries, linked_kv)
+        extra = {"cached_prefix": cached} if cached else {}  # older scouts lack the keyword
+        depth, report = policy.scout(adapter, plan, entries, linked_kv, **extra)
+        plan = dataclasses.replace(plan, recompute_depth=depth)
+    if cached and bool((plan.recompute_depth[:cached] > 0).any()):
+        depth = plan.recompute_depth.clone()
+        depth[:cached] = 0  # linked exactly from the prefix cache
         plan = dataclasses.replace(plan, recompute_depth=depth)
     correction = policy.correction(plan, adapter.num_layers)
     if correction is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import Policy, get_policy
+from mpic.linker.prefix import CachedPrefix
 from mpic.linker.prompt import ChatTokenizer, image_refs, render_prompt_ids
 from mpic.model_spec import ModelSpec
 from mpic.prompt_parts import PromptPart
@@ -31,6 +32,9 @@ class PlannedPrompt:
     """Two-step policies and in-pass hooks (CacheBlend) still act during the prefill."""
     refs: list[str]
     """The entry ids the prompt references, in prompt order with repeats (exact fallbacks)."""
+    prefix: CachedPrefix | None = None
+    """The template/system prefix linked exactly (`mpic.linker.prefix`; reference runner with
+    `link_prefix`), None: every text token is recomputed."""
 
 
 def with_policy(

@@ -10,6 +10,7 @@ first token with entries already in memory (MPIC paper section 5.2's setting).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +35,7 @@ from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import Policy, get_policy
 from mpic.linker.positions import next_position
+from mpic.linker.prefix import PrefixCache
 from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
@@ -87,11 +89,15 @@ class ReferenceRunner:
         system_prompt: str | None = None,
         attention_backend: str | None = None,
         decode_correction: bool = True,
+        link_prefix: bool = False,
     ) -> None:
         """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
         `sdpa_runs`); None picks by device (`flex` on CUDA). decode_correction: keep a policy's
         linked-key correction (`scout-*`) while decoding (False: decode with plain attention,
-        as vLLM's own decode does)."""
+        as vLLM's own decode does). link_prefix: link the template/system prefix shared with
+        the entries' canonical context exactly from a prefix cache instead of recomputing it
+        (`mpic.linker.prefix`; every policy but `full` and `prefix`; off by default because the
+        vLLM worker recomputes it, and the two engines then select the same tokens)."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model)
         self.attention_backend = attention_backend
@@ -100,6 +106,8 @@ class ReferenceRunner:
         """The model's own (budget, S) table for `scout-*` / `auto` names, or None (default)."""
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}
+        self.prefixes = PrefixCache(self.adapter, self.spec.family) if link_prefix else None
+        """Context KV for `link_prefix` (None: the prefix is recomputed)."""
 
     def _system(self, system_prompt: str | None) -> str | None:
         """A request's system prompt, or None for the runner's own."""
@@ -154,9 +162,13 @@ class ReferenceRunner:
             policy = get_policy(policy, scales=self.scout_scales)
         table = self.entries if entries is None else entries
         system = self._system(system_prompt)
-        return plan_parts(
+        planned = plan_parts(
             self.spec, self.processor, parts, table, policy, system, max_new_tokens, raw
         )
+        if self.prefixes is not None and policy.name not in ("full", "prefix"):
+            prefix = self.prefixes.lookup(planned.plan, planned.entries)
+            planned = dataclasses.replace(planned, prefix=prefix)
+        return planned
 
     @torch.inference_mode()
     def prefill(

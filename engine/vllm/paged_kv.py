@@ -396,7 +396,7 @@ class PagedLinkedKV:
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
         corr = self._correction
-        if corr is None or not corr.active:
+        if corr is None or not corr.active or corr.scale_at(layer) == 1.0:
             return self._ops.attend(layer, q, index)
         if self._values is not None and self._keys is not None:
             keys, values = self._keys[layer], self._values[layer]
@@ -408,7 +408,7 @@ class PagedLinkedKV:
         linked = corr.linked(layer, int(keys.shape[0]), keys.device)
         self._last_q[layer] = (int(index[-1]), q[-1].detach().clone())
         return self._corrected(
-            q, index, keys, values, self._scale(layer), linked=linked, s=corr.scale
+            q, index, keys, values, self._scale(layer), linked=linked, s=corr.scale_at(layer)
         )
 
     def _scale(self, layer: int) -> float | None:
@@ -453,7 +453,7 @@ class PagedLinkedKV:
             k_linked = keys[slots].double()  # [M, H_kv, D]
             qd = q.double().view(kv_heads, group, dim)  # [H_kv, G, D]
             scores = torch.einsum("mgd,gjd->gjm", k_linked, qd) * scale  # [H_kv, G, M]
-            bias = (corr.scale - 1.0) * torch.logsumexp(scores, dim=-1)  # [H_kv, G]
+            bias = (corr.scale_at(layer) - 1.0) * torch.logsumexp(scores, dim=-1)  # [H_kv, G]
             gram = qd @ qd.transpose(1, 2)  # [H_kv, G, G]
             coef = torch.linalg.solve(gram, bias[..., None] / scale)  # [H_kv, G, 1]
             delta = (qd.transpose(1, 2) @ coef)[..., 0]  # [H_kv, D]

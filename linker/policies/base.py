@@ -54,9 +54,11 @@ class Policy(ABC):
         plan: LinkPlan,
         entries: Sequence[CacheEntry],
         linked_kv: LinkedKV,
+        cached_prefix: int = 0,
     ) -> tuple[torch.Tensor, ScoutReport]:
         """Scouting policies: run the scout over `linked_kv` (every item linked) and return the
-        final int64 [N] depths and the scout's cost."""
+        final int64 [N] depths and the scout's cost. cached_prefix: leading tokens linked
+        exactly (`mpic.linker.prefix`), depth 0 and outside the budget."""
         raise NotImplementedError(f"{self.name} does not scout")
 
     @property

@@ -39,13 +39,16 @@ class _SlotCache:
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
     """Eager attention; with `oracle_linked` (bool [N]) and `oracle_scale` S != 1 the linked
-    keys' log-sum-exp is multiplied by S before merging with the rest."""
+    keys' log-sum-exp is multiplied by S before merging with the rest. `oracle_scale` is one S
+    or (S of the first half of the layers, S of the second half)."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
     k = repeat_kv(key, module.num_key_value_groups).double()
     v = repeat_kv(value, module.num_key_value_groups).double()
     scores = torch.matmul(query.double(), k.transpose(2, 3)) * scaling + attention_mask.double()
     s, linked = kw.get("oracle_scale", 1.0), kw.get("oracle_linked")
+    if isinstance(s, tuple):
+        s = s[0] if module.layer_idx < module.config.num_hidden_layers // 2 else s[1]
     if s != 1.0 and linked is not None and bool(linked.any()):
         a = scores.masked_fill(~linked, -math.inf)
         b = scores.masked_fill(linked, -math.inf)
@@ -60,8 +63,9 @@ def _oracle_attention(module, query, key, value, attention_mask, scaling, dropou
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def oracle_logits(model, plan, entries, scale: float) -> torch.Tensor:
-    """First-token logits of `plan` (its recompute depths 0 or L) computed with HF modules only."""
+def oracle_logits(model, plan, entries, scale: float | tuple[float, float]) -> torch.Tensor:
+    """First-token logits of `plan` (its recompute depths 0 or L) computed with HF modules only;
+    scale: S, or (S of the first half of the layers, S of the second half)."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -133,12 +137,25 @@ def setup(smollm2_runner):
     return runner, question_parts(docs, ids, 1)
 
 
-@pytest.mark.parametrize("policy", ["scout-0.3:s0.8", "scout-0.3:s1", "scout-0.15:s0.7", "mpic-8"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "scout-0.3:s0.8",
+        "scout-0.3:s1",
+        "scout-0.15:s0.7",
+        "scout-0.3:s0.9/0.8",
+        "scout-0.2",
+        "mpic-8",
+    ],
+)
 @torch.inference_mode()
 def test_oracle_reproduces_the_projects_logits(setup, policy):
+    from mpic.linker.policies import get_policy
+
     runner, parts = setup
     pre = runner.prefill(parts, policy)
-    scale = float(policy.split(":s")[1]) if ":s" in policy else 1.0
+    rule = get_policy(policy)
+    scale = (rule.scale, rule.late_scale) if policy.startswith("scout-") else 1.0
     want = oracle_logits(runner.model, pre.plan, runner.plan(parts, "full").entries, scale)
     assert (pre.logits - want).abs().max() < 1e-4
 

@@ -94,11 +94,13 @@ def test_pass_over_paged_blocks_equals_dense(mrope, backend, name):
 
 
 @pytest.mark.parametrize("mrope", [False, True])
-def test_scout_with_the_correction_over_mirrors_equals_dense(mrope):
+@pytest.mark.parametrize("name", ["scout-0.6:s0.7", "scout-0.6:s0.9/0.7"])
+def test_scout_with_the_correction_over_mirrors_equals_dense(mrope, name):
     """The opaque-layout path (vLLM's CPU cache): the scout and the corrected attention read the
-    dense K/V mirrors; same selection and logits as the dense linked KV."""
+    dense K/V mirrors; same selection and logits as the dense linked KV (one S, or one S per
+    half of the layers)."""
     adapter, plan, entries = _setup(mrope)
-    planned = with_policy(plan, entries, "scout-0.6:s0.7", adapter.num_layers)
+    planned = with_policy(plan, entries, name, adapter.num_layers)
     dense = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8, backend="sdpa_runs")
     ref = link_and_prefill(adapter, planned, dense)
     caches = [vllm_cache("nhd", 8, 2, 8) for _ in range(adapter.num_layers)]
@@ -116,11 +118,15 @@ def test_scout_with_the_correction_over_mirrors_equals_dense(mrope):
         bare.set_correction(out.plan and dense.correction)
 
 
-def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention():
+@pytest.mark.parametrize("name", ["scout-0.6:s0.7", "scout-0.6:s1/0.7"])
+def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention(name):
     """vLLM's forward attends token N-1 plainly: after `shift_for_last_query` that plain
-    attention equals the corrected one, and `restore` puts the true keys back."""
+    attention equals the corrected one, and `restore` puts the true keys back. With S = 1 in
+    the first half of the layers only the second half is corrected and shifted."""
     adapter, plan, entries = _setup(False)
-    planned = with_policy(plan, entries, "scout-0.6:s0.7", adapter.num_layers)
+    planned = with_policy(plan, entries, name, adapter.num_layers)
+    layers = adapter.num_layers
+    shifted = layers if name.endswith(":s0.7") else layers - layers // 2
     caches = [vllm_cache("nhd", 8, 2, 8) for _ in range(adapter.num_layers)]
     block_ids = [4, 1]
     ops = FlashPagedOps(caches, torch.tensor(block_ids), BLOCK, 8)
@@ -131,11 +137,11 @@ def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention
     out = link_and_prefill(adapter, planned, paged)
     last = plan.num_tokens - 1
     queries = {layer: q for layer, (i, q) in paged._last_q.items() if i == last}
-    assert len(queries) == adapter.num_layers
+    assert len(queries) == shifted
     corrected = {
         layer: paged.attend(layer, q[None], torch.tensor([last])) for layer, q in queries.items()
     }
-    assert paged.shift_for_last_query(last) == adapter.num_layers
+    assert paged.shift_for_last_query(last) == shifted
     index = torch.arange(plan.num_tokens)
     for layer, q in queries.items():
         plain = ops.attend(layer, q[None], torch.tensor([last]))
@@ -145,6 +151,8 @@ def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention
     for layer in range(adapter.num_layers):
         torch.testing.assert_close(ops.read_keys(layer, paged.slots(index)), mirrors[0][layer, :25])
     assert out.result.logits is not None
+    if shifted < adapter.num_layers:  # plain layers: keys never moved, attention unchanged
+        assert set(queries) == set(range(adapter.num_layers // 2, adapter.num_layers))
 
 
 class _Opaque(FlashPagedOps):

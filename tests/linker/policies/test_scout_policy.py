@@ -61,8 +61,16 @@ def test_names_auto_and_bad_names():
     for bad in ("scout-1.5", "scout-x", "scout-0.2:t0.8", "scout-0.2:s0", "auto-2"):
         with pytest.raises(ValueError, match="valid:"):
             get_policy(bad)
-    assert scout_layers(30) == list(range(2, 9))
+    assert scout_layers(30) == list(range(2, 6))
     assert scout_layers(4) == [1]
+    # S per half of the layers: spelled first/second, canonical when equal
+    assert get_policy("scout-0.2:s0.9/0.8").name == "scout-0.2:s0.9/0.8"
+    assert get_policy("scout-0.2:s0.8/0.8").name == "scout-0.2:s0.8"
+    assert get_policy("scout-0.2").name == "scout-0.2:s0.9/0.8"  # the default table at 20%
+    assert get_policy("auto").name == "scout-0.2:s0.9/0.8"
+    for bad in ("scout-0.2:s0.9/0", "scout-0.2:s0.9/x", "scout-0.2:s/0.8"):
+        with pytest.raises(ValueError, match="valid:"):
+            get_policy(bad)
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.5, 0.7])
@@ -152,3 +160,37 @@ def test_scale_one_equals_a_plain_plan_and_the_correction_changes_logits(mrope):
     assert torch.equal(corrected.plan.recompute_depth, depth)  # S does not move the selection
     assert kv.correction is not None and kv.correction.scale == 0.7
     assert (corrected.result.logits - fixed.result.logits).abs().max() > 1e-3
+
+
+def test_scale_per_half_of_the_layers():
+    """`scout-b:s<S1>/<S2>`: layers below L // 2 attend with S1, the others with S2 (the linked
+    KV is handed each layer's S); equal halves are exactly one S."""
+    adapter, plan, entries = _setup()
+    seen = {}
+
+    def spy_run(policy):
+        out, kv = _run(adapter, plan, entries, policy)
+        return out, kv
+
+    uniform, kv_u = spy_run(ScoutPolicy(0.6, scale=0.7))
+    same, _ = spy_run(ScoutPolicy(0.6, scale=0.7, late_scale=0.7))
+    torch.testing.assert_close(same.result.logits, uniform.result.logits, rtol=0, atol=0)
+    halves, kv = spy_run(ScoutPolicy(0.6, scale=1.0, late_scale=0.7))
+    corr = kv.correction
+    assert corr is not None and corr.split_layer == L // 2
+    assert [corr.scale_at(layer) for layer in range(L)] == [1.0, 1.0, 0.7, 0.7]
+    real = kv.attention.__call__
+
+    def record(q, q_index, keys, values, linked=None, s=1.0):
+        seen[len(seen)] = s
+        return real(q, q_index, keys, values, linked=linked, s=s)
+
+    kv.attention = record
+    q = torch.randn(1, 4, 8)
+    for layer in range(L):
+        kv.attend(layer, q, torch.tensor([plan.num_tokens - 1]))
+    assert list(seen.values()) == [1.0, 1.0, 0.7, 0.7]
+    plain, _ = spy_run(ScoutPolicy(0.6, scale=1.0))
+    assert torch.equal(halves.plan.recompute_depth, plain.plan.recompute_depth)
+    assert (halves.result.logits - plain.result.logits).abs().max() > 1e-4
+    assert (halves.result.logits - uniform.result.logits).abs().max() > 1e-4
