@@ -5,13 +5,17 @@ Each step it receives the scheduler half's `MPICConnectorMetadata` (`mpic.engine
 - async jobs (`LinkJob.load_async`): their entries are read from the tiered entry store
   (memory -> disk -> object store, `mpic.storage.entry_store.EntryStore`) on a thread pool, one
   read per entry, all entries of all jobs in parallel, while vLLM keeps stepping the running
-  requests. In every later step, the jobs whose entries are all in memory are linked (below)
-  before the step ends and reported finished receiving (`transfer_results`); a job whose read
-  failed is reported failed receiving (its blocks untouched), vLLM fails the request and the
-  engine wrapper answers it by exact recomputation. So no step waits on disk or S3: a step
-  waits only on the linking compute of requests whose entries are already in memory.
-- sync jobs (compression requests, and the rare request whose last token has no block yet under a
-  policy that reads it): entries read and request linked in `start_load_kv`, before the forward.
+  requests. The jobs whose entries are all in memory go to the linking thread (load mode
+  `background`, the default; `reads`: linked in the step), which links them while vLLM's
+  forwards go on, and are then reported finished receiving (`transfer_results`). A job whose
+  read failed is reported failed receiving (its blocks untouched), vLLM fails the request and
+  the engine wrapper answers it by exact recomputation. So no step waits on disk, S3 or a
+  selective pass. The read and linking threads leave the cores vLLM bound its forward to.
+  Second phases (`LinkJob.phase2`): "link" jobs are read ahead and reported received unlinked,
+  then come back synchronous; "shift" jobs (corrected policies) are linked here and their keys
+  shifted in `bind` when vLLM schedules their last token (`MPICConnectorMetadata.shift`).
+- sync jobs (compression requests, second phases, load mode `step`): entries read (or taken
+  from those read ahead) and the request linked in `start_load_kv`, before the forward.
 
 Linking: the jobs ready in one step whose policy is plain (`link_job.batchable`) go through ONE
 selective pass together (`mpic.engine.vllm.batched_link`); the others, one at a time, through the
@@ -19,8 +23,9 @@ linker's `link_and_prefill` (text-first pass, in-pass hooks, scouting, correctio
 modules (`VllmLayerAdapter`) into their paged blocks (`PagedLinkedKV`). A request whose params
 carry `mpic_press` is an item's canonical prompt: its prefill is observed and the item's
 compressed entry written to the store (`mpic.engine.vllm.presses`). `stats` counts passes and
-requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`), read by the engine's owner
-with `collective_rpc("mpic_connector_stats")`.
+requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`) and link
+time (`link_ms_in_step`, `link_ms_background`, `link_spans`), read by the engine's owner with
+`collective_rpc("mpic_connector_stats")`.
 
 The model: the `mpic` vLLM plugin hands this process's model runner to `attach_runner` right
 after vLLM built the connector (through vLLM's own `get_kv_transfer_group()`; see
