@@ -5,8 +5,10 @@ linking costs the requests around it on the vLLM worker (issue 22 items 2 and 3)
   whose entries live only in an object store that answers every GET `delay_s` late
   (`mpic.benchmarks.delayed_s3`; the worker's memory tier is 0 bytes, so every entry is a GET).
   The decoders' inter-token latency (ITL) while the new requests load and link is compared with
-  their ITL in the same run before the arrivals (unloaded). With `async_loads` the reads run in
-  the background (vLLM's WAITING_FOR_REMOTE_KVS); without, every read waits inside a step.
+  their ITL in the same run before the arrivals (unloaded), for the connector's load modes
+  (`async_loads`): True, reads and linking in the background (the linking thread); "reads",
+  reads in the background (vLLM's WAITING_FOR_REMOTE_KVS), linking inside a step; False, both
+  inside the step. `link_share` paces the linking thread while requests decode.
 - Batching: B linked requests (entries in the worker's memory tier) arrive together; their TTFT
   with the step's requests linked in one selective pass (`batch_links`) vs one pass per request,
   and the connector's counters (`largest_pass`).
@@ -74,8 +76,9 @@ async def _stream(engine: Any, req: Any, max_tokens: int, times: list[float]) ->
 class HeadOfLine:
     """One head-of-line run."""
 
-    async_loads: bool
+    async_loads: bool | str
     delay_s: float
+    link_share: float
     itl_unloaded_ms: float
     """Mean gap between the decoders' tokens before the new requests arrived."""
     itl_loading_ms: float
@@ -84,6 +87,9 @@ class HeadOfLine:
     ratio: float
     new_ttft_ms: list[float]
     gets: int
+    worker: dict[str, Any] = field(default_factory=dict)
+    """The connector's worker counters over the run (`link_ms_in_step`, `link_ms_background`,
+    passes)."""
     timeline: list[tuple[float, float]] = field(default_factory=list)
     """(token time since the arrivals, gap ms) of the decoders' tokens."""
 
@@ -91,12 +97,13 @@ class HeadOfLine:
 def head_of_line(
     model: str,
     delay_s: float = 0.2,
-    async_loads: bool = True,
+    async_loads: bool | str = True,
     decoders: int = 2,
     new: int = 4,
     images: int = 3,
     decode_tokens: int = 96,
     warm_tokens: int = 24,
+    link_share: float = 1.0,
 ) -> HeadOfLine:
     """See the module docstring; returns the decoders' ITL before and during the loads."""
     from mpic.benchmarks.delayed_s3 import delayed_s3
@@ -105,7 +112,9 @@ def head_of_line(
 
     with delayed_s3(delay_s) as s3:
         storage = StorageConfig(url=s3.url, memory_bytes=0, load_workers=8)
-        engine = _engine(model, storage, async_loads=async_loads, max_num_seqs=16)
+        engine = _engine(
+            model, storage, async_loads=async_loads, link_share=link_share, max_num_seqs=16
+        )
         try:
             entries = [engine.cache_image(png(100 + i)) for i in range(new * images)]
             gets0 = s3.proxy.gets
@@ -140,6 +149,11 @@ def head_of_line(
                 return streams, [f[0] - arrive for f in firsts], arrive, done
 
             streams, ttfts, arrive, done = asyncio.run(run())
+            worker = engine.connector_stats()
+            worker["link_spans"] = [
+                (round(a - arrive, 4), round(b - arrive, 4), n)
+                for a, b, n in worker.get("link_spans", [])
+            ]  # seconds since the arrivals
         finally:
             engine.close()
         gets = s3.proxy.gets - gets0
@@ -157,12 +171,14 @@ def head_of_line(
     return HeadOfLine(
         async_loads=async_loads,
         delay_s=delay_s,
+        link_share=link_share,
         itl_unloaded_ms=unloaded,
         itl_loading_ms=loading,
         itl_max_loading_ms=max(during) if during else float("nan"),
         ratio=loading / unloaded,
         new_ttft_ms=[1e3 * t for t in ttfts],
         gets=gets,
+        worker=worker,
         timeline=sorted(timeline),
     )
 
@@ -221,6 +237,15 @@ def batching(
     return Batching(batch_links, requests, ttfts, float(np.median(ttfts)), stats)
 
 
+def mode_name(async_loads: bool | str) -> str:
+    """A load mode in words."""
+    if async_loads is True:
+        return "reads + linking off the step"
+    if async_loads == "reads":
+        return "reads off the step, linking in it"
+    return "reads + linking in the step"
+
+
 def write_outputs(hol: list[HeadOfLine], bat: list[Batching], out: Path) -> None:
     """JSON and two PNGs (`linking_hol.png`, `linking_batch.png`) into `out`."""
     import matplotlib
@@ -239,8 +264,7 @@ def write_outputs(hol: list[HeadOfLine], bat: list[Batching], out: Path) -> None
         fig, ax = plt.subplots(figsize=(8, 4))
         for h in hol:
             xs, ys = zip(*h.timeline, strict=False) if h.timeline else ([], [])
-            label = (f"{'async' if h.async_loads else 'sync'} reads: ITL x{h.ratio:.2f} while "
-                     f"loading")  # fmt: skip
+            label = f"{mode_name(h.async_loads)}: ITL x{h.ratio:.2f} while loading"
             ax.plot(xs, ys, ".-", ms=3, lw=0.8, label=label)
         ax.axvline(0, color="gray", ls="--", lw=0.8)
         ax.set_xlabel("token time (s) since the new requests arrived")
@@ -274,6 +298,12 @@ def command(
     model: str = typer.Option(None, "--model", help="Model folder (default: the demo's LLaVA)."),
     delay_ms: float = typer.Option(200.0, "--delay-ms", min=0, help="S3 GET delay."),
     requests: int = typer.Option(8, "--requests", min=1, max=64, help="Batching: requests."),
+    link_share: float = typer.Option(
+        1.0, "--link-share", min=0.01, max=1.0, help="Linking thread's share while decoding."
+    ),
+    modes: str = typer.Option(
+        "background,reads,step", "--modes", help="Head-of-line load modes to run."
+    ),
     out: str = typer.Option("out/linking", "--out", help="Folder for JSON and PNGs."),
 ) -> None:
     """Head-of-line (async vs sync entry reads) and batched linking on the vLLM worker."""
@@ -286,14 +316,19 @@ def command(
         from mpic.deployments.config import ServeAppConfig
 
         model = prepare_local(ServeAppConfig()).engine.model
-    hol = [head_of_line(model, delay_ms / 1e3, a) for a in (True, False)]
+    names = {"background": True, "reads": "reads", "step": False}
+    hol = [
+        head_of_line(model, delay_ms / 1e3, names[m.strip()], link_share=link_share)
+        for m in modes.split(",")
+        if m.strip()
+    ]
     bat = [batching(model, requests, batch_links=b) for b in (True, False)]
     table = Table(title="Linking on the vLLM worker")
     for col in ["run", "figure"]:
         table.add_column(col)
     for h in hol:
         table.add_row(
-            f"{'async' if h.async_loads else 'sync'} reads, GET +{h.delay_s * 1e3:.0f} ms",
+            f"{mode_name(h.async_loads)}, GET +{h.delay_s * 1e3:.0f} ms",
             f"ITL {h.itl_unloaded_ms:.1f} -> {h.itl_loading_ms:.1f} ms (x{h.ratio:.2f}, max "
             f"{h.itl_max_loading_ms:.0f}); new TTFT p50 {np.median(h.new_ttft_ms):.0f} ms",
         )

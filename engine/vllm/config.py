@@ -10,6 +10,8 @@ entry store its connector reads). The defaults live here once.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.storage.config import StorageConfig
@@ -65,10 +67,19 @@ class VllmEngineConfig(VllmOptions):
 
     model: str = Field(description="HF model folder (config, weights, tokenizer, processor).")
     linking: bool = Field(True, description="Load the MPIC KV connector.")
-    async_loads: bool = Field(
+    async_loads: bool | Literal["reads"] = Field(
         True,
-        description="Read a linked request's entries in the background (vLLM's "
-        "WAITING_FOR_REMOTE_KVS) instead of inside the step that schedules it.",
+        description="True: read a linked request's entries and link it in the background "
+        "(vLLM's WAITING_FOR_REMOTE_KVS, the worker's linking thread); 'reads': entries in the "
+        "background, linking inside a step; false: both inside the step that schedules it.",
+    )
+    link_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="The background linking thread's share of the wall time while requests "
+        "decode (1.0: full speed; lower protects their inter-token latency on a small host at "
+        "the linked requests' time to first token).",
     )
     batch_links: bool = Field(
         True,

@@ -9,11 +9,11 @@ vLLM builds one instance per role, in different processes:
   request's prompt tokens but the last, asynchronously where it can (vLLM's
   `WAITING_FOR_REMOTE_KVS`), and ships typed link jobs (`mpic.engine.vllm.link_job`).
 - WORKER: `mpic.engine.vllm.connector_worker.MPICWorker` reads the jobs' entries from the tiered
-  store in the background, links the requests whose entries are in memory (one batched selective
-  pass per step for plain policies) into their paged blocks with vLLM's own modules, and reports
-  them finished receiving; vLLM then computes the last prompt token over those blocks and
-  decodes as usual (continuous batching). Uploads' KV is captured in the forward
-  (`mpic.engine.vllm.upload`).
+  store in the background, links the requests whose entries are in memory on its linking thread
+  (one batched selective pass for plain policies) into their paged blocks with vLLM's own
+  modules while vLLM's forwards go on, and reports them finished receiving; vLLM then
+  computes the last prompt token over those blocks and decodes as usual (continuous
+  batching). Uploads' KV is captured in the forward (`mpic.engine.vllm.upload`).
 
 The two halves exchange only the per-step `MPICConnectorMetadata`.
 """
@@ -52,7 +52,10 @@ class MPICConnector(KVConnectorBase_V1):
     """Delegates to `MPICScheduler` (scheduler role) or `MPICWorker` (worker role).
 
     `kv_connector_extra_config`: `storage` (the entry store, a `StorageConfig` dict),
-    `async_loads` (default true), `batch_links` (default true), `fetch_threads` (default 8)."""
+    `async_loads` (the load mode, `link_job.load_mode`: true (default) = entry reads and
+    linking off the step, "reads" = reads off the step, false = in the step), `batch_links`
+    (default true), `fetch_threads` (default 8), `link_share` (the linking thread's share of
+    the wall time while requests decode, `mpic.engine.vllm.link_pacing`; default 1.0)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -63,7 +66,7 @@ class MPICConnector(KVConnectorBase_V1):
         self.scheduler: MPICScheduler | None = None
         self.worker: MPICWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = MPICScheduler(block_size, bool(extra.get("async_loads", True)))
+            self.scheduler = MPICScheduler(block_size, extra.get("async_loads", True))
         else:
             storage = StorageConfig.model_validate(extra.get("storage", {}))
             self.worker = MPICWorker(
@@ -71,6 +74,8 @@ class MPICConnector(KVConnectorBase_V1):
                 storage,
                 int(extra.get("fetch_threads", 8)),
                 bool(extra.get("batch_links", True)),
+                extra.get("async_loads", True),
+                float(extra.get("link_share", 1.0)),
             )
 
     # ---------------------------------------------------------------- scheduler side

@@ -5,13 +5,17 @@ Each step it receives the scheduler half's `MPICConnectorMetadata` (`mpic.engine
 - async jobs (`LinkJob.load_async`): their entries are read from the tiered entry store
   (memory -> disk -> object store, `mpic.storage.entry_store.EntryStore`) on a thread pool, one
   read per entry, all entries of all jobs in parallel, while vLLM keeps stepping the running
-  requests. In every later step, the jobs whose entries are all in memory are linked (below)
-  before the step ends and reported finished receiving (`transfer_results`); a job whose read
-  failed is reported failed receiving (its blocks untouched), vLLM fails the request and the
-  engine wrapper answers it by exact recomputation. So no step waits on disk or S3: a step
-  waits only on the linking compute of requests whose entries are already in memory.
-- sync jobs (compression requests, and the rare request whose last token has no block yet under a
-  policy that reads it): entries read and request linked in `start_load_kv`, before the forward.
+  requests. The jobs whose entries are all in memory go to the linking thread (load mode
+  `background`, the default; `reads`: linked in the step), which links them while vLLM's
+  forwards go on, and are then reported finished receiving (`transfer_results`). A job whose
+  read failed is reported failed receiving (its blocks untouched), vLLM fails the request and
+  the engine wrapper answers it by exact recomputation. So no step waits on disk, S3 or a
+  selective pass. The read and linking threads leave the cores vLLM bound its forward to.
+  Second phases (`LinkJob.phase2`): "link" jobs are read ahead and reported received unlinked,
+  then come back synchronous; "shift" jobs (corrected policies) are linked here and their keys
+  shifted in `bind` when vLLM schedules their last token (`MPICConnectorMetadata.shift`).
+- sync jobs (compression requests, second phases, load mode `step`): entries read (or taken
+  from those read ahead) and the request linked in `start_load_kv`, before the forward.
 
 Linking: the jobs ready in one step whose policy is plain (`link_job.batchable`) go through ONE
 selective pass together (`mpic.engine.vllm.batched_link`); the others, one at a time, through the
@@ -19,8 +23,9 @@ linker's `link_and_prefill` (text-first pass, in-pass hooks, scouting, correctio
 modules (`VllmLayerAdapter`) into their paged blocks (`PagedLinkedKV`). A request whose params
 carry `mpic_press` is an item's canonical prompt: its prefill is observed and the item's
 compressed entry written to the store (`mpic.engine.vllm.presses`). `stats` counts passes and
-requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`), read by the engine's owner
-with `collective_rpc("mpic_connector_stats")`.
+requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`) and link
+time (`link_ms_in_step`, `link_ms_background`, `link_spans`), read by the engine's owner with
+`collective_rpc("mpic_connector_stats")`.
 
 The model: the `mpic` vLLM plugin hands this process's model runner to `attach_runner` right
 after vLLM built the connector (through vLLM's own `get_kv_transfer_group()`; see
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -41,7 +48,8 @@ from mpic.engine.hf.compress import press_item_entry
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.adapter import VllmLayerAdapter
 from mpic.engine.vllm.batched_link import BatchItem, link_batch
-from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, batchable
+from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, batchable, load_mode
+from mpic.engine.vllm.link_pacing import LinkPacer, PacedAdapter
 from mpic.engine.vllm.paged_kv import PagedLinkedKV
 from mpic.errors import MPICError
 from mpic.linker.pipeline import link_and_prefill
@@ -61,6 +69,11 @@ LOAD_ERRORS = (ObjectNotFoundError, MPICError, OSError, ValueError, KeyError, Ru
 """What a failed entry read or link raises (the request then falls back to recomputation)."""
 
 
+LINK_NICE = 0
+"""Nice value of the entry-read and linking threads: the CPU they share with vLLM's engine core
+and front end goes to those first (a step waits on them; a linked request only on its link)."""
+
+
 @dataclasses.dataclass
 class _Loading:
     """An async job whose entries are being read."""
@@ -71,11 +84,14 @@ class _Loading:
 
 
 class MPICWorker:
-    """Entry reads in the background and linking into vLLM's paged KV (module docstring).
+    """Entry reads and linking in the background, into vLLM's paged KV (module docstring).
 
     block_size: vLLM's KV block size; storage: the entry store's config; fetch_threads: entry
     reads in flight at once (all jobs together); batch_links: False links every request in a
-    pass of its own (the one-after-the-other baseline)."""
+    pass of its own (the one-after-the-other baseline); async_loads: the load mode
+    (`link_job.load_mode`: "background" links async jobs on the linking thread, "reads" in the
+    step after their reads); link_share: the linking thread's share of the wall time while
+    vLLM's forwards run (`mpic.engine.vllm.link_pacing`; 1.0: full speed)."""
 
     def __init__(
         self,
@@ -83,22 +99,57 @@ class MPICWorker:
         storage: StorageConfig,
         fetch_threads: int = 8,
         batch_links: bool = True,
+        async_loads: bool | str = True,
+        link_share: float = 1.0,
     ) -> None:
         self.block_size = block_size
         self.batch_links = batch_links
+        self.mode = load_mode(async_loads)
+        self._last_forward = 0.0
+        self._pacer = LinkPacer(link_share, self._decoding)
         self._storage = storage
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._runner: Any = None
         self._adapter: VllmLayerAdapter | None = None
         self._store: EntryStore | None = None
         self._capture: vllm_upload.KVCapture | None = None
-        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="mpic-entry-read")
+        self._pool = ThreadPoolExecutor(
+            fetch_threads, thread_name_prefix="mpic-entry-read", initializer=self._off_forward
+        )
+        self._main_cpus: set[int] = set()
+        self._link_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="mpic-link", initializer=self._on_linking_thread
+        )
+        self._lock = threading.Lock()
+        """Guards what the linking thread reports (`_recved`, `_failed`, `_dropped`, stats)."""
         self._loading: dict[str, _Loading] = {}
+        self._ready: list[tuple[LinkJob, list[CacheEntry]]] = []
+        """Async jobs whose entries are in memory, waiting for the linking thread."""
+        self._linking: set[str] = set()
+        """Async jobs on the linking thread now."""
+        self._linking_future: Future | None = None
+        self._drop_when_linked: set[str] = set()
+        self._held: dict[str, list[CacheEntry]] = {}
+        """Entries read ahead for a second-phase link (`LinkJob.phase2 == "link"`)."""
+        self._to_shift: dict[str, tuple[PagedLinkedKV, int]] = {}
+        """Corrected requests linked in the background, keys to shift in their last token's
+        step (`LinkJob.phase2 == "shift"`): their linked KV and last prompt index."""
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._dropped: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self.stats = {"link_passes": 0, "linked_requests": 0, "largest_pass": 0, "failed": 0}
+        self.stats: dict[str, Any] = {
+            "link_passes": 0,
+            "linked_requests": 0,
+            "largest_pass": 0,
+            "failed": 0,
+            "link_ms_in_step": 0.0,
+            "link_ms_background": 0.0,
+            "read_ahead": 0,
+        }
+        """Counters; `link_ms_*`: wall time of link passes inside steps / on the linking
+        thread; `link_spans`: the linking thread's last 64 batches (start, end, requests) in
+        `time.perf_counter` (CLOCK_MONOTONIC: comparable across this host's processes)."""
         self._shifted: list[PagedLinkedKV] = []
         """Linked KV whose keys are shifted for this step's forward (restored after it)."""
 
@@ -106,6 +157,7 @@ class MPICWorker:
     def attach_runner(self, runner: Any) -> None:
         """The model runner of this worker (handed over by the `mpic` vLLM plugin)."""
         self._runner = runner
+        self._main_cpus = os.sched_getaffinity(0)  # vLLM bound this (its forward's) thread
 
     def runner(self) -> Any:
         if self._runner is None:
@@ -131,8 +183,15 @@ class MPICWorker:
 
     # ---------------------------------------------------------------- per step
     def bind(self, meta: MPICConnectorMetadata, attn_metadata: Any) -> None:
-        """Before the forward: arm upload capture (vLLM calls `start_load_kv` after the forward
-        when the step has no synchronous load)."""
+        """Before the forward: shift the keys of corrected requests whose last prompt token
+        this forward runs, and arm upload capture (vLLM calls `start_load_kv` after the
+        forward when the step has no synchronous load)."""
+        if attn_metadata is not None:  # a forward runs in this step (else none is scheduled)
+            self._last_forward = time.perf_counter()
+        for rid in meta.shift:
+            linked = self._to_shift.pop(rid, None)
+            if linked is not None and linked[0].shift_for_last_query(linked[1]):
+                self._shifted.append(linked[0])
         if meta.uploads or self._capture is not None:
             if self._capture is None:
                 self._capture = vllm_upload.KVCapture(self.runner().get_model(), self.adapter())
@@ -140,32 +199,21 @@ class MPICWorker:
 
     def start_load_kv(self, meta: MPICConnectorMetadata) -> None:
         """Drop jobs of ended requests, start the reads of new async jobs, link the sync jobs
-        and every async job whose entries are in memory (one batched pass where possible)."""
+        (in this step), and hand every async job whose entries are in memory to the linking
+        thread (load mode `background`; `reads`: link it in this step)."""
+        for rid in meta.forget:
+            self._held.pop(rid, None)
+            self._to_shift.pop(rid, None)
         for rid in meta.finished:  # ended while loading: drop it, vLLM frees its blocks
-            loading = self._loading.pop(rid, None)
-            if loading is None:  # already reported finished receiving: vLLM freed them then
-                continue
-            for read in loading.reads.values():
-                read.cancel()
-            self._dropped.add(rid)
-        ready: list[tuple[LinkJob, list[CacheEntry]]] = []
+            self._drop(rid)
+        in_step: list[tuple[LinkJob, list[CacheEntry]]] = []
         for job in meta.jobs:
             if job.load_async:
-                store = self.store()
-                reads = {}
-                for e in dict.fromkeys(job.entry_ids):
-                    if e in store.memory:  # a memory hit waits on nothing: read it now
-                        reads[e] = Future()
-                        try:
-                            reads[e].set_result(store.get(e))
-                        except LOAD_ERRORS as exc:
-                            reads[e].set_exception(exc)
-                    else:  # disk or the object store: in the background
-                        reads[e] = self._pool.submit(store.get, e)
-                self._loading[job.req_id] = _Loading(job, reads, time.perf_counter())
+                self._start_reads(job)
                 continue
-            try:  # synchronous: read now (in this step)
-                ready.append((job, [self.store().get(e) for e in job.entry_ids]))
+            try:  # synchronous (or a second phase): read now unless read ahead
+                held = self._held.pop(job.req_id, None)
+                in_step.append((job, held or [self.store().get(e) for e in job.entry_ids]))
             except LOAD_ERRORS as exc:
                 self._fail(job, exc)
         for rid, loading in list(self._loading.items()):
@@ -182,23 +230,147 @@ class MPICWorker:
                 rid,
                 1e3 * (time.perf_counter() - loading.began),
             )
-            ready.append((loading.job, [got[e] for e in loading.job.entry_ids]))
-        if ready:
-            self._link_all(ready)
+            entries = [got[e] for e in loading.job.entry_ids]
+            if loading.job.phase2 == "link":  # linked in its last token's step
+                self._held[rid] = entries
+                with self._lock:
+                    self._recved.add(rid)
+                    self.stats["read_ahead"] += 1
+            elif self.mode == "background":
+                self._ready.append((loading.job, entries))
+            else:
+                in_step.append((loading.job, entries))
+        if in_step:
+            began = time.perf_counter()
+            self._link_all(in_step)
+            self.stats["link_ms_in_step"] += 1e3 * (time.perf_counter() - began)
+        self._start_linking()
+
+    def _start_reads(self, job: LinkJob) -> None:
+        store = self.store()
+        reads = {}
+        for e in dict.fromkeys(job.entry_ids):
+            if e in store.memory:  # a memory hit waits on nothing: read it now
+                reads[e] = Future()
+                try:
+                    reads[e].set_result(store.get(e))
+                except LOAD_ERRORS as exc:
+                    reads[e].set_exception(exc)
+            else:  # disk or the object store: in the background
+                reads[e] = self._pool.submit(store.get, e)
+        self._loading[job.req_id] = _Loading(job, reads, time.perf_counter())
+
+    def _drop(self, rid: str) -> None:
+        """A request ended while its async job was with this worker."""
+        loading = self._loading.pop(rid, None)
+        if loading is not None:
+            for read in loading.reads.values():
+                read.cancel()
+        else:
+            with self._lock:
+                if rid in self._linking:  # on the linking thread: reported when linked
+                    self._drop_when_linked.add(rid)
+                    return
+            if not any(job.req_id == rid for job, _ in self._ready):
+                return  # already reported finished receiving: vLLM freed the blocks then
+            self._ready = [r for r in self._ready if r[0].req_id != rid]
+        with self._lock:
+            self._dropped.add(rid)
+
+    def _start_linking(self) -> None:
+        """Hand the ready jobs to the linking thread unless it is busy (what becomes ready
+        meanwhile goes in its next batch)."""
+        if not self._ready or (self._linking_future and not self._linking_future.done()):
+            return
+        ready, self._ready = self._ready, []
+        with self._lock:
+            self._linking = {job.req_id for job, _ in ready}
+        self._linking_future = self._link_thread.submit(self._link_in_background, ready)
+
+    def _off_forward(self) -> set[int]:
+        """Move the calling (read or linking) thread off the cores of vLLM's forward, at a low
+        priority (nice `LINK_NICE`, this thread only): vLLM
+        binds its forward's OpenMP threads to a core list and leaves the rest to its other
+        processes, and a thread inherits its creator's binding, so without this the entry
+        reads and the linking would run on the forward's core. Returns the cores it moved to
+        (empty where vLLM took every core: the thread then shares them)."""
+        try:  # below vLLM's engine core and front end, which share the free cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LINK_NICE)
+        except OSError as exc:
+            logger.info("MPIC: %s keeps its priority (%s)", threading.current_thread().name, exc)
+        others = set(range(os.cpu_count() or 1)) - self._main_cpus
+        if not self._main_cpus or not others:
+            return set()
+        try:
+            os.sched_setaffinity(0, others)
+        except OSError as exc:
+            logger.info("MPIC: %s keeps vLLM's cores (%s)", threading.current_thread().name, exc)
+            return set()
+        return others
+
+    def _on_linking_thread(self) -> None:
+        """The linking thread off the forward's cores. Its OpenMP thread count stays as it is:
+        that count is process-wide here, and changing it changed the forward's numerics (a
+        greedy answer diverged after a preemption in `test_vllm_linking.py`)."""
+        self._off_forward()
+        self.stats["linking_thread_cores"] = len(os.sched_getaffinity(0))
+
+    def _link_in_background(self, ready: list[tuple[LinkJob, list[CacheEntry]]]) -> None:
+        """The linking thread: link `ready` (vLLM's forwards go on in the main thread; these
+        requests' blocks are theirs alone until reported)."""
+        began = time.perf_counter()
+        self._pacer.start()
+        try:
+            with torch.inference_mode():
+                self._link_all(ready, paced=True)
+        except Exception as exc:  # noqa: BLE001 - never lose a job: fail the unreported
+            logger.exception("MPIC: the linking thread failed")
+            with self._lock:
+                left = set(self._linking)
+            for job, _ in ready:
+                if job.req_id in left:
+                    self._fail(job, exc)
+        finally:
+            end = time.perf_counter()
+            with self._lock:
+                self.stats["link_ms_background"] += 1e3 * (end - began)
+                self.stats["link_ms_paused"] = 1e3 * self._pacer.slept_s
+                spans = self.stats.setdefault("link_spans", [])
+                spans[:] = [*spans[-63:], (began, end, len(ready))]
+
+    def _report(self, job: LinkJob, failed: bool) -> None:
+        """An async job is done (call with the lock held): finished receiving (and failed
+        receiving when `failed`), or finished sending when its request ended meanwhile."""
+        rid = job.req_id
+        self._linking.discard(rid)
+        if rid in self._drop_when_linked:
+            self._drop_when_linked.discard(rid)
+            self._to_shift.pop(rid, None)
+            self._dropped.add(rid)
+            return
+        if failed:
+            self._failed.add(rid)
+        self._recved.add(rid)
 
     def _fail(self, job: LinkJob, exc: BaseException) -> None:
         # The request fails (kv_load_failure_policy="fail"); the engine wrapper then answers it
         # exactly by plain recomputation (VllmEngine.generate, AsyncVllmEngine.stream).
         logger.warning("MPIC: cannot link %s, failing it: %s", job.req_id, exc)
-        self.stats["failed"] += 1
-        if job.load_async:
-            self._failed.add(job.req_id)
-            self._recved.add(job.req_id)
-        else:
-            self._failed_blocks.update(job.block_ids)
+        with self._lock:
+            self.stats["failed"] += 1
+            if job.load_async:
+                self._report(job, failed=True)
+            else:
+                self._failed_blocks.update(job.block_ids)
 
-    def _link_all(self, ready: list[tuple[LinkJob, list[CacheEntry]]]) -> None:
-        adapter = self.adapter()
+    def _decoding(self) -> bool:
+        """A forward ran in the last 50 ms (requests are decoding)."""
+        return time.perf_counter() - self._last_forward < 0.05
+
+    def _link_all(self, ready: list[tuple[LinkJob, list[CacheEntry]]], paced: bool = False) -> None:
+        adapter: Any = self.adapter()
+        if paced and self._pacer.share < 1:
+            adapter = PacedAdapter(adapter, self._pacer)
         layers = [adapter.attention_layer(i) for i in range(adapter.num_layers)]
         caches = [self._kv_caches[layer.layer_name] for layer in layers]
         batch: list[tuple[LinkJob, BatchItem]] = []
@@ -212,7 +384,7 @@ class MPICWorker:
                     kv = PagedLinkedKV(layers, caches, job.block_ids, self.block_size)
                     batch.append((job, BatchItem(plan, entries, kv, job.block_ids)))
                     continue
-                self._link_one(job, plan, entries, layers, caches)
+                self._link_one(job, plan, entries, layers, caches, adapter)
             except LOAD_ERRORS as exc:
                 self._fail(job, exc)
                 continue
@@ -250,14 +422,16 @@ class MPICWorker:
         entries: list[CacheEntry],
         layers: list,
         caches: list[torch.Tensor],
+        adapter: Any,
     ) -> None:
         """The linker's `link_and_prefill` over the whole prompt, into the request's blocks.
 
         Token N-1 runs too (its block exists), so in-pass selections see the same tokens as in
         the reference runner; vLLM's forward then recomputes it identically. The plan's depths
         are the front end's (`mpic.linker.recipe` applied the policy once); the policy object
-        only drives two-step passes and in-pass hooks here."""
-        adapter = self.adapter()
+        only drives two-step passes and in-pass hooks here. A corrected request's keys are
+        shifted for vLLM's forward of token N-1: now when that forward is this step's, else
+        (linked in the background) in the step that schedules it (`bind`)."""
         policy = get_policy(job.policy)
         planned = PlannedPrompt(plan, entries, policy, refs=[])
         mirror = values = None
@@ -272,21 +446,25 @@ class MPICWorker:
             layers, caches, job.block_ids, self.block_size, keys=mirror, values=values
         )
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
-        if job.press is None:
-            link_and_prefill(adapter, planned, kv)
-            if kv.shift_for_last_query(plan.num_tokens - 1):  # vLLM's forward of token N-1
-                self._shifted.append(kv)
-        else:  # the item's canonical prefill, observed; its compressed entry -> the store
+        if job.press is not None:  # the item's canonical prefill, observed; compressed entry
             entry = press_item_entry(adapter, planned, kv, job.press.press, job.press.budget)
             self.store().put(entry)
+            return
+        link_and_prefill(adapter, planned, kv)
+        if job.phase2 == "shift":
+            with self._lock:
+                self._to_shift[job.req_id] = (kv, plan.num_tokens - 1)
+        elif kv.shift_for_last_query(plan.num_tokens - 1):  # vLLM's forward of token N-1
+            self._shifted.append(kv)
 
     def _linked(self, jobs: list[LinkJob], began: float) -> None:
-        self.stats["link_passes"] += 1
-        self.stats["linked_requests"] += len(jobs)
-        self.stats["largest_pass"] = max(self.stats["largest_pass"], len(jobs))
-        for job in jobs:
-            if job.load_async:
-                self._recved.add(job.req_id)
+        with self._lock:
+            self.stats["link_passes"] += 1
+            self.stats["linked_requests"] += len(jobs)
+            self.stats["largest_pass"] = max(self.stats["largest_pass"], len(jobs))
+            for job in jobs:
+                if job.load_async:
+                    self._report(job, failed=False)
         logger.debug(
             "MPIC: linked %d request(s) in one pass in %.1f ms",
             len(jobs),
@@ -303,24 +481,29 @@ class MPICWorker:
             self._capture.end_step(self.store().put)
 
     def transfer_results(self) -> KVConnectorTransferResults:
-        """Async jobs linked (finished receiving) or failed (also failed receiving) since the
-        last call, and dropped jobs of ended requests (finished sending: blocks freed)."""
+        """Async jobs linked or read ahead (finished receiving) or failed (also failed
+        receiving) since the last call, and dropped jobs of ended requests (finished sending:
+        blocks freed)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorTransferResults,
         )
 
-        out = KVConnectorTransferResults(
-            finished_sending=self._dropped,
-            finished_recving=self._recved,
-            failed_recving=self._failed,
-        )
-        self._dropped, self._recved, self._failed = set(), set(), set()
+        self._start_linking()  # the linking thread may have finished during the forward
+        with self._lock:
+            out = KVConnectorTransferResults(
+                finished_sending=self._dropped,
+                finished_recving=self._recved,
+                failed_recving=self._failed,
+            )
+            self._dropped, self._recved, self._failed = set(), set(), set()
         return out
 
     def block_ids_with_load_errors(self) -> set[int]:
         """Blocks of sync jobs whose entries could not be loaded this step (then cleared)."""
-        failed, self._failed_blocks = self._failed_blocks, set()
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._link_thread.shutdown(wait=True, cancel_futures=True)

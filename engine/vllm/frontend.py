@@ -87,6 +87,7 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
                 "storage": cfg.storage.model_dump(mode="json"),
                 "async_loads": cfg.async_loads,
                 "batch_links": cfg.batch_links,
+                "link_share": cfg.link_share,
             },
         )
     optional = {

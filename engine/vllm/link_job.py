@@ -10,9 +10,20 @@ is loaded:
   stepping the requests already running; the request waits in vLLM's `WAITING_FOR_REMOTE_KVS`
   state and is linked in the first step after its entries are in memory, then reported finished
   receiving, so vLLM schedules its last prompt token over the linked blocks.
+  How much of the work leaves the steps is the load mode (`load_mode`, from
+  `kv_connector_extra_config["async_loads"]`): `background` (the default) reads AND links in the
+  background (the link on the worker's own linking thread, concurrent with vLLM's forwards: the
+  request's blocks are its own until reported); `reads` reads in the background and links in a
+  step (the former behaviour); `step` claims synchronously.
+- `phase2` (two-phase claims, every policy loads its entries in the background first): `link`
+  when the request must be linked in the step that runs its last prompt token (its last token
+  has no block yet under a policy whose pass reads it, `needs_last_token`; or any non-plain
+  policy in `reads` mode): the worker reads and holds the entries, reports them received, and
+  the scheduler half ships the job again, synchronous, when vLLM schedules that token.
+  `shift` for corrected policies linked in the background: their keys are shifted for vLLM's
+  forward of the last token in the step that schedules it (`MPICConnectorMetadata.shift`).
 - synchronous: linked in the step that schedules it (reads included), before that step's forward
-  (compression requests, and requests whose last token has no block yet under a policy that
-  needs it in the pass: `needs_last_token`).
+  (compression requests, load mode `step`).
 
 `MPICConnectorMetadata` carries a step's jobs and its new upload requests.
 """
@@ -57,6 +68,9 @@ class LinkJob:
     """The encoded plan (`kv_transfer_params["mpic"]`), decoded by `plan()` in the worker."""
     press: PressSpec | None = None
     load_async: bool = False
+    phase2: str = ""
+    """"" (linked once, where its entries are), "link" (entries read ahead, linked in the
+    step of its last token) or "shift" (keys shifted in the step of its last token)."""
 
     @classmethod
     def from_request(
@@ -96,6 +110,11 @@ class MPICConnectorMetadata(KVConnectorMetadata):
     finished: set[str] = field(default_factory=set)
     """Requests that ended while their async job was with the worker: it drops them and
     reports them finished sending (vLLM then frees their blocks)."""
+    shift: set[str] = field(default_factory=set)
+    """Requests (`phase2 == "shift"`) whose last prompt token this step's forward runs: their
+    linked keys are shifted for it (`PagedLinkedKV.shift_for_last_query`), then restored."""
+    forget: set[str] = field(default_factory=set)
+    """Requests that ended between their two phases: the worker forgets what it holds."""
 
 
 def batchable(policy: Policy) -> bool:
@@ -127,3 +146,19 @@ def needs_last_token(policy_name: str) -> bool:
         return not batchable(get_policy(policy_name))
     except Exception:  # noqa: BLE001 - an unknown name fails later, in the worker, as before
         return True
+
+
+LOAD_MODES = ("background", "reads", "step")
+
+
+def load_mode(value: object) -> str:
+    """`kv_connector_extra_config["async_loads"]` -> a load mode: true (default) ->
+    "background" (reads and linking off the step), "reads" (reads off the step, linking in
+    it), false -> "step" (every claim synchronous)."""
+    if value is True or value is None:
+        return "background"
+    if value is False:
+        return "step"
+    if value in LOAD_MODES:
+        return str(value)
+    raise ValueError(f"async_loads must be true, false or one of {LOAD_MODES}, not {value!r}")

@@ -3,8 +3,9 @@ with the tiny LLaVA:
 
 - head-of-line: with the object store answering every GET 200 ms late and a 0-byte memory tier
   (every entry read is a delayed GET), requests already decoding keep their inter-token latency
-  (<= 1.2x of the same run before the arrivals) while 4 new requests' 12 entries load in the
-  background; with synchronous reads (the former behaviour) the same run stalls decoding;
+  (<= 1.2x of the same run before the arrivals) while 4 new requests' 12 entries load and the
+  requests link in the background (the worker's linking thread); with reads and linking in the
+  step (`async_loads=False`) the same run stalls decoding;
 - batching: 8 linked requests arriving together are linked in one selective pass (the
   connector's counter), and their TTFT p50 is lower than with one pass per request.
 Exactness of batched passes: `test_vllm_linking.py` (8 requests in flight equal one at a time)."""

@@ -81,16 +81,65 @@ def test_linked_claims_are_async_and_ship_their_blocks() -> None:
     assert s.request_finished(req) == (False, None)  # linked already: blocks free at once
 
 
-def test_sync_where_the_pass_needs_a_last_block_it_lacks() -> None:
+def _new(req: FakeRequest, blocks: list[int]):
+    return SimpleNamespace(req_id=req.request_id, block_ids=(blocks,), sampling_params=None)
+
+
+def _claim(s: MPICScheduler, req: FakeRequest, blocks: int = 3) -> LinkJob:
+    """Claim, allocate and ship `req`; its one job."""
+    assert s.get_num_new_matched_tokens(req, 0)[1] is True
+    s.update_state_after_alloc(req, _blocks(blocks), req.num_prompt_tokens - 1)
+    (job,) = s.build_connector_meta(_output()).jobs
+    return job
+
+
+def test_every_policy_loads_in_the_background_first() -> None:
     s = MPICScheduler(BS)
     edge = 2 * BS + 1  # N-1 claimed tokens fill 2 blocks: token N-1 has none yet
-    assert s.get_num_new_matched_tokens(FakeRequest("p", edge), 0)[1] is True  # mpic: cut
-    assert s.get_num_new_matched_tokens(FakeRequest("c", edge, "cacheblend-15"), 0)[1] is False
-    assert s.get_num_new_matched_tokens(FakeRequest("c2", edge + 1, "cacheblend-15"), 0)[1]
+    assert _claim(s, FakeRequest("p", edge), 2).phase2 == ""  # plain: linked, last token cut
+    assert _claim(s, FakeRequest("c2", edge + 1, "cacheblend-15")).phase2 == ""
+    assert _claim(s, FakeRequest("sc", 80, "scout-0.2")).phase2 == "shift"
+    assert _claim(s, FakeRequest("c", edge, "cacheblend-15"), 2).phase2 == "link"
+    assert _claim(s, FakeRequest("se", edge, "scout-0.2"), 2).phase2 == "link"
+    assert _claim(MPICScheduler(BS, "reads"), FakeRequest("r", 80, "scout-0.2")).phase2 == "link"
+    assert _claim(MPICScheduler(BS, "reads"), FakeRequest("m", 80)).phase2 == ""
     assert s.get_num_new_matched_tokens(FakeRequest("z", 80, press=True), 0)[1] is False
     assert MPICScheduler(BS, async_loads=False).get_num_new_matched_tokens(
         FakeRequest("q", 80), 0
     ) == (79, False)
+
+
+def test_second_phase_links_or_shifts_in_the_last_tokens_step() -> None:
+    s = MPICScheduler(BS)
+    edge, shift, failed = (
+        FakeRequest("edge", 2 * BS + 1, "cacheblend-15"),
+        FakeRequest("shift", 80, "scout-0.2"),
+        FakeRequest("failed", 80, "scout-0.2"),
+    )
+    for r in (edge, shift, failed):
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, _blocks(3), r.num_prompt_tokens - 1)
+    assert len(s.build_connector_meta(_output()).jobs) == 3
+    s.update_connector_output(
+        SimpleNamespace(finished_recving={"edge", "shift", "failed"}, failed_recving={"failed"})
+    )
+    out = _output([_new(edge, [4, 5, 6]), _new(shift, [7, 8, 9])])
+    meta = s.build_connector_meta(out)
+    (job,) = meta.jobs
+    assert job.req_id == "edge" and not job.load_async and job.block_ids == [4, 5, 6]
+    assert out.has_sync_kv_loads  # the worker links it before this step's forward
+    assert meta.shift == {"shift"}
+    assert s.build_connector_meta(_output([_new(failed, [1])])).jobs == []  # vLLM failed it
+
+
+def test_a_request_ending_between_its_phases_is_forgotten() -> None:
+    s = MPICScheduler(BS)
+    req = FakeRequest("gone", 80, "scout-0.2")
+    _claim(s, req)
+    s.update_connector_output(SimpleNamespace(finished_recving={"gone"}))
+    assert s.request_finished(req) == (False, None)  # received: vLLM frees the blocks
+    meta = s.build_connector_meta(_output())
+    assert meta.forget == {"gone"} and meta.finished == set() and meta.shift == set()
 
 
 def test_a_request_ending_while_loading_keeps_its_blocks_until_dropped() -> None:

@@ -121,6 +121,25 @@ def test_policies_match_reference_runner(setup: Setup, policy: str) -> None:
     assert got.token_ids == expected.tokens
 
 
+def test_a_last_token_without_a_block_is_linked_in_its_step(setup: Setup) -> None:
+    # CacheBlend's pass reads the last prompt token; when the N-1 claimed tokens fill whole
+    # blocks, the async claim gives that token no block: the entries are read ahead and the
+    # request is linked in the step of its last token, before that forward (two-phase claim).
+    policy, bs = "cacheblend-15", setup.engine.cfg.block_size
+    for k in range(3 * bs):
+        parts, items = _parts(setup, [2, 0, 3], "edge" + " x" * k)
+        if (setup.plan(parts, items, policy).num_tokens - 1) % bs == 0:
+            break
+    else:
+        pytest.fail("no prompt length with N-1 a multiple of the block size")
+    expected = setup.ref.generate(parts, policy, max_new_tokens=10)
+    before = setup.engine.connector_stats()["read_ahead"]
+    request = linked_request(expected.prefilled.plan, policy, setup.engine.spec)
+    (got,) = setup.engine.generate([request], 10)
+    assert got.token_ids == expected.tokens
+    assert setup.engine.connector_stats()["read_ahead"] == before + 1
+
+
 def test_eight_in_flight_with_preemption_equal_one_at_a_time(setup: Setup) -> None:
     spec = setup.engine.spec
     requests = []

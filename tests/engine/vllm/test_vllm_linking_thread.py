@@ -1,0 +1,107 @@
+"""The connector worker half's linking thread without an engine (fast): what it reports when a
+link finishes, when its request ends meanwhile, and when the pass raises; the pacer's share."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mpic.engine.vllm.link_job import LinkJob
+from mpic.engine.vllm.link_pacing import LinkPacer, PacedAdapter
+from mpic.storage.config import StorageConfig
+
+connector_worker = pytest.importorskip("mpic.engine.vllm.connector_worker")
+
+
+def _job(rid: str) -> LinkJob:
+    return LinkJob(rid, [1, 2, 3], [0], "mpic-32", (), {}, load_async=True)
+
+
+def _worker(tmp_path, link) -> connector_worker.MPICWorker:
+    w = connector_worker.MPICWorker(32, StorageConfig(url=tmp_path.as_uri()))
+    w._link_all = link  # the pass itself: see test_vllm_linking.py for real ones
+    return w
+
+
+def _wait(w: connector_worker.MPICWorker) -> None:
+    assert w._linking_future is not None
+    w._linking_future.result(timeout=10)
+
+
+def test_linked_in_the_background_then_reported_received(tmp_path) -> None:
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def link(ready, paced=False):
+        gate.wait(10)
+        seen.append(threading.current_thread().name)
+        for job, _ in ready:
+            w._linked([job], time.perf_counter())
+
+    w = _worker(tmp_path, link)
+    w._ready = [(_job("a"), []), (_job("b"), [])]
+    w._start_linking()
+    assert w.transfer_results().finished_recving == set()  # still linking
+    w._drop("b")  # ended meanwhile: reported as dropped once linked, never as received
+    gate.set()
+    _wait(w)
+    out = w.transfer_results()
+    assert out.finished_recving == {"a"} and out.finished_sending == {"b"}
+    assert seen[0].startswith("mpic-link") and w.stats["linked_requests"] == 2
+    w.shutdown()
+
+
+def test_a_raising_pass_fails_its_unreported_jobs(tmp_path) -> None:
+    def link(ready, paced=False):
+        w._linked([ready[0][0]], time.perf_counter())
+        raise AssertionError("boom")
+
+    w = _worker(tmp_path, link)
+    w._ready = [(_job("ok"), []), (_job("bad"), [])]
+    w._start_linking()
+    _wait(w)
+    out = w.transfer_results()
+    assert out.finished_recving == {"ok", "bad"} and out.failed_recving == {"bad"}
+    w.shutdown()
+
+
+def test_a_ready_job_dropped_before_linking_is_never_linked(tmp_path) -> None:
+    w = _worker(tmp_path, lambda ready, paced=False: pytest.fail("linked a dropped job"))
+    w._ready = [(_job("x"), [])]
+    w._drop("x")
+    w._start_linking()
+    assert w._linking_future is None and w.transfer_results().finished_sending == {"x"}
+    w._drop("y")  # unknown (already reported): nothing to report
+    assert w.transfer_results().finished_sending == set()
+    w.shutdown()
+
+
+class _Adapter:
+    num_layers = 2
+
+    def attention_inputs(self, layer, hidden, positions):
+        time.sleep(0.02)
+        return hidden, hidden, hidden
+
+    def attention_output_and_mlp(self, layer, hidden, attn_out):
+        return hidden
+
+
+def test_pacer_sleeps_its_share_complement_only_while_decoding() -> None:
+    decoding = [True]
+    pacer = LinkPacer(0.25, lambda: decoding[0])
+    adapter = PacedAdapter(_Adapter(), pacer)
+    assert adapter.num_layers == 2  # other attributes pass through
+    pacer.start()
+    x = torch.zeros(1)
+    adapter.attention_inputs(0, x, x)
+    assert pacer.slept_s >= 3 * 0.02 * 0.9  # worked >= 20 ms -> slept 3x that
+    decoding[0] = False
+    slept = pacer.slept_s
+    adapter.attention_inputs(0, x, x)
+    assert pacer.slept_s == slept  # nothing decodes: full speed
+    with pytest.raises(ValueError):
+        LinkPacer(0, lambda: True)
