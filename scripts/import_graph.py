@@ -30,13 +30,14 @@ PACKAGES: dict[str, tuple[str, int]] = {
     "mpic.benchmarks": ("benchmarks", 6),
     "mpic.cli": ("cli", 7),
 }
-# Inside engine/: the random-model writer and the HF engine sit below the vLLM engine; the modules
+# Inside engine/: the random-model writer sits below the two backends, which sit beside each
+# other (neither imports the other: what both need lives in engine/ itself); the modules
 # directly in engine/ (the engine protocol, the request flow, items: what both backends share)
 # sit below both (the last, catch-all prefix: a subpackage listed earlier matches first).
 SUBFLOORS: dict[str, int] = {
     "mpic.engine.tiny": 0,
     "mpic.engine.hf": 1,
-    "mpic.engine.vllm": 2,
+    "mpic.engine.vllm": 1,
     "mpic.engine": 0,
 }
 

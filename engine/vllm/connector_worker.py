@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpic.engine.hf.compress import press_item_entry
+from mpic.engine.item_press import press_item_entry
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.adapter import VllmLayerAdapter
 from mpic.engine.vllm.batched_link import BatchItem, link_batch

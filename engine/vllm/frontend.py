@@ -43,7 +43,9 @@ from mpic.engine.vllm.requests import (
 )
 from mpic.engine.vllm.version import check_vllm_version
 from mpic.errors import CorruptEntryError, InvalidRequestError
+from mpic.linker.policies import get_policy
 from mpic.linker.recipe import PlannedPrompt
+from mpic.linker.scout_calibration import load_table as load_scale_table
 from mpic.model_spec import ModelSpec
 from mpic.prompt_parts import PromptPart
 from mpic.storage.entry_store import EntryStore
@@ -122,7 +124,11 @@ class VllmFrontEnd:
     def __init__(self, cfg: VllmEngineConfig) -> None:
         prepare_environment(cfg)
         self.cfg = cfg
-        self.spec = ModelSpec.from_pretrained(resolve_model_dir(cfg.model))
+        model_dir = resolve_model_dir(cfg.model)
+        self.spec = ModelSpec.from_pretrained(model_dir)
+        self.scout_scales = load_scale_table(model_dir)
+        """The model's own (budget, S) table for `scout-*` / `auto` names (`mpic model
+        calibrate-scout --write`), read as the reference runner reads it; None: the default."""
         self._processor: Any = None
         self.store = EntryStore.from_config(cfg.storage)
         """The entry store (the worker opens the same durable store from `cfg.storage`)."""
@@ -230,6 +236,8 @@ class VllmFrontEnd:
         fallback, built only if the link fails, carries the images of `media` when given), or
         with `exact` plain vLLM over the prompt planned under `full` with its images (no
         linking). salt: the prefix-cache salt (a fresh one: no prefix-cache hit)."""
+        if not exact:
+            policy = self.policy_name(policy)
         planned = self.plan(
             parts, "full" if exact else policy, max_new_tokens, system_prompt, entries=entries,
             raw=raw,
@@ -257,6 +265,14 @@ class VllmFrontEnd:
         if salt is not None:
             request.cache_salt = salt
         return planned, request
+
+    def policy_name(self, policy: str) -> str:
+        """`policy` with the model's own scout scales spelled out (`auto` -> `scout-0.2:s<S>`)
+        when the model has a table: the connector's halves parse the name again in vLLM's
+        processes, and must use the S the reference runner uses. Unchanged without a table."""
+        if self.scout_scales is None:
+            return policy
+        return get_policy(policy, scales=self.scout_scales).name
 
     def _run_to_end(self, prompt: dict, sampling: Any) -> None:
         """Run one vLLM request (an upload or a compression) to its end, blocking the calling

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -82,3 +84,32 @@ def test_config_enforces_cpu_block_size_and_no_extra_fields() -> None:
         VllmEngineConfig(model="m", block_size=16)
     with pytest.raises(ValidationError):
         VllmEngineConfig(model="m", blocksize=32)
+
+
+def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_path) -> None:
+    """A model folder with its own scout table (`calibrate-scout --write`): the vLLM front end
+    names the policy with that table's S, the S the reference runner takes from the same
+    folder, so the connector's halves (which parse the name again) cannot fall back to the
+    default table; without a table names pass unchanged."""
+    import json
+    import shutil
+
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.vllm.config import VllmEngineConfig
+    from mpic.engine.vllm.frontend import VllmFrontEnd
+    from mpic.linker.policies import get_policy
+    from mpic.linker.scout_calibration import TABLE_FILE
+
+    plain = VllmFrontEnd(VllmEngineConfig(model=str(tiny_llava_dir)))
+    assert plain.scout_scales is None and plain.policy_name("auto") == "auto"
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llava_dir, model)
+    (model / TABLE_FILE).write_text(json.dumps({"table": [[0.1, 0.7], [0.3, 0.6]]}))
+    front = VllmFrontEnd(VllmEngineConfig(model=str(model)))
+    runner = ReferenceRunner(str(model))
+    for name in ("auto", "scout-0.2", "auto-0.3", "mpic-32"):
+        spelled = front.policy_name(name)
+        assert spelled == get_policy(name, scales=runner.scout_scales).name
+        assert get_policy(spelled).name == spelled  # parses to itself with the default table
+    assert front.policy_name("auto") != get_policy("auto").name
+    assert front.policy_name("mpic-32") == "mpic-32"
