@@ -3,9 +3,12 @@ with the tiny LLaVA:
 
 - head-of-line: with the object store answering every GET 200 ms late and a 0-byte memory tier
   (every entry read is a delayed GET), requests already decoding keep their inter-token latency
-  (<= 1.2x of the same run before the arrivals) while 4 new requests' 12 entries load and the
-  requests link in the background (the worker's linking thread); with reads and linking in the
-  step (`async_loads=False`) the same run stalls decoding;
+  while 4 new requests' 12 entries load and the requests link in the background (the worker's
+  linking thread); with reads and linking in the step (`async_loads=False`) the same run stalls
+  decoding. The bounds are sanity bounds far from the stall they guard (a step waiting on S3
+  shows gaps of seconds): the async run's largest gap is a quarter of the sync run's at most,
+  its mean ITL at most 2x the unloaded one (measured: 0.84-1.0x; the 1.2x figure is the
+  benchmark's, docs/vllm.md "Under load");
 - batching: 8 linked requests arriving together are linked in one selective pass (the
   connector's counter), and their TTFT p50 is lower than with one pass per request.
 Exactness of batched passes: `test_vllm_linking.py` (8 requests in flight equal one at a time)."""
@@ -26,10 +29,11 @@ def test_entry_reads_do_not_stall_decoding(tiny_llava_dir: Path) -> None:
     print(run.itl_unloaded_ms, run.itl_loading_ms, run.itl_max_loading_ms, run.new_ttft_ms)
     assert run.gets >= 12  # every entry came from the delayed store
     assert min(run.new_ttft_ms) > 200  # the new requests did wait for their GETs
-    assert run.ratio <= 1.2
+    assert run.ratio <= 2.0
     sync = head_of_line(str(tiny_llava_dir), delay_s=0.2, async_loads=False)
     print(sync.itl_unloaded_ms, sync.itl_loading_ms, sync.itl_max_loading_ms)
     assert sync.itl_max_loading_ms > 200  # reads inside the step: decoding waits on S3
+    assert run.itl_max_loading_ms * 4 < sync.itl_max_loading_ms
 
 
 def test_eight_arriving_together_are_linked_in_one_pass(tiny_llava_dir: Path) -> None:
