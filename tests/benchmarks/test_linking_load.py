@@ -7,7 +7,7 @@ with the tiny LLaVA:
   linking thread); with reads and linking in the step (`async_loads=False`) the same run stalls
   decoding. The bounds are sanity bounds far from the stall they guard (a step waiting on S3
   shows gaps of seconds): the async run's largest gap is a quarter of the sync run's at most,
-  its mean ITL at most 2x the unloaded one (measured: 0.84-1.0x; the 1.2x figure is the
+  its mean ITL at most 2x the unloaded one (measured: 0.8-0.85x alone; the 1.2x figure is the
   benchmark's, docs/vllm.md "Under load");
 - batching: 8 linked requests arriving together are linked in one selective pass (the
   connector's counter), and their TTFT p50 is lower than with one pass per request.
