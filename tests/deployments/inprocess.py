@@ -142,6 +142,9 @@ def in_process_app(
         for dep in getattr(getattr(route, "dependant", None), "dependencies", []):
             if getattr(dep.call, "__name__", "") == "get_current_servable_instance":
                 overrides[dep.call] = lambda: ingress
+    # one module-level app: an app opened inside another (a module fixture's) takes the routes
+    # over while it runs and hands them back after
+    outer = {c: app.dependency_overrides[c] for c in overrides if c in app.dependency_overrides}
     app.dependency_overrides.update(overrides)
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
@@ -156,6 +159,7 @@ def in_process_app(
     finally:
         for call in overrides:
             app.dependency_overrides.pop(call, None)
+        app.dependency_overrides.update(outer)
 
 
 def fake_config(store_dir: Path, **engine: Any) -> Any:
