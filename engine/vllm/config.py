@@ -68,10 +68,11 @@ class VllmEngineConfig(VllmOptions):
     model: str = Field(description="HF model folder (config, weights, tokenizer, processor).")
     linking: bool = Field(True, description="Load the MPIC KV connector.")
     async_loads: bool | Literal["reads"] = Field(
-        True,
-        description="True: read a linked request's entries and link it in the background "
-        "(vLLM's WAITING_FOR_REMOTE_KVS, the worker's linking thread); 'reads': entries in the "
-        "background, linking inside a step; false: both inside the step that schedules it.",
+        "reads",
+        description="'reads' (default): read a linked request's entries in the background "
+        "(vLLM's WAITING_FOR_REMOTE_KVS), link it inside a step; True: link it in the background "
+        "too (the worker's linking thread; experimental: nondeterministic wrong tokens seen in "
+        "the exactness tests, docs/vllm.md); false: both inside the step that schedules it.",
     )
     link_share: float = Field(
         1.0,

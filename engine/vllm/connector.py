@@ -52,10 +52,11 @@ class MPICConnector(KVConnectorBase_V1):
     """Delegates to `MPICScheduler` (scheduler role) or `MPICWorker` (worker role).
 
     `kv_connector_extra_config`: `storage` (the entry store, a `StorageConfig` dict),
-    `async_loads` (the load mode, `link_job.load_mode`: true (default) = entry reads and
-    linking off the step, "reads" = reads off the step, false = in the step), `batch_links`
-    (default true), `fetch_threads` (default 8), `link_share` (the linking thread's share of
-    the wall time while requests decode, `mpic.engine.vllm.link_pacing`; default 1.0)."""
+    `async_loads` (the load mode, `link_job.load_mode`: "reads" (default) = entry reads off
+    the step, linking in it; true = both off the step (experimental); false = in the step),
+    `batch_links` (default true), `fetch_threads` (default 8), `link_share` (the linking
+    thread's share of the wall time while requests decode, `mpic.engine.vllm.link_pacing`;
+    default 1.0)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -66,7 +67,7 @@ class MPICConnector(KVConnectorBase_V1):
         self.scheduler: MPICScheduler | None = None
         self.worker: MPICWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = MPICScheduler(block_size, extra.get("async_loads", True))
+            self.scheduler = MPICScheduler(block_size, extra.get("async_loads", "reads"))
         else:
             storage = StorageConfig.model_validate(extra.get("storage", {}))
             self.worker = MPICWorker(
@@ -74,7 +75,7 @@ class MPICConnector(KVConnectorBase_V1):
                 storage,
                 int(extra.get("fetch_threads", 8)),
                 bool(extra.get("batch_links", True)),
-                extra.get("async_loads", True),
+                extra.get("async_loads", "reads"),
                 float(extra.get("link_share", 1.0)),
             )
 

@@ -11,10 +11,10 @@ is loaded:
   state and is linked in the first step after its entries are in memory, then reported finished
   receiving, so vLLM schedules its last prompt token over the linked blocks.
   How much of the work leaves the steps is the load mode (`load_mode`, from
-  `kv_connector_extra_config["async_loads"]`): `background` (the default) reads AND links in the
-  background (the link on the worker's own linking thread, concurrent with vLLM's forwards: the
-  request's blocks are its own until reported); `reads` reads in the background and links in a
-  step (the former behaviour); `step` claims synchronously.
+  `kv_connector_extra_config["async_loads"]`): `reads` (the default) reads in the background and
+  links in a step; `background` reads AND links in the background (the link on the worker's own
+  linking thread, concurrent with vLLM's forwards; experimental: docs/vllm.md); `step` claims
+  synchronously.
 - `phase2` (two-phase claims, every policy loads its entries in the background first): `link`
   when the request must be linked in the step that runs its last prompt token (its last token
   has no block yet under a policy whose pass reads it, `needs_last_token`; or any non-plain
@@ -152,9 +152,9 @@ LOAD_MODES = ("background", "reads", "step")
 
 
 def load_mode(value: object) -> str:
-    """`kv_connector_extra_config["async_loads"]` -> a load mode: true (default) ->
-    "background" (reads and linking off the step), "reads" (reads off the step, linking in
-    it), false -> "step" (every claim synchronous)."""
+    """`kv_connector_extra_config["async_loads"]` -> a load mode: true -> "background" (reads
+    and linking off the step; experimental), "reads" (the default of `VllmEngineConfig`: reads
+    off the step, linking in it), false -> "step" (every claim synchronous)."""
     if value is True or value is None:
         return "background"
     if value is False:

@@ -3,8 +3,8 @@ with the tiny LLaVA:
 
 - head-of-line: with the object store answering every GET 200 ms late and a 0-byte memory tier
   (every entry read is a delayed GET), requests already decoding keep their inter-token latency
-  while 4 new requests' 12 entries load and the requests link in the background (the worker's
-  linking thread); with reads and linking in the step (`async_loads=False`) the same run stalls
+  while 4 new requests' 12 entries load in the background (the default load mode, "reads");
+  with reads and linking in the step (`async_loads=False`) the same run stalls
   decoding. The bounds are sanity bounds far from the stall they guard (a step waiting on S3
   shows gaps of seconds): the async run's largest gap is a quarter of the sync run's at most,
   its mean ITL at most 2x the unloaded one (measured: 0.8-0.85x alone; the 1.2x figure is the
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_entry_reads_do_not_stall_decoding(tiny_llava_dir: Path) -> None:
-    run = head_of_line(str(tiny_llava_dir), delay_s=0.2, async_loads=True)
+    run = head_of_line(str(tiny_llava_dir), delay_s=0.2, async_loads="reads")  # the default
     print(run.itl_unloaded_ms, run.itl_loading_ms, run.itl_max_loading_ms, run.new_ttft_ms)
     assert run.gets >= 12  # every entry came from the delayed store
     assert min(run.new_ttft_ms) > 200  # the new requests did wait for their GETs
