@@ -5,9 +5,11 @@ The proxy set: `--prompts` prompts of `--documents` standard-library passages ea
 the ones `mpic bench fidelity` uses (so the benchmark's prompts stay held out), cached alone and
 linked into the benchmark's prompt layout with questions 0.. of its templates. For every budget
 and every S of `--grid`, the mean first-token KL of `scout-<b>:s<S>` against full recomputation;
-the best S per budget forms the table. `--write` saves it in the model's folder
-(`mpic_scout_scales.json`), where the reference runner picks it up for `scout-<b>` / `auto`
-names that do not spell S out; `--json` writes every KL measured.
+then (unless `--one-scale`) the first half of the layers' S over the same grid with the second
+half at that best S (`scout-<b>:s<S1>/<S2>`). The best per budget forms the table: rows
+(budget, S) or (budget, S1, S2). `--write` saves it in the model's folder
+(`mpic_scout_scales.json`), where the reference runner and the vLLM front end pick it up for
+`scout-<b>` / `auto` names that do not spell S out; `--json` writes every KL measured.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def command(
     documents: int = typer.Option(4, "--documents", help="Passages per proxy prompt."),
     prompts: int = typer.Option(3, "--prompts", help="Proxy prompts."),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads."),
+    one_scale: bool = typer.Option(
+        False, "--one-scale", help="One S in every layer (no sweep of the first half's S)."
+    ),
     write: bool = typer.Option(False, "--write", help="Save the table in the model folder."),
     json_out: str = typer.Option(None, "--json", help="Write every measured KL here."),
 ) -> None:
@@ -72,18 +77,19 @@ def command(
         parts = question_parts(chunk, ids, p)
         proxies.append((parts, runner.prefill(parts, "full").logits))
 
-    def kl_at(budget: float, scale: float) -> float:
-        policy = ScoutPolicy(budget, scale)
+    def kl_at(budget: float, early: float, late: float) -> float:
+        policy = ScoutPolicy(budget, early, late_scale=late)
         kls = [kl_divergence(ref, runner.prefill(parts, policy).logits) for parts, ref in proxies]
         return sum(kls) / len(kls)
 
-    sweeps = calibrate_scale(kl_at, budget_list, scales)
-    table = [(sw.budget, sw.best) for sw in sweeps]
+    sweeps = calibrate_scale(kl_at, budget_list, scales, per_half=not one_scale)
+    table = [sw.row for sw in sweeps]
     for sw in sweeps:
         plain = sw.kl.get(1.0)
+        spelled = "/".join(f"{s:g}" for s in sw.row[1:])
         typer.echo(
-            f"budget {sw.budget:g}: S = {sw.best:g} (KL {sw.kl[sw.best]:.4f}"
-            + (f"; S = 1: {plain:.4f})" if plain is not None else ")")
+            f"budget {sw.budget:g}: S = {spelled} (KL {sw.best_kl:.4f}; one S {sw.best:g}: "
+            f"{sw.kl[sw.best]:.4f}" + (f"; S = 1: {plain:.4f})" if plain is not None else ")")
         )
     if write:
         path = Path(model) / TABLE_FILE
@@ -91,5 +97,10 @@ def command(
         typer.echo(f"wrote {path}")
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        data = {"table": table, "kl": [{"budget": sw.budget, "kl": sw.kl} for sw in sweeps]}
+        data = {
+            "table": table,
+            "kl": [
+                {"budget": sw.budget, "kl": sw.kl, "first_half_kl": sw.early_kl} for sw in sweeps
+            ],
+        }
         Path(json_out).write_text(json.dumps(data, indent=1))

@@ -20,7 +20,7 @@ from mpic.linker.policies.mpic import MPICPolicy
 from mpic.linker.policies.prefix import PrefixPolicy
 from mpic.linker.policies.scout import ScoutPolicy
 from mpic.linker.policies.vlcache import VLCachePolicy
-from mpic.linker.scout_calibration import interpolate
+from mpic.linker.scout_calibration import table_scales
 
 POLICY_NAMES = (
     "full",
@@ -42,15 +42,18 @@ DEFAULT_BUDGET = 0.2
 _FIXED = {"full": FullPolicy, "prefix": PrefixPolicy, "full-reuse": FullReusePolicy}
 
 
-def best_for_budget(budget: float, scales: Sequence[tuple[float, float]] | None = None) -> Policy:
+def best_for_budget(budget: float, scales: Sequence[Sequence[float]] | None = None) -> Policy:
     """The best selection measured for a budget fraction (docs/fidelity.md): `scout-<b>` with
-    its calibrated correction (S from `scales`, a model's (budget, S) table, else the default
-    table)."""
-    return ScoutPolicy(budget, None if scales is None else interpolate(scales, budget))
+    its calibrated correction (S from `scales`, a model's table of (budget, S) or (budget, S of
+    the first half, S of the second half) rows, else the default tables)."""
+    if scales is None:
+        return ScoutPolicy(budget)
+    early, late = table_scales(scales, budget)
+    return ScoutPolicy(budget, early, late_scale=late)
 
 
 def get_policy(
-    name: str, budget: float | None = None, scales: Sequence[tuple[float, float]] | None = None
+    name: str, budget: float | None = None, scales: Sequence[Sequence[float]] | None = None
 ) -> Policy:
     """The policy called `name`; ValueError listing the valid names otherwise. `budget` (a
     fraction of prompt tokens) is what `auto` means (default `DEFAULT_BUDGET`); `scales` is a

@@ -99,10 +99,10 @@ class ScoutPolicy(Policy):
         self.name = f"scout-{budget:g}:s{spelled}"
 
     @classmethod
-    def from_arg(cls, arg: str, scales: Sequence[tuple[float, float]] | None = None) -> ScoutPolicy:
+    def from_arg(cls, arg: str, scales: Sequence[Sequence[float]] | None = None) -> ScoutPolicy:
         """`0.2`, `0.2:s0.8` or `0.2:s0.9/0.8` (the part after `scout-`: one S, or the first
-        and the second half's); without `:s`, S comes from `scales` (a model's (budget, S)
-        table: one S) or the default tables."""
+        and the second half's); without `:s`, S comes from `scales` (a model's table: rows
+        (budget, S) or (budget, S first half, S second half)) or the default tables."""
         budget, _, rest = arg.partition(":")
         scale = late = None
         if rest:
@@ -112,9 +112,9 @@ class ScoutPolicy(Policy):
             scale = float(first)
             late = float(second) if slash else None
         elif scales is not None:
-            from mpic.linker.scout_calibration import interpolate
+            from mpic.linker.scout_calibration import table_scales
 
-            scale = round(interpolate(scales, float(budget)), 3)
+            scale, late = table_scales(scales, float(budget))
         return cls(float(budget), scale, late_scale=late)
 
     @property
