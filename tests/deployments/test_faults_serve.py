@@ -114,8 +114,16 @@ def test_llm_worker_killed_mid_stream(serve_app: ServeApp) -> None:
     recovery = _recover(serve_app.url, content)
     after = _worker_pids(serve_app.config.name)
     assert after and not set(after) & set(before)
+    # a client honours Retry-After: right after the first answer the restarted replica may still
+    # answer one fast 503 (seen in the full suite, never alone)
+    _recover(serve_app.url, content, limit_s=60)
     r = _chat(serve_app.url, content)
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    if r.status_code == 503:
+        assert "retry-after" in {k.lower() for k in r.headers}
+        time.sleep(int(r.headers["retry-after"]))
+        r = _chat(serve_app.url, content)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     files = httpx.get(f"{serve_app.url}/v1/files", headers=ALICE, timeout=30).json()["data"]
     assert fid in {f["id"] for f in files}
     print(
