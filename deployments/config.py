@@ -121,6 +121,12 @@ class EngineCommon(BaseModel):
         description="A Jinja chat template (the text, or a path to a file holding it) used "
         "instead of the model's own (vLLM's --chat-template); None: the model's.",
     )
+    link_prefix: bool = Field(
+        True,
+        description="Link the template/system prefix shared with the entries' canonical "
+        "context exactly from a prefix cache (not recomputed; the reference and vllm kinds; "
+        "usage.cached_tokens still counts stored entries only); false: recompute it.",
+    )
 
     @property
     def served_names(self) -> list[str]:

@@ -41,6 +41,9 @@ class LinkedPrefill:
     """Prompt tokens that ran through at least one layer, over both steps of two-step policies."""
     scout: ScoutReport | None = None
     """The scouting pass's cost (scouting policies only)."""
+    cached_prefix: int = 0
+    """Leading prompt tokens linked exactly from the prefix cache (`mpic.linker.prefix`):
+    depth 0, not recomputed, counted as cached."""
 
 
 def link_and_prefill(
@@ -92,4 +95,10 @@ def link_and_prefill(
     embeds = gather_input_embeds(adapter, plan, entries, index)
     result = selective_prefill(adapter, plan, linked_kv, embeds, hook=hook)
     ran |= result.recompute_depth > 0
-    return LinkedPrefill(plan=plan, result=result, recomputed_tokens=int(ran.sum()), scout=report)
+    return LinkedPrefill(
+        plan=plan,
+        result=result,
+        recomputed_tokens=int(ran.sum()),
+        scout=report,
+        cached_prefix=cached,
+    )

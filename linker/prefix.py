@@ -1,4 +1,4 @@
-"""The template/system prefix linked exactly from a cache (linker; reference runner).
+"""The template/system prefix linked exactly from a cache (linker; both engines).
 
 Every entry is computed after its canonical context (`CacheEntry.extra["context_token_ids"]`:
 the chat template's system prompt and the start of a user turn). A prompt rendered with the same
@@ -10,22 +10,34 @@ KV once per context (one plain prefill of the context, ~24 tokens on SmolLM2's t
 KV and leaves them out of the selective pass (depth 0, counted as cached, never corrected: they
 are text, not linked item keys). Only text before the first item qualifies.
 
-The vLLM worker does not link it (its plans keep the prefix recomputed); vLLM's own prefix
-caching would hold those blocks, block-aligned (docs/fidelity.md).
+Both engines link it, on by default (`ReferenceRunner(link_prefix=True)`; the vLLM worker,
+`VllmEngineConfig.link_prefix`): the reference runner at planning time, the vLLM worker in its own
+process over its own layer adapter (`mpic.engine.vllm.connector_worker`), from the entries it
+has just read, with its own `PrefixCache` (a context it has never seen is prefilled there on first
+use). Both decide P with `prefix_length` from the same plan and entries, so they select the same
+tokens under the same budget. vLLM's own prefix caching cannot hold those blocks: linked requests
+are cache-salted per plan, and it would be block-aligned (16 of 24 tokens; docs/fidelity.md).
+`links_prefix` names the policies that take it (all but `full` and `prefix`, which recompute or
+reuse the prompt's own prefix); two-step and in-pass-hook policies still recompute it
+(`mpic.linker.pipeline`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
-from mpic.linker.positions import text_positions
 from mpic.linker.selective_prefill import run_layers
-from mpic.types import CacheEntry, LinkPlan
+from mpic.types import MROPE_FAMILIES, CacheEntry, LinkPlan
+
+if TYPE_CHECKING:
+    from mpic.linker.policies.base import Policy
 
 
 @dataclass(frozen=True)
@@ -56,41 +68,85 @@ def common_prefix(plan: LinkPlan, context: Sequence[int]) -> int:
     return length
 
 
-class PrefixCache:
-    """Context KV by context token ids (one plain prefill per distinct context)."""
+def links_prefix(policy_name: str) -> bool:
+    """True for the policies that link the prefix (all but `full`, which recomputes every
+    token, and `prefix`, which reuses the prompt's own prefix)."""
+    return policy_name not in ("full", "prefix")
 
-    def __init__(self, adapter: LayerAdapter, family: str) -> None:
+
+def takes_prefix(policy: Policy, plan: LinkPlan, num_layers: int) -> bool:
+    """True when `link_and_prefill` links a cached prefix under `policy`: `links_prefix`, and
+    neither a two-step policy nor an in-pass hook (CacheBlend), which recompute it."""
+    return (
+        links_prefix(policy.name)
+        and not policy.two_step
+        and policy.layer_hook(plan, num_layers) is None
+    )
+
+
+def prefix_length(plan: LinkPlan, entries: Sequence[CacheEntry]) -> int:
+    """P: the plan's longest prefix shared with one of its entries' canonical contexts (0: no
+    entry, no context, or no token in common). Both engines decide P with this."""
+    return _best_context(plan, entries)[0]
+
+
+def _best_context(plan: LinkPlan, entries: Sequence[CacheEntry]) -> tuple[int, tuple[int, ...]]:
+    best: tuple[int, tuple[int, ...]] = (0, ())
+    for entry in entries:
+        context = tuple(entry.extra.get("context_token_ids") or ())
+        length = common_prefix(plan, context)
+        if length > best[0]:
+            best = (length, context)
+    return best
+
+
+class PrefixCache:
+    """Context KV by context token ids (one plain prefill per distinct context; the
+    `max_contexts` most recently used are kept). family: the model family (M-RoPE families get
+    [3, C] text positions); None: read from the adapter's RoPE (`mrope_section`)."""
+
+    def __init__(
+        self, adapter: LayerAdapter, family: str | None = None, max_contexts: int = 64
+    ) -> None:
         self.adapter = adapter
-        self.family = family
-        self._kv: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        if family is None:
+            self.mrope = getattr(adapter.rope, "mrope_section", None) is not None
+        else:
+            self.mrope = family in MROPE_FAMILIES
+        self.max_contexts = max_contexts
+        self._kv: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.prefills = 0
+        """Contexts prefilled so far (a context seen before is not prefilled again)."""
 
     def _context_kv(self, context: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        if context not in self._kv:
-            a, c = self.adapter, len(context)
-            kv = DenseLinkedKV(a.num_layers, c, a.num_kv_heads, a.head_dim, a.dtype, a.device)
-            ids = torch.tensor(context, dtype=torch.int64)
-            with torch.inference_mode():
-                run_layers(
-                    a,
-                    kv,
-                    a.embed_tokens(ids),
-                    torch.arange(c),
-                    text_positions(self.family, 0, c),
-                    torch.full((c,), a.num_layers, dtype=torch.int64),
-                )
-            self._kv[context] = (kv.keys, kv.values)
+        if context in self._kv:
+            self._kv.move_to_end(context)
+            return self._kv[context]
+        a, c = self.adapter, len(context)
+        kv = DenseLinkedKV(a.num_layers, c, a.num_kv_heads, a.head_dim, a.dtype, a.device)
+        ids = torch.tensor(context, dtype=torch.int64)
+        positions = torch.arange(c, dtype=torch.int64)
+        if self.mrope:
+            positions = positions.expand(3, -1).clone()
+        with torch.inference_mode():
+            run_layers(
+                a,
+                kv,
+                a.embed_tokens(ids),
+                torch.arange(c),
+                positions,
+                torch.full((c,), a.num_layers, dtype=torch.int64),
+            )
+        self.prefills += 1
+        self._kv[context] = (kv.keys, kv.values)
+        while len(self._kv) > self.max_contexts:
+            self._kv.popitem(last=False)
         return self._kv[context]
 
     def lookup(self, plan: LinkPlan, entries: Sequence[CacheEntry]) -> CachedPrefix | None:
-        """The plan's longest prefix shared with one of its entries' contexts, or None (no
-        entry, or no token in common)."""
-        best: tuple[int, tuple[int, ...]] = (0, ())
-        for entry in entries:
-            context = tuple(entry.extra.get("context_token_ids") or ())
-            length = common_prefix(plan, context)
-            if length > best[0]:
-                best = (length, context)
-        length, context = best
+        """The plan's longest prefix shared with one of its entries' contexts (`prefix_length`),
+        or None (no entry, or no token in common)."""
+        length, context = _best_context(plan, entries)
         if length == 0:
             return None
         keys, values = self._context_kv(context)

@@ -52,7 +52,13 @@ class ReferenceServeEngine(ServeEngine):
     def __init__(self, cfg: EngineConfig, store: StorageConfig, role: Role) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.cfg = cfg
-        self.runner = ReferenceRunner(cfg.model, device, _DTYPES[cfg.dtype], cfg.system_prompt)
+        self.runner = ReferenceRunner(
+            cfg.model,
+            device,
+            _DTYPES[cfg.dtype],
+            cfg.system_prompt,
+            link_prefix=cfg.link_prefix,
+        )
         spec = self.runner.spec
         self._context_ids = (  # a text-only model caches documents only
             canonical_context_ids(self.runner.processor, cfg.system_prompt, spec.image_token_id)

@@ -70,7 +70,11 @@ class VllmServeEngine(ServeEngine):
             from mpic.engine.vllm.config import VllmEngineConfig, VllmOptions
 
             options = cfg.model_dump(include=set(VllmOptions.model_fields))
-            self.vllm = AsyncVllmEngine(VllmEngineConfig(**options, model=cfg.model, storage=store))
+            self.vllm = AsyncVllmEngine(
+                VllmEngineConfig(
+                    **options, model=cfg.model, storage=store, link_prefix=cfg.link_prefix
+                )
+            )
 
     @property
     def fingerprint(self) -> str:

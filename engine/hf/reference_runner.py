@@ -67,6 +67,9 @@ class Prefilled:
     """The press that compressed `kv` (its generation-time step runs while decoding)."""
     scout: ScoutReport | None = None
     """The scouting pass's cost (`scout-*` policies)."""
+    cached_prefix: int = 0
+    """Leading prompt tokens linked exactly from the prefix cache (`link_prefix`): counted as
+    cached, not recomputed."""
 
 
 @dataclass
@@ -89,15 +92,16 @@ class ReferenceRunner:
         system_prompt: str | None = None,
         attention_backend: str | None = None,
         decode_correction: bool = True,
-        link_prefix: bool = False,
+        link_prefix: bool = True,
     ) -> None:
         """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
         `sdpa_runs`); None picks by device (`flex` on CUDA). decode_correction: keep a policy's
         linked-key correction (`scout-*`) while decoding (False: decode with plain attention,
         as vLLM's own decode does). link_prefix: link the template/system prefix shared with
         the entries' canonical context exactly from a prefix cache instead of recomputing it
-        (`mpic.linker.prefix`; every policy but `full` and `prefix`; off by default because the
-        vLLM worker recomputes it, and the two engines then select the same tokens)."""
+        (`mpic.linker.prefix`; every policy but `full` and `prefix`, two-step and in-pass-hook
+        policies recompute it; on by default, as in the vLLM worker, so both engines select the
+        same tokens; False: recompute it)."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model)
         self.attention_backend = attention_backend
@@ -215,7 +219,15 @@ class ReferenceRunner:
         if not self.decode_correction and isinstance(kv, DenseLinkedKV):
             kv.set_correction(None)  # decode as vLLM does: plain attention
         return Prefilled(
-            out.plan, kv, logits, out.recomputed_tokens, ttft, cpu, req, scout=out.scout
+            out.plan,
+            kv,
+            logits,
+            out.recomputed_tokens,
+            ttft,
+            cpu,
+            req,
+            scout=out.scout,
+            cached_prefix=out.cached_prefix,
         )
 
     @torch.inference_mode()

@@ -33,6 +33,7 @@ from torch import nn
 from mpic.engine.vllm.paged_kv import CpuPagedOps, PagedLinkedKV, cpu_attend_sequences
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.prefix import CachedPrefix
 from mpic.linker.selective_prefill import run_layers
 from mpic.types import CacheEntry, LinkPlan
 
@@ -45,6 +46,9 @@ class BatchItem:
     entries: Sequence[CacheEntry]
     kv: PagedLinkedKV
     block_ids: list[int]
+    prefix: CachedPrefix | None = None
+    """The template/system prefix linked exactly (`mpic.linker.prefix`; the plan gives its
+    tokens depth 0), or None."""
 
 
 class BatchedPagedKV:
@@ -140,14 +144,17 @@ def link_batch(
     block_size: int,
 ) -> None:
     """Link every request of `items` (plain policies) in one selective pass: each request's
-    blocks are zeroed and its entries' rotated KV linked, then the recomputed tokens of all of
-    them run the layers together. No logits (vLLM's forward computes the last token)."""
+    blocks are zeroed and its entries' rotated KV (and its cached prefix's exact KV) linked,
+    then the recomputed tokens of all of them run the layers together. No logits (vLLM's
+    forward computes the last token)."""
     embeds, index, positions, depth = [], [], [], []
     batched = BatchedPagedKV(items, layers, caches, block_size)
     for r, it in enumerate(items):
         it.kv.clear()
         link_entries(it.kv, it.plan, it.entries, adapter.rope, adapter.num_layers,
                      device=adapter.device)  # fmt: skip
+        if it.prefix is not None:
+            it.kv.write_layers(torch.arange(it.prefix.length), it.prefix.keys, it.prefix.values)
         local = torch.nonzero(it.plan.recompute_depth > 0).flatten()
         if local.numel() == 0:
             continue

@@ -87,6 +87,12 @@ class VllmEngineConfig(VllmOptions):
         description="Link the requests ready in one step in one selective pass (plain "
         "policies); false: one pass per request.",
     )
+    link_prefix: bool = Field(
+        True,
+        description="Link the template/system prefix shared with the entries' canonical "
+        "context exactly in the worker (mpic.linker.prefix: not recomputed, outside the budget; "
+        "the reference runner's default too); false: recompute it.",
+    )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Entry store the worker loads entries from."
     )

@@ -56,7 +56,8 @@ class MPICConnector(KVConnectorBase_V1):
     the step, linking in it; true = both off the step (experimental); false = in the step),
     `batch_links` (default true), `fetch_threads` (default 8), `link_share` (the linking
     thread's share of the wall time while requests decode, `mpic.engine.vllm.link_pacing`;
-    default 1.0)."""
+    default 1.0), `link_prefix` (link the template/system prefix exactly, `mpic.linker.prefix`;
+    default true)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -77,6 +78,7 @@ class MPICConnector(KVConnectorBase_V1):
                 bool(extra.get("batch_links", True)),
                 extra.get("async_loads", "reads"),
                 float(extra.get("link_share", 1.0)),
+                bool(extra.get("link_prefix", True)),
             )
 
     # ---------------------------------------------------------------- scheduler side

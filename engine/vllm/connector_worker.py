@@ -22,8 +22,18 @@ selective pass together (`mpic.engine.vllm.batched_link`); the others, one at a 
 linker's `link_and_prefill` (text-first pass, in-pass hooks, scouting, corrections) with vLLM's
 modules (`VllmLayerAdapter`) into their paged blocks (`PagedLinkedKV`). A request whose params
 carry `mpic_press` is an item's canonical prompt: its prefill is observed and the item's
-compressed entry written to the store (`mpic.engine.vllm.presses`). `stats` counts passes and
-requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`) and link
+compressed entry written to the store (`mpic.engine.vllm.presses`).
+
+The template/system prefix (`mpic.linker.prefix`, `link_prefix`, on by default): before a
+request is linked, the worker finds, from the plan and the entries it has just read, the longest
+prompt prefix shared with one entry's canonical context (`prefix_length`, the reference runner's
+rule), writes its exact KV (the context's plain prefill over this worker's layer adapter, kept
+once per context in a `PrefixCache`; a context never seen is prefilled on first use) into the
+request's blocks and gives those tokens depth 0: not recomputed, and a scouting policy spends
+their share of the budget on item tokens, as in the reference runner. Where no entry carries a
+context (or the prefill fails) the prefix is recomputed as before. `stats` counts passes and
+requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`), prefixes
+(`prefix_linked` requests, `prefix_tokens`, `prefix_contexts` prefilled) and link
 time (`link_ms_in_step`, `link_ms_background`, `link_spans`), read by the engine's owner with
 `collective_rpc("mpic_connector_stats")`.
 
@@ -54,6 +64,8 @@ from mpic.engine.vllm.paged_kv import PagedLinkedKV
 from mpic.errors import MPICError
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import get_policy
+from mpic.linker.policies.base import Policy
+from mpic.linker.prefix import CachedPrefix, PrefixCache, takes_prefix
 from mpic.linker.recipe import PlannedPrompt
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
@@ -91,7 +103,8 @@ class MPICWorker:
     pass of its own (the one-after-the-other baseline); async_loads: the load mode
     (`link_job.load_mode`: "background" links async jobs on the linking thread, "reads" in the
     step after their reads); link_share: the linking thread's share of the wall time while
-    vLLM's forwards run (`mpic.engine.vllm.link_pacing`; 1.0: full speed)."""
+    vLLM's forwards run (`mpic.engine.vllm.link_pacing`; 1.0: full speed); link_prefix: link
+    the template/system prefix exactly (module docstring; False: recompute it)."""
 
     def __init__(
         self,
@@ -101,8 +114,11 @@ class MPICWorker:
         batch_links: bool = True,
         async_loads: bool | str = True,
         link_share: float = 1.0,
+        link_prefix: bool = True,
     ) -> None:
         self.block_size = block_size
+        self.link_prefix = link_prefix
+        self._prefixes: PrefixCache | None = None
         self.batch_links = batch_links
         self.mode = load_mode(async_loads)
         self._last_forward = 0.0
@@ -146,6 +162,9 @@ class MPICWorker:
             "link_ms_in_step": 0.0,
             "link_ms_background": 0.0,
             "read_ahead": 0,
+            "prefix_linked": 0,
+            "prefix_tokens": 0,
+            "prefix_contexts": 0,
         }
         """Counters; `link_ms_*`: wall time of link passes inside steps / on the linking
         thread; `link_spans`: the linking thread's last 64 batches (start, end, requests) in
@@ -379,12 +398,17 @@ class MPICWorker:
             try:
                 plan = job.plan()
                 policy = get_policy(job.policy)
+                prefix = self._prefix(job, policy, plan, entries)
                 if job.press is None and batchable(policy):
                     plan = self._fit(job, plan)
+                    if prefix is not None:  # linked exactly, not in the pass
+                        depth = plan.recompute_depth.clone()
+                        depth[: prefix.length] = 0
+                        plan = dataclasses.replace(plan, recompute_depth=depth)
                     kv = PagedLinkedKV(layers, caches, job.block_ids, self.block_size)
-                    batch.append((job, BatchItem(plan, entries, kv, job.block_ids)))
+                    batch.append((job, BatchItem(plan, entries, kv, job.block_ids, prefix)))
                     continue
-                self._link_one(job, plan, entries, layers, caches, adapter)
+                self._link_one(job, plan, entries, layers, caches, adapter, prefix)
             except LOAD_ERRORS as exc:
                 self._fail(job, exc)
                 continue
@@ -399,6 +423,33 @@ class MPICWorker:
                     self._fail(job, exc)
                 continue
             self._linked([job for job, _ in group], began)
+
+    def _prefix(
+        self, job: LinkJob, policy: Policy, plan: LinkPlan, entries: list[CacheEntry]
+    ) -> CachedPrefix | None:
+        """The request's template/system prefix, linked exactly (module docstring), or None:
+        `link_prefix` off, a compression request, a policy that takes none (`full`, `prefix`,
+        two-step and in-pass-hook policies), no entry context in common, or a failed context
+        prefill (logged; the prefix is then recomputed)."""
+        if not self.link_prefix or job.press is not None:
+            return None
+        if not takes_prefix(policy, plan, self.adapter().num_layers):
+            return None  # these recompute it (`mpic.linker.pipeline`)
+        if self._prefixes is None:
+            self._prefixes = PrefixCache(self.adapter())
+        cache = self._prefixes
+        try:
+            with torch.inference_mode():
+                prefix = cache.lookup(plan, entries)
+        except (RuntimeError, ValueError) as exc:
+            logger.warning("MPIC: %s recomputes its prefix: %s", job.req_id, exc)
+            return None
+        with self._lock:
+            self.stats["prefix_contexts"] = cache.prefills
+            if prefix is not None:
+                self.stats["prefix_linked"] += 1
+                self.stats["prefix_tokens"] += prefix.length
+        return prefix
 
     def _fit(self, job: LinkJob, plan: LinkPlan) -> LinkPlan:
         """The plan cut before the last token when that token has no block yet (an async claim
@@ -423,8 +474,10 @@ class MPICWorker:
         layers: list,
         caches: list[torch.Tensor],
         adapter: Any,
+        prefix: CachedPrefix | None = None,
     ) -> None:
-        """The linker's `link_and_prefill` over the whole prompt, into the request's blocks.
+        """The linker's `link_and_prefill` over the whole prompt, into the request's blocks
+        (with `prefix`: its tokens linked exactly, `mpic.linker.prefix`).
 
         Token N-1 runs too (its block exists), so in-pass selections see the same tokens as in
         the reference runner; vLLM's forward then recomputes it identically. The plan's depths
@@ -433,7 +486,7 @@ class MPICWorker:
         shifted for vLLM's forward of token N-1: now when that forward is this step's, else
         (linked in the background) in the step that schedules it (`bind`)."""
         policy = get_policy(job.policy)
-        planned = PlannedPrompt(plan, entries, policy, refs=[])
+        planned = PlannedPrompt(plan, entries, policy, refs=[], prefix=prefix)
         mirror = values = None
         shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
         if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:

@@ -90,6 +90,7 @@ def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
                 "async_loads": cfg.async_loads,
                 "batch_links": cfg.batch_links,
                 "link_share": cfg.link_share,
+                "link_prefix": cfg.link_prefix,
             },
         )
     optional = {

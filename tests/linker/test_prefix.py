@@ -10,9 +10,10 @@ import torch
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies import get_policy
 from mpic.linker.policies.base import Policy
 from mpic.linker.policies.scout import ScoutPolicy
-from mpic.linker.prefix import PrefixCache, common_prefix
+from mpic.linker.prefix import PrefixCache, common_prefix, prefix_length, takes_prefix
 from mpic.linker.recipe import with_policy
 from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
@@ -92,3 +93,38 @@ def test_two_step_policies_recompute_the_prefix():
     linked, _ = _run(adapter, plan, entries, "full-reuse", prefix)
     assert linked.recomputed_tokens == plain.recomputed_tokens
     torch.testing.assert_close(linked.result.logits, plain.result.logits)
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_the_family_is_read_from_the_adapter_when_not_given(mrope):
+    """The vLLM worker builds its cache from the layer adapter alone (M-RoPE from its RoPE)."""
+    adapter, plan, entries = _setup(mrope)
+    given = PrefixCache(adapter, toy_spec(adapter).family).lookup(plan, entries)
+    read = PrefixCache(adapter).lookup(plan, entries)
+    assert prefix_length(plan, entries) == given.length == read.length == len(CONTEXT)
+    torch.testing.assert_close(read.keys, given.keys, rtol=0, atol=0)
+
+
+def test_contexts_are_prefilled_once_and_the_cache_is_bounded():
+    adapter, plan, entries = _setup()
+    cache = PrefixCache(adapter, max_contexts=1)
+    cache.lookup(plan, entries)
+    cache.lookup(plan, entries)
+    assert cache.prefills == 1
+    _, other, other_entries = _setup(prompt=[9] + PROMPT[1:])
+    other_entries = [
+        dataclasses.replace(e, extra={**e.extra, "context_token_ids": [9] + CONTEXT[1:]})
+        for e in other_entries
+    ]
+    assert cache.lookup(other, other_entries).length == len(CONTEXT)
+    assert cache.prefills == 2 and len(cache._kv) == 1  # the first context was evicted
+    cache.lookup(plan, entries)
+    assert cache.prefills == 3
+
+
+def test_which_policies_take_the_prefix():
+    adapter, plan, entries = _setup()
+    assert takes_prefix(get_policy("mpic-2"), plan, L)
+    assert takes_prefix(get_policy("scout-0.3"), plan, L)
+    for name in ("full", "prefix", "full-reuse", "cacheblend-15"):
+        assert not takes_prefix(get_policy(name), plan, L), name

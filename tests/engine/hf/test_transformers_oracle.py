@@ -1,10 +1,13 @@
 """An oracle a selection change cannot fool (issue 21 item 6): the selective prefill written ONLY
 with transformers' own SmolLM2 modules reproduces the project's first-token logits to 1e-4 for
-any selection, with and without the APE-style correction of linked keys.
+any selection, with and without the APE-style correction of linked keys, with the template/system
+prefix linked from the prefix cache (the reference runner's default) and without it.
 
 The oracle owns every step: each document's KV comes from the HF model's own forward over its
 canonical context (a `DynamicCache`), is moved to its new positions with the model's own rotary
-embedding (R(p_new - p_old)), and the recomputed tokens run through the HF decoder layers
+embedding (R(p_new - p_old)), the leading text tokens the plan does not recompute (the linked
+prefix) get the KV of the HF model's own forward over those prompt tokens, and the recomputed
+tokens run through the HF decoder layers
 (`LlamaDecoderLayer.__call__`: norms, projections, RoPE, MLP) with a slot-writing cache and an
 attention function registered with transformers' `AttentionInterface` (eager, a 4-D mask causal
 by prompt index; the correction multiplies the linked group's log-sum-exp by S). Only the plan
@@ -90,6 +93,15 @@ def oracle_logits(model, plan, entries, scale: float | tuple[float, float]) -> t
             k, _ = apply_rotary_pos_emb(k, k, cos, sin)
             keys[layer][:, :, slots] = k
             values[layer][:, :, slots] = cache.layers[layer].values[:, :, len(ctx) + offsets]
+    prefix = torch.nonzero(plan.is_text & (plan.recompute_depth == 0)).flatten()
+    if prefix.numel():  # the linked prefix: the prompt's own first P tokens, plainly
+        p = prefix.numel()
+        assert torch.equal(prefix, torch.arange(p)), "unrecomputed text is a leading run"
+        cache = DynamicCache()
+        lm(input_ids=plan.token_ids[:p][None], past_key_values=cache, use_cache=True)
+        for layer in range(layers):
+            keys[layer][:, :, :p] = cache.layers[layer].keys
+            values[layer][:, :, :p] = cache.layers[layer].values
     run = torch.nonzero(plan.recompute_depth > 0).flatten()
     assert bool((plan.recompute_depth[run] == layers).all()), "depths 0 or L only"
     linked = (plan.source_entry >= 0) & (plan.recompute_depth == 0)
@@ -148,12 +160,20 @@ def setup(smollm2_runner):
         "mpic-8",
     ],
 )
+@pytest.mark.parametrize("link_prefix", [True, False])
 @torch.inference_mode()
-def test_oracle_reproduces_the_projects_logits(setup, policy):
+def test_oracle_reproduces_the_projects_logits(setup, policy, link_prefix):
     from mpic.linker.policies import get_policy
 
     runner, parts = setup
-    pre = runner.prefill(parts, policy)
+    prefixes = runner.prefixes
+    if not link_prefix:
+        runner.prefixes = None
+    try:
+        pre = runner.prefill(parts, policy)
+    finally:
+        runner.prefixes = prefixes
+    assert (pre.cached_prefix > 0) == link_prefix  # SmolLM2's template: 24 tokens
     rule = get_policy(policy)
     scale = (rule.scale, rule.late_scale) if policy.startswith("scout-") else 1.0
     want = oracle_logits(runner.model, pre.plan, runner.plan(parts, "full").entries, scale)

@@ -179,6 +179,35 @@ def test_scout_selects_the_same_tokens_and_answers_as_the_reference_runner(
     assert got.token_ids == expected.tokens
 
 
+@pytest.mark.parametrize("policy", ["auto", "mpic-32"])
+def test_the_linked_prefix_gives_the_reference_runners_tokens(setup: Setup, policy: str) -> None:
+    """Issue 21 item 5: both engines link the template/system prefix shared with the entries'
+    canonical context exactly (on by default: `ReferenceRunner(link_prefix=True)`, the worker's
+    `VllmEngineConfig.link_prefix`), the worker from its own prefix cache over vLLM's modules,
+    with the same length P (so the scout spends the same budget on the same item tokens, and
+    first-k gets the same P tokens cheaper): the same greedy tokens. The front end ships the
+    pre-prefix plan (the text at every layer); the worker decides P itself."""
+    name = setup.engine.policy_name(policy)
+    parts = setup.parts(f"prefix {policy}")
+    setup.ref.decode_correction = False  # vLLM decodes with plain attention
+    try:
+        expected = setup.ref.generate(parts, name, max_new_tokens=8)
+    finally:
+        setup.ref.decode_correction = True
+    p = expected.prefilled.cached_prefix
+    assert p > 0 and bool((expected.prefilled.plan.recompute_depth[:p] == 0).all())
+    front = setup.ref.plan(parts, name).plan
+    assert bool((front.recompute_depth[:p] > 0).all())  # the front end's plan recomputes it
+    before = setup.engine.connector_stats()
+    (got,) = setup.engine.generate([linked_request(front, name, setup.engine.spec)], 8)
+    after = setup.engine.connector_stats()
+    assert not got.fell_back
+    assert after["prefix_linked"] == before["prefix_linked"] + 1
+    assert after["prefix_tokens"] == before["prefix_tokens"] + p
+    assert after["prefix_contexts"] >= 1  # prefilled in the worker on first use, then kept
+    assert got.token_ids == expected.tokens
+
+
 @pytest.mark.parametrize("damage", ["deleted", "corrupt"])
 def test_unloadable_document_entry_is_recomputed_exactly(setup: Setup, damage: str) -> None:
     # A document entry the worker has never loaded (put by this process), damaged in the store.
