@@ -543,10 +543,10 @@ def command(
         help="Keep scout's linked-key correction while decoding (vLLM's decode does not).",
     ),
     link_prefix: bool = typer.Option(
-        False,
+        True,
         "--link-prefix/--no-link-prefix",
         help="Link the template/system prefix shared with the entries' context from a prefix "
-        "cache (not recomputed; every policy but full and prefix).",
+        "cache (not recomputed; every policy but full and prefix; the engines' default).",
     ),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
     json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),

@@ -64,9 +64,16 @@ def test_fidelity_columns(bench):
         for exact in ("full", "prefix", "mpic-16"):  # tiny images have 16 tokens
             assert rows[exact, n]["kl_vs_full"] < 1e-6
             assert rows[exact, n]["token_agreement"] == 1.0
+        for exact in ("full", "prefix"):
             assert rows[exact, n]["recomputed_tokens"] == rows[exact, n]["prompt_tokens"]
+        # mpic-k links the template prefix exactly (mpic.linker.prefix): P tokens not recomputed
+        p = rows["full", n]["prompt_tokens"] - rows["mpic-16", n]["recomputed_tokens"]
+        assert p > 0
         assert rows["mpic-4", n]["kl_vs_full"] > 1e-6
-        assert rows["mpic-4", n]["recomputed_tokens"] == rows["mpic-4", n]["prompt_tokens"] - 12 * n
+        assert (
+            rows["mpic-4", n]["recomputed_tokens"]
+            == rows["mpic-4", n]["prompt_tokens"] - 12 * n - p
+        )
     assert rows["full", 2]["prompt_tokens"] > rows["full", 1]["prompt_tokens"] + 16
     for r in rows.values():  # a plain forward of the recomputed tokens: timed, positive
         assert r["floor_ms"] > 0 and r["floor_ratio"] == pytest.approx(r["ttft_ms"] / r["floor_ms"])

@@ -66,10 +66,11 @@ def test_same_place_same_context_needs_no_item_recompute(runner, sample_images):
     items = ~linked.plan.is_text
     t = runner.entries[a].num_tokens
     assert int(items.sum()) == t
-    assert linked.recomputed_tokens == linked.plan.num_tokens - t
+    assert linked.cached_prefix > 0  # the canonical context before the image: linked exactly
+    assert linked.recomputed_tokens == linked.plan.num_tokens - t - linked.cached_prefix
     torch.testing.assert_close(linked.logits, exact.logits, rtol=1e-4, atol=1e-4)
     prefix = runner.prefill(parts, "prefix")  # the prompt starts like the canonical context
-    assert prefix.recomputed_tokens == linked.recomputed_tokens
+    assert prefix.recomputed_tokens == linked.recomputed_tokens + linked.cached_prefix
     torch.testing.assert_close(prefix.logits, exact.logits, rtol=1e-4, atol=1e-4)
     moved = runner.prefill(["Some words first.", ImageRef(a), "What is this?"], "mpic-0")
     exact_moved = runner.prefill(["Some words first.", ImageRef(a), "What is this?"], "full")
