@@ -119,6 +119,8 @@ class MPICWorker:
         self.block_size = block_size
         self.link_prefix = link_prefix
         self._prefixes: PrefixCache | None = None
+        self._prefix_lock = threading.Lock()
+        """One context prefill at a time (the step and the linking thread may both link)."""
         self.batch_links = batch_links
         self.mode = load_mode(async_loads)
         self._last_forward = 0.0
@@ -439,7 +441,7 @@ class MPICWorker:
             self._prefixes = PrefixCache(self.adapter())
         cache = self._prefixes
         try:
-            with torch.inference_mode():
+            with self._prefix_lock, torch.inference_mode():
                 prefix = cache.lookup(plan, entries)
         except (RuntimeError, ValueError) as exc:
             logger.warning("MPIC: %s recomputes its prefix: %s", job.req_id, exc)
