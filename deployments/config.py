@@ -334,7 +334,7 @@ class ServeAppConfig(BaseModel):
     default_policy: str = Field(
         "auto",
         description="Policy when `mpic.policy` is absent: `auto` = the best selection for the "
-        "recompute budget (`scout-0.2` without one; docs/fidelity.md).",
+        "recompute budget (`scout-0.18` without one; docs/fidelity.md).",
     )
     default_press: str | None = Field(
         None,

@@ -268,7 +268,7 @@ class VllmFrontEnd:
         return planned, request
 
     def policy_name(self, policy: str) -> str:
-        """`policy` with the model's own scout scales spelled out (`auto` -> `scout-0.2:s<S>`)
+        """`policy` with the model's own scout scales spelled out (`auto` -> `scout-0.18:s<S>`)
         when the model has a table: the connector's halves parse the name again in vLLM's
         processes, and must use the S the reference runner uses. Unchanged without a table."""
         if self.scout_scales is None:

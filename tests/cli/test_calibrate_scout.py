@@ -16,6 +16,7 @@ from mpic.cli import app
 def test_calibrate_scout_writes_the_table_the_runner_reads(tiny_llava_dir: Path, tmp_path) -> None:
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.linker.policies import get_policy
+    from mpic.linker.policies.registry import DEFAULT_BUDGET
     from mpic.linker.scout_calibration import TABLE_FILE
 
     model = tmp_path / "model"
@@ -37,7 +38,7 @@ def test_calibrate_scout_writes_the_table_the_runner_reads(tiny_llava_dir: Path,
         assert first[early] == min(first.values())  # the row's first half is the sweep's best
         assert f"budget {row[0]:g}: S = " in result.output
     runner = ReferenceRunner(str(model))
-    expected = get_policy("scout-0.2", scales=table).name
+    expected = get_policy(f"scout-{DEFAULT_BUDGET:g}", scales=table).name
     assert get_policy("auto", scales=runner.scout_scales).name == expected
     one = CliRunner().invoke(app, [*args[:-1], "--one-scale"])
     assert one.exit_code == 0, one.output

@@ -46,6 +46,7 @@ def test_a_models_table_names_the_policy() -> None:
     assert table_scales(three, 0.2) == (0.9, 0.65)
     assert get_policy("scout-0.2", scales=two).name == "scout-0.2:s0.65"
     assert get_policy("scout-0.2", scales=three).name == "scout-0.2:s0.9/0.65"
-    assert get_policy("auto", scales=three).name == "scout-0.2:s0.9/0.65"
+    assert get_policy("auto-0.2", scales=three).name == "scout-0.2:s0.9/0.65"
+    assert get_policy("auto", scales=three).name == "scout-0.18:s0.91/0.66"
     assert get_policy("auto-0.3", scales=three).name == "scout-0.3:s0.85/0.6"
     assert get_policy("scout-0.2:s0.8", scales=three).name == "scout-0.2:s0.8"  # spelled out wins

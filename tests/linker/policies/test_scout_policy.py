@@ -67,7 +67,7 @@ def test_names_auto_and_bad_names():
     assert get_policy("scout-0.2:s0.9/0.8").name == "scout-0.2:s0.9/0.8"
     assert get_policy("scout-0.2:s0.8/0.8").name == "scout-0.2:s0.8"
     assert get_policy("scout-0.2").name == "scout-0.2:s0.9/0.8"  # the default table at 20%
-    assert get_policy("auto").name == "scout-0.2:s0.9/0.8"
+    assert get_policy("auto").name == "scout-0.18:s0.89/0.81"  # DEFAULT_BUDGET
     for bad in ("scout-0.2:s0.9/0", "scout-0.2:s0.9/x", "scout-0.2:s/0.8"):
         with pytest.raises(ValueError, match="valid:"):
             get_policy(bad)
