@@ -1,0 +1,106 @@
+"""`mpic bench online` without a vLLM engine: its requests are the vLLM front end's own
+(`VllmFrontEnd.prepare`, entries computed by the reference runner, which names them alike), every
+system gets the same prompt, and the saturation rule (p99 / p95 under 2x unloaded, a system
+stopped after its first failing rate, the ratio to prefix caching) computes what the docs say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpic.benchmarks import online
+from mpic.benchmarks.online import RatePoint, SystemCurve, summary
+
+
+@pytest.fixture(scope="module")
+def workloads(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.vllm.config import VllmEngineConfig
+    from mpic.engine.vllm.frontend import VllmFrontEnd
+    from mpic.storage.config import StorageConfig
+
+    ref = ReferenceRunner(str(tiny_llava_dir))
+    store = StorageConfig(url=tmp_path_factory.mktemp("store").as_uri(), fsync=False)
+    front = VllmFrontEnd(VllmEngineConfig(model=str(tiny_llava_dir), storage=store))
+    front.cache_image, front.cache_document = ref.cache_image, ref.cache_document  # no vLLM
+    with pytest.MonkeyPatch.context() as mp:  # short documents: the tiny model's 2,048 tokens
+        mp.setattr(online, "document", lambda seed: f"Item {seed}: " + " ".join(online.WORDS[:30]))
+        return {
+            kind: online.Workload(front, kind, users=2, per_user=4, seed=3)
+            for kind in ("image", "text")
+        }
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_every_system_gets_the_same_prompt_from_the_front_end(workloads: dict, kind: str) -> None:
+    from mpic.engine.hf.vision import load_image
+    from mpic.engine.vllm.requests import collapse_placeholders
+
+    work = workloads[kind]
+    front, image_id = work.engine, work.engine.spec.image_token_id
+    (chat,) = online.make_chats(1, users=2, per_user=4, items=3, seed=5)
+    refs = [work.entries[p].entry_id for p in chat.parts if isinstance(p, int)]
+    assert len(refs) == 3 and len(set(refs)) == 3  # three of the user's own items
+    prefix = work.request(chat, "prefix", 4)
+    full = [work.request(chat, "full", 4) for _ in range(2)]
+    linked = {s: work.request(chat, s, 4) for s in ("mpic-32", "auto")}
+
+    # exact requests: the same ids, prefix caching unsalted, full with a fresh salt each time
+    assert prefix.plan is None and prefix.cache_salt is None
+    assert all(r.plan is None and r.prompt_token_ids == prefix.prompt_token_ids for r in full)
+    assert full[0].cache_salt and full[0].cache_salt != full[1].cache_salt
+    if kind == "image":  # the chat's images, in prompt order, as the items' own pixels
+        got = prefix.multi_modal_data["image"]
+        want = [load_image(work.media[r]) for r in refs]
+        assert [np.asarray(g).tolist() for g in got] == [np.asarray(w).tolist() for w in want]
+        assert prefix.prompt_token_ids.count(image_id) == 3
+    else:
+        assert prefix.multi_modal_data is None and image_id not in prefix.prompt_token_ids
+
+    # linked requests: the same prompt as the exact one, the front end's policy name
+    for system, req in linked.items():
+        assert req.policy == front.policy_name(system)
+        ids = req.plan.token_ids.tolist()
+        assert collapse_placeholders(ids, image_id) == prefix.prompt_token_ids
+        assert (
+            req.cache_salt
+            and req.cache_salt != linked["mpic-32" if system == "auto" else "auto"].cache_salt
+        )
+        assert callable(req.fallback)  # media given: a failed link answers exactly
+
+
+def _curve(unloaded: float, pts: list[tuple[float, float, float]], grid=True) -> SystemCurve:
+    c = SystemCurve("x", unloaded)
+    c.points = [RatePoint(r, 40, p95 / 2, p95, p99, r, grid) for r, p95, p99 in pts]
+    return c
+
+
+def test_saturation_is_the_last_rate_before_the_first_past_2x_unloaded() -> None:
+    c = _curve(100, [(0.25, 150, 190), (0.5, 150, 199), (1, 180, 200), (2, 150, 150)])
+    assert c.saturation() == 0.5  # 200 is not under 2x; 2/s after the first failure ignored
+    assert c.saturation("p95") == 2
+    assert _curve(100, [(0.25, 150, 250)]).saturation() == 0.0
+    c.points.append(RatePoint(0.1, 40, 1, 1, 999, 1, grid=False))  # off-grid: not in the rule
+    assert c.saturation() == 0.5 and c.at(0.1).ttft_p99_ms == 999
+
+
+def test_summary_ratio_and_half_prefix_point() -> None:
+    prefix = _curve(100, [(0.25, 110, 150), (0.5, 150, 180), (0.75, 190, 260)])
+    prefix.system = "prefix"
+    mpic = _curve(50, [(0.5, 60, 70), (1, 60, 70), (1.5, 70, 99), (2, 90, 120)])
+    mpic.system = "mpic-32"
+    mpic.points.append(RatePoint(0.25, 40, 50, 55, 58, 0.25, grid=False))
+    full = _curve(100, [(0.5, 150, 180)])
+    full.system = "full"
+    s = summary([prefix, mpic, full])
+    assert s["saturation_rate_p99"] == {"prefix": 0.5, "mpic-32": 1.5, "full": 0.5}
+    assert s["ratio_vs_prefix_p99"] == {"mpic-32": 3.0}
+    assert s["ratio_vs_prefix_p95"] == {"mpic-32": 2 / 0.75}  # all p95 held
+    assert s["half_prefix_rate"] == 0.25
+    at_half = s["ttft_at_half_prefix_rate_ms"]
+    assert at_half["mpic-32"]["p99"] == 58 and at_half["prefix"]["p99"] == 150
+    assert at_half["full"] is None
+    prefix.points = prefix.points[2:]  # held at no rate: the ratio is a lower bound
+    assert summary([prefix, mpic])["ratio_vs_prefix_p99"] == {"mpic-32": ">= 2"}
