@@ -40,7 +40,7 @@ compared). The saturation measurement:
 - `prefix` runs first; every MPIC system and `prefix` are then also measured at half of prefix
   caching's saturation rate (when not a grid rate), on one seed for all of them.
 
-Written after every system (a run cut short keeps what it measured): `online.json` and
+Written after every point (a run cut short keeps what it measured): `online.json` and
 `online.png`; progress lines on stdout; a table at the end.
 """
 
@@ -279,7 +279,7 @@ def run_model(
     run: RunSettings,
     on_curve: Any = None,
 ) -> list[SystemCurve]:
-    """Every system's curve on one model (one engine); `on_curve(curves)` after each system."""
+    """Every system's curve on one model (one engine); `on_curve(curves)` after each point."""
     import tempfile
 
     from mpic.engine.vllm.async_engine import AsyncVllmEngine
@@ -312,6 +312,8 @@ def run_model(
                 point = run_rate(work, system, chats, rate, run.max_tokens, run.seed + r)
                 curve.points.append(point)
                 _echo(name, system, point, curve)
+                if on_curve is not None:
+                    on_curve([*curves, curve])  # a run cut short keeps every point
                 if not curve.holds(point):
                     break  # past its bound: higher rates only queue longer
             if system == "prefix":
