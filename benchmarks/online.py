@@ -31,12 +31,14 @@ compared). The saturation measurement:
   slowest) and p95 between the third and second slowest: p95 is printed beside p99 as the reading
   one request cannot move on its own;
 - rates: a grid fine near the knee (`--rates`, default 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8 per
-  second), run upward; a system stops after the first rate whose p99 is not under 2x its unloaded
-  TTFT (its bound): higher rates only queue longer;
-- saturation (the issue's rule): the highest offered rate whose p99 TTFT stays under 2x the
-  system's unloaded TTFT, i.e. the last rate before the system's first failing one (0: it failed
-  at the lowest rate; the ratio is then reported as a lower bound). The same rule on p95 is
-  reported beside it;
+  second), run upward; a system stops once it is past its bound (TTFT not under 2x its unloaded
+  TTFT) for good: after a rate whose p50 is past it (most requests queue), or after two rates in
+  a row whose p99 is (on a shared host one burst of another process's work can push a p99 at a
+  low rate past the bound while the next rate holds; stopping at the first such rate read that
+  spike as saturation);
+- saturation (the issue's rule): the highest offered grid rate whose p99 TTFT stays under 2x the
+  system's unloaded TTFT (0: none did; the ratio is then reported as a lower bound); the first
+  grid rate past the bound is reported beside it, and the same rule on p95;
 - `prefix` runs first; every MPIC system and `prefix` are then also measured at half of prefix
   caching's saturation rate (when not a grid rate), on one seed for all of them.
 
@@ -117,6 +119,8 @@ class RatePoint:
     ttft_p99_ms: float
     throughput: float
     """Answers per second over the run (first arrival to last answer)."""
+    ttfts_ms: list[float] = field(default_factory=list)
+    """Every request's TTFT, in arrival order."""
     grid: bool = True
     """A rate of the grid (False: the extra point at half of prefix caching's saturation)."""
 
@@ -137,15 +141,22 @@ class SystemCurve:
         return getattr(point, f"ttft_{stat}_ms") < 2 * self.unloaded_ttft_ms
 
     def saturation(self, stat: str = "p99") -> float:
-        """Highest grid rate whose TTFT `stat` stays under 2x the unloaded TTFT, before the first
-        grid rate that does not (0.0: none held). The run stops a system after its first failing
-        rate on p99, so for `p99` this is the last measured rate but one, or the last."""
-        best = 0.0
-        for p in sorted((p for p in self.points if p.grid), key=lambda p: p.rate):
-            if not self.holds(p, stat):
-                break
-            best = p.rate
-        return best
+        """Highest grid rate whose TTFT `stat` stays under 2x the unloaded TTFT (0.0: none)."""
+        return max((p.rate for p in self.points if p.grid and self.holds(p, stat)), default=0.0)
+
+    def first_failure(self, stat: str = "p99") -> float | None:
+        """Lowest grid rate whose TTFT `stat` is not under 2x the unloaded TTFT (None: none)."""
+        return min((p.rate for p in self.points if p.grid and not self.holds(p, stat)),
+                   default=None)  # fmt: skip
+
+    def stopped(self) -> bool:
+        """True once the system is past its bound for good: the last grid point's p50, or the
+        last two grid points' p99, not under 2x unloaded."""
+        grid = [p for p in self.points if p.grid]
+        return bool(grid) and (
+            not self.holds(grid[-1], "p50")
+            or (len(grid) > 1 and not self.holds(grid[-1]) and not self.holds(grid[-2]))
+        )
 
     def at(self, rate: float) -> RatePoint | None:
         """The point measured at `rate` (None if none)."""
@@ -234,7 +245,8 @@ def run_rate(
 
     ttfts, span = asyncio.run(run())
     pct = [1e3 * float(v) for v in np.percentile(ttfts, [50, 95, 99])]
-    return RatePoint(rate, len(chats), *pct, throughput=len(chats) / span, grid=grid)
+    raw = [round(1e3 * t, 1) for t in ttfts]
+    return RatePoint(rate, len(chats), *pct, len(chats) / span, raw, grid)
 
 
 def unloaded(work: Workload, system: str, chats: list[ChatSpec], max_tokens: int) -> list[float]:
@@ -314,8 +326,8 @@ def run_model(
                 _echo(name, system, point, curve)
                 if on_curve is not None:
                     on_curve([*curves, curve])  # a run cut short keeps every point
-                if not curve.holds(point):
-                    break  # past its bound: higher rates only queue longer
+                if curve.stopped():
+                    break  # past its bound for good: higher rates only queue longer
             if system == "prefix":
                 half = curve.saturation() / 2
             if half > 0 and system != "full" and curve.at(half) is None:
@@ -342,6 +354,7 @@ def summary(curves: list[SystemCurve]) -> dict[str, Any]:
     mpic = [c for c in curves if c.system not in ("prefix", "full")]
     for stat in ("p99", "p95"):
         out[f"saturation_rate_{stat}"] = {c.system: c.saturation(stat) for c in curves}
+        out[f"first_failing_rate_{stat}"] = {c.system: c.first_failure(stat) for c in curves}
         if prefix is None:
             continue
         base = prefix.saturation(stat)

@@ -71,19 +71,27 @@ def test_every_system_gets_the_same_prompt_from_the_front_end(workloads: dict, k
         assert callable(req.fallback)  # media given: a failed link answers exactly
 
 
-def _curve(unloaded: float, pts: list[tuple[float, float, float]], grid=True) -> SystemCurve:
+def _point(rate: float, p50: float, p95: float, p99: float, grid: bool = True) -> RatePoint:
+    return RatePoint(rate, 40, p50, p95, p99, throughput=rate, grid=grid)
+
+
+def _curve(unloaded: float, pts: list[tuple[float, float, float]]) -> SystemCurve:
     c = SystemCurve("x", unloaded)
-    c.points = [RatePoint(r, 40, p95 / 2, p95, p99, r, grid) for r, p95, p99 in pts]
+    c.points = [_point(r, p95 / 2, p95, p99) for r, p95, p99 in pts]
     return c
 
 
-def test_saturation_is_the_last_rate_before_the_first_past_2x_unloaded() -> None:
-    c = _curve(100, [(0.25, 150, 190), (0.5, 150, 199), (1, 180, 200), (2, 150, 150)])
-    assert c.saturation() == 0.5  # 200 is not under 2x; 2/s after the first failure ignored
-    assert c.saturation("p95") == 2
+def test_saturation_is_the_highest_rate_under_2x_unloaded_and_when_a_system_stops() -> None:
+    c = _curve(100, [(0.25, 150, 250), (0.5, 150, 199), (1, 180, 200)])
+    assert c.saturation() == 0.5 and c.first_failure() == 0.25  # a spike at 0.25: p99 250
+    assert c.saturation("p95") == 1 and c.first_failure("p95") is None
+    assert not c.stopped()  # one failing p99 (1/s), its p50 under the bound: go on
+    c.points.append(_point(1.5, 90, 150, 210))
+    assert c.stopped() and c.saturation() == 0.5  # two p99 failures in a row
     assert _curve(100, [(0.25, 150, 250)]).saturation() == 0.0
-    c.points.append(RatePoint(0.1, 40, 1, 1, 999, 1, grid=False))  # off-grid: not in the rule
-    assert c.saturation() == 0.5 and c.at(0.1).ttft_p99_ms == 999
+    assert _curve(100, [(0.25, 150, 190), (0.5, 400, 400)]).stopped()  # p50 past the bound
+    c.points.append(_point(0.1, 1, 1, 1, grid=False))  # off-grid: not in the rule
+    assert c.saturation() == 0.5 and c.at(0.1).ttft_p99_ms == 1
 
 
 def test_summary_ratio_and_half_prefix_point() -> None:
@@ -91,7 +99,7 @@ def test_summary_ratio_and_half_prefix_point() -> None:
     prefix.system = "prefix"
     mpic = _curve(50, [(0.5, 60, 70), (1, 60, 70), (1.5, 70, 99), (2, 90, 120)])
     mpic.system = "mpic-32"
-    mpic.points.append(RatePoint(0.25, 40, 50, 55, 58, 0.25, grid=False))
+    mpic.points.append(_point(0.25, 50, 55, 58, grid=False))
     full = _curve(100, [(0.5, 150, 180)])
     full.system = "full"
     s = summary([prefix, mpic, full])
