@@ -22,9 +22,11 @@ All run on the same vLLM engine (same settings, float32 on CPU; the prefix cache
 every measurement), driven in-process through `AsyncVllmEngine` (no HTTP: the engine is what is
 compared). The saturation measurement:
 
-- unloaded TTFT: the median of `--unloaded` (default 10) requests sent one after the other, after
-  one warm-up request per system (first-use costs out of the way), so one contention spike on a
-  shared host does not set a system's bound;
+- unloaded TTFT: the median of `--unloaded` (default 10) requests sent one at a time, each
+  after 1 s of an idle engine (as a request arrives at a low rate), after one warm-up request per
+  system (first-use costs out of the way), so one contention spike on a shared host does not set
+  a system's bound. The same requests sent back to back (engine busy, caches warm) are recorded
+  beside it (`unloaded_hot_ms`): on the 2-core CPU host those were faster than isolated arrivals;
 - per system and offered rate, `--requests` (default 40) chats: TTFT p50 / p95 / p99 (submission
   to first token, numpy's linear interpolation) and throughput (answers per second, first arrival
   to last answer). With 40 requests p99 sits between the two slowest (0.61 of the way to the
@@ -132,6 +134,9 @@ class SystemCurve:
     system: str
     unloaded_ttft_ms: float
     unloaded_samples_ms: list[float] = field(default_factory=list)
+    """TTFTs of the requests sent one at a time after 1 s idle (median: the bound's base)."""
+    unloaded_hot_ms: list[float] = field(default_factory=list)
+    """The same requests sent back to back."""
     points: list[RatePoint] = field(default_factory=list)
     fallbacks: int = 0
     """Linked requests answered by exact recomputation (an entry did not load): 0 expected."""
@@ -249,13 +254,20 @@ def run_rate(
     return RatePoint(rate, len(chats), *pct, len(chats) / span, raw, grid)
 
 
-def unloaded(work: Workload, system: str, chats: list[ChatSpec], max_tokens: int) -> list[float]:
-    """TTFTs (ms) of `chats` sent one after the other (prefix cache reset first)."""
+def unloaded(
+    work: Workload, system: str, chats: list[ChatSpec], max_tokens: int, idle_s: float = 0.0
+) -> list[float]:
+    """TTFTs (ms) of `chats` sent one after the other, each after `idle_s` seconds of an idle
+    engine (prefix cache reset first)."""
 
     async def run() -> list[float]:
         await _reset_prefix_cache(work.engine)
-        return [(await _ttft(work.engine, work.request(c, system, max_tokens), max_tokens))[0]
-                for c in chats]  # fmt: skip
+        out = []
+        for c in chats:
+            req = work.request(c, system, max_tokens)
+            await asyncio.sleep(idle_s)
+            out.append((await _ttft(work.engine, req, max_tokens))[0])
+        return out
 
     return [1e3 * t for t in asyncio.run(run())]
 
@@ -311,12 +323,13 @@ def run_model(
             unloaded(work, system, warm[:1], run.max_tokens)  # first-use costs out of the way
         for system in order:
             before = engine.fallbacks
-            samples = unloaded(work, system, warm[1:], run.max_tokens)
-            curve = SystemCurve(system, float(np.median(samples)), samples)
+            samples = unloaded(work, system, warm[1:], run.max_tokens, idle_s=1.0)
+            hot = unloaded(work, system, warm[1:], run.max_tokens)
+            curve = SystemCurve(system, float(np.median(samples)), samples, hot)
             typer.echo(
                 f"[{time.strftime('%H:%M:%S')}] {name} {system:>12} unloaded TTFT "
                 f"{curve.unloaded_ttft_ms:.0f} ms (median of {len(samples)}, "
-                f"{min(samples):.0f}-{max(samples):.0f})"
+                f"{min(samples):.0f}-{max(samples):.0f}; back to back {np.median(hot):.0f})"
             )
             for r, rate in enumerate(run.rates):
                 n = max(run.requests, int(rate * 6))
@@ -467,7 +480,11 @@ def command(
     ),
     requests: int = typer.Option(40, "--requests", min=2, max=1000, help="Chats per rate."),
     unloaded_n: int = typer.Option(
-        10, "--unloaded", min=1, max=200, help="Sequential requests for the unloaded TTFT."
+        10,
+        "--unloaded",
+        min=1,
+        max=200,
+        help="Requests (one at a time, 1 s idle before each) for the unloaded TTFT.",
     ),
     systems: str = typer.Option("mpic-32,default,prefix,full", "--systems"),
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, max=256),
