@@ -359,13 +359,13 @@ def run_model(
 
 
 def summary(curves: list[SystemCurve]) -> dict[str, Any]:
-    """Saturation rate of each system (p99 rule, and the same rule on p95), each MPIC system's
+    """Saturation rate of each system (p99 rule; the same rule on p95 and p50), each MPIC system's
     ratio to vLLM prefix caching (a lower bound `>= x` when prefix caching held at no rate), and
     TTFT at half of prefix caching's saturation rate."""
     out: dict[str, Any] = {}
     prefix = next((c for c in curves if c.system == "prefix"), None)
     mpic = [c for c in curves if c.system not in ("prefix", "full")]
-    for stat in ("p99", "p95"):
+    for stat in ("p99", "p95", "p50"):
         out[f"saturation_rate_{stat}"] = {c.system: c.saturation(stat) for c in curves}
         out[f"first_failing_rate_{stat}"] = {c.system: c.first_failure(stat) for c in curves}
         if prefix is None:
@@ -390,6 +390,19 @@ def summary(curves: list[SystemCurve]) -> dict[str, Any]:
             for c in curves
         }
     return out
+
+
+def load_results(path: Path) -> tuple[dict[str, list[SystemCurve]], dict]:
+    """(curves per model, meta) of an `online.json`."""
+    doc = json.loads(path.read_text())
+    results = {}
+    for m, v in doc["models"].items():
+        curves = []
+        for c in v["curves"]:
+            points = [RatePoint(**p) for p in c.pop("points")]
+            curves.append(SystemCurve(**c, points=points))
+        results[m] = curves
+    return results, doc["meta"]
 
 
 def write_outputs(results: dict[str, list[SystemCurve]], meta: dict, out: Path) -> None:
@@ -491,8 +504,18 @@ def command(
     users: int = typer.Option(4, "--users", min=1, max=64),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option("out/online", "--out", help="Folder for online.json / online.png."),
+    from_json: str = typer.Option(
+        "",
+        "--from-json",
+        help="Only re-read an online.json: table, summary, JSON and PNG to --out.",
+    ),
 ) -> None:
     """MPIC vs vLLM prefix caching vs full recomputation, online, on one vLLM engine."""
+    if from_json:
+        results, meta = load_results(Path(from_json))
+        print_table(results)
+        write_outputs(results, meta, Path(out))
+        return
     from mpic.deployments.config import ServeAppConfig
     from mpic.deployments.local import prepare_local
 

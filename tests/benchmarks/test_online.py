@@ -112,3 +112,12 @@ def test_summary_ratio_and_half_prefix_point() -> None:
     assert at_half["full"] is None
     prefix.points = prefix.points[2:]  # held at no rate: the ratio is a lower bound
     assert summary([prefix, mpic])["ratio_vs_prefix_p99"] == {"mpic-32": ">= 2"}
+
+
+def test_json_round_trip_rebuilds_the_curves(tmp_path: Path) -> None:
+    c = _curve(100, [(0.25, 150, 190), (0.5, 150, 250)])
+    c.points[0].ttfts_ms = [1.5, 2.5]
+    online.write_outputs({"m": [c]}, {"seed": 0}, tmp_path)
+    results, meta = online.load_results(tmp_path / "online.json")
+    assert meta == {"seed": 0} and results == {"m": [c]}
+    assert (tmp_path / "online.png").stat().st_size > 1000
