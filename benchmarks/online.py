@@ -411,6 +411,7 @@ def write_outputs(results: dict[str, list[SystemCurve]], meta: dict, out: Path) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -446,6 +447,10 @@ def write_outputs(results: dict[str, list[SystemCurve]], meta: dict, out: Path) 
         sat = summary(curves)["saturation_rate_p99"]
         ax_x.set_title(f"{m}: saturation (p99 < 2x unloaded) {sat}", fontsize=8)
         ax_x.legend(fontsize=7)
+        ticks = sorted({p.rate for c in curves for p in c.points})
+        for ax in (ax_t, ax_x):  # the measured rates as the x labels
+            ax.set_xticks(ticks, [f"{r:g}" for r in ticks], fontsize=7)
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     fig.tight_layout()
     fig.savefig(out / "online.png", dpi=110)
     plt.close(fig)
