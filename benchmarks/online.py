@@ -35,12 +35,12 @@ compared). The saturation measurement:
 - rates: a grid fine near the knee (`--rates`, default 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8 per
   second), run upward; a system stops once it is past its bound (TTFT not under 2x its unloaded
   TTFT) for good: after a rate whose p50 is past it (most requests queue), or after two rates in
-  a row whose p99 is (on a shared host one burst of another process's work can push a p99 at a
-  low rate past the bound while the next rate holds; stopping at the first such rate read that
-  spike as saturation);
+  a row whose p99 is (one Poisson burst, two or three arrivals within one prefill, doubles those
+  requests' TTFT on a CPU host and can push one rate's p99 past the bound while the next rate
+  holds; stopping at the first such rate read that burst as saturation);
 - saturation (the issue's rule): the highest offered grid rate whose p99 TTFT stays under 2x the
   system's unloaded TTFT (0: none did; the ratio is then reported as a lower bound); the first
-  grid rate past the bound is reported beside it, and the same rule on p95;
+  grid rate past the bound is reported beside it, and the same rule on p95 and p50;
 - `prefix` runs first; every MPIC system and `prefix` are then also measured at half of prefix
   caching's saturation rate (when not a grid rate), on one seed for all of them.
 
