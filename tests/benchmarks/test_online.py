@@ -121,3 +121,59 @@ def test_json_round_trip_rebuilds_the_curves(tmp_path: Path) -> None:
     results, meta = online.load_results(tmp_path / "online.json")
     assert meta == {"seed": 0} and results == {"m": [c]}
     assert (tmp_path / "online.png").stat().st_size > 1000
+
+
+def test_run_model_order_stop_rule_and_half_prefix_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver without an engine: prefix caching first, each system stopped as the rule says,
+    the MPIC systems and prefix caching (not full) measured at half prefix's saturation rate on
+    one seed, the same seed per grid rate for every system."""
+    import mpic.engine.vllm.async_engine as async_engine
+
+    class Engine:
+        fallbacks = 0
+
+        def __init__(self, cfg) -> None:
+            self.closed = False
+
+        def close(self) -> None:
+            Engine.closed = True
+
+    class Work:
+        entries = []
+
+        def __init__(self, *args) -> None:
+            pass
+
+    # p99 (ms) per system and rate; unloaded 100 ms: the bound is 200
+    p99 = {
+        "prefix": {0.5: 150, 1: 250, 2: 300, 3: 100, 0.25: 110},  # stops after 1, 2: sat 0.5
+        "mpic-32": {0.5: 150, 1: 150, 2: 150, 3: 150, 4: 150, 0.25: 120},
+        "full": {0.5: 150, 1: 150, 2: 150, 3: 150, 4: 150},
+    }
+    calls = []
+
+    def fake_rate(work, system, chats, rate, max_tokens, seed, grid=True) -> RatePoint:
+        calls.append((system, rate, seed, grid, len(chats)))
+        p50 = 500 if (system == "full" and rate == 2) else 100  # full: p50 past the bound
+        return _point(rate, p50, p99[system][rate], p99[system][rate], grid)
+
+    monkeypatch.setattr(async_engine, "AsyncVllmEngine", Engine)
+    monkeypatch.setattr(online, "Workload", Work)
+    monkeypatch.setattr(online, "unloaded", lambda *a, **k: [100.0] * 3)
+    monkeypatch.setattr(online, "run_rate", fake_rate)
+    run = online.RunSettings([0.5, 1, 2, 3, 4], 8, 3, 3, 2, 4, 4, 7)
+    seen = []
+    curves = online.run_model("m", "model", "image", ["mpic-32", "full", "prefix"], run,
+                              on_curve=lambda c: seen.append(len(c[-1].points)))  # fmt: skip
+    assert Engine.closed
+    assert [c.system for c in curves] == ["prefix", "mpic-32", "full"]
+    by = {c.system: [(p.rate, p.grid) for p in c.points] for c in curves}
+    assert by["prefix"] == [(0.25, False), (0.5, True), (1, True), (2, True)]
+    assert by["mpic-32"] == [(0.25, False)] + [(r, True) for r in (0.5, 1, 2, 3, 4)]
+    assert by["full"] == [(0.5, True), (1, True), (2, True)]  # p50 past the bound at 2/s
+    seeds = {(s, r): seed for s, r, seed, _, _ in calls}
+    assert seeds[("prefix", 2)] == seeds[("mpic-32", 2)] == seeds[("full", 2)] == 9
+    assert seeds[("mpic-32", 0.25)] == 57 and ("full", 0.25) not in seeds
+    assert seeds[("prefix", 0.25)] == 57
+    assert summary(curves)["ratio_vs_prefix_p99"] == {"mpic-32": 8.0}
+    assert seen[0] == 1  # written after the first point already
