@@ -376,7 +376,8 @@ def summary(curves: list[SystemCurve]) -> dict[str, Any]:
         else:  # prefix caching held at no measured rate: below the grid's lowest
             low = min((p.rate for p in prefix.points), default=0.0)
             out[f"ratio_vs_prefix_{stat}"] = {
-                c.system: f">= {c.saturation(stat) / low:g}" if low else None for c in mpic
+                c.system: f">= {c.saturation(stat) / low:g}" if low and c.saturation(stat) else None
+                for c in mpic
             }
     if prefix is not None:
         half = prefix.saturation() / 2
