@@ -6,21 +6,46 @@ Workload: U users each upload K items (images for a LLaVA model, text documents 
 model); each chat is from a random user and links `items` of that user's items in a random order,
 with text of random length before, between and after them (the items sit at varying positions),
 then a question. Requests arrive as a Poisson process at each offered rate; every answer is
-`max_tokens` tokens (`ignore_eos`). Every system sees the same chats at the same arrival times:
+`max_tokens` tokens (`ignore_eos`). Every system sees the same chats at the same arrival times
+(one seed per rate), and every request is built by `VllmFrontEnd.prepare`, the one place a
+prompt becomes a vLLM request (the server's own path):
 
-- `mpic-32` and the server's default policy (`ServeAppConfig.default_policy`): linked requests
-  (the items' entries from the store, MPIC's selective prefill in vLLM's worker);
-- `prefix`: the exact prompt with its images / document tokens, vLLM's automatic prefix caching on
-  (it reuses only the common prefix: an item reused at another position misses);
-- `full`: the exact prompt with a unique cache salt (no prefix-cache hit).
+- `mpic-32` and the server's default policy (`ServeAppConfig.default_policy`, `auto`, with the
+  model's own scout scales): linked requests (the items' entries from the store, MPIC's selective
+  prefill in vLLM's worker; a fresh cache salt each, so no linked KV is reused across runs);
+- `prefix`: `prepare(..., exact=True)`, the exact prompt with its images / document tokens and no
+  salt, vLLM's automatic prefix caching on (it reuses only a common prefix: an item reused at
+  another position misses);
+- `full`: the same exact request with a fresh cache salt (no prefix-cache hit).
 
-All run on the same vLLM engine (same settings, float32 on CPU; the prefix cache is reset between
-runs), driven in-process through `AsyncVllmEngine` (no HTTP: the engine is what is compared).
-Per system and rate: TTFT p50/p99 (submission to first token) and throughput (answers per second
-over the run); a system stops at the first rate whose p99 passes 4x its unloaded TTFT. Saturation
-throughput: the highest offered rate whose p99 TTFT stays under 2x the system's unloaded TTFT
-(p50 of sequential requests); the MPIC systems and prefix caching are also measured at half of
-prefix caching's saturation rate. Written: a table, JSON and a PNG.
+All run on the same vLLM engine (same settings, float32 on CPU; the prefix cache is reset before
+every measurement), driven in-process through `AsyncVllmEngine` (no HTTP: the engine is what is
+compared). The saturation measurement:
+
+- unloaded TTFT: the median of `--unloaded` (default 10) requests sent one at a time, each
+  after 1 s of an idle engine (as a request arrives at a low rate), after one warm-up request per
+  system (first-use costs out of the way), so one contention spike on a shared host does not set
+  a system's bound. The same requests sent back to back (engine busy, caches warm) are recorded
+  beside it (`unloaded_hot_ms`): on the 2-core CPU host those were faster than isolated arrivals;
+- per system and offered rate, `--requests` (default 40) chats: TTFT p50 / p95 / p99 (submission
+  to first token, numpy's linear interpolation) and throughput (answers per second, first arrival
+  to last answer). With 40 requests p99 sits between the two slowest (0.61 of the way to the
+  slowest) and p95 between the third and second slowest: p95 is printed beside p99 as the reading
+  one request cannot move on its own;
+- rates: a grid fine near the knee (`--rates`, default 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8 per
+  second), run upward; a system stops once it is past its bound (TTFT not under 2x its unloaded
+  TTFT) for good: after a rate whose p50 is past it (most requests queue), or after two rates in
+  a row whose p99 is (one Poisson burst, two or three arrivals within one prefill, doubles those
+  requests' TTFT on a CPU host and can push one rate's p99 past the bound while the next rate
+  holds; stopping at the first such rate read that burst as saturation);
+- saturation (the issue's rule): the highest offered grid rate whose p99 TTFT stays under 2x the
+  system's unloaded TTFT (0: none did; the ratio is then reported as a lower bound); the first
+  grid rate past the bound is reported beside it, and the same rule on p95 and p50;
+- `prefix` runs first; every MPIC system and `prefix` are then also measured at half of prefix
+  caching's saturation rate (when not a grid rate), on one seed for all of them.
+
+Written after every point (a run cut short keeps what it measured): `online.json` and
+`online.png`; progress lines on stdout; a table at the end.
 """
 
 from __future__ import annotations
@@ -92,9 +117,14 @@ class RatePoint:
     rate: float
     requests: int
     ttft_p50_ms: float
+    ttft_p95_ms: float
     ttft_p99_ms: float
     throughput: float
     """Answers per second over the run (first arrival to last answer)."""
+    ttfts_ms: list[float] = field(default_factory=list)
+    """Every request's TTFT, in arrival order."""
+    grid: bool = True
+    """A rate of the grid (False: the extra point at half of prefix caching's saturation)."""
 
 
 @dataclass
@@ -103,14 +133,35 @@ class SystemCurve:
 
     system: str
     unloaded_ttft_ms: float
+    unloaded_samples_ms: list[float] = field(default_factory=list)
+    """TTFTs of the requests sent one at a time after 1 s idle (median: the bound's base)."""
+    unloaded_hot_ms: list[float] = field(default_factory=list)
+    """The same requests sent back to back."""
     points: list[RatePoint] = field(default_factory=list)
+    fallbacks: int = 0
+    """Linked requests answered by exact recomputation (an entry did not load): 0 expected."""
+
+    def holds(self, point: RatePoint, stat: str = "p99") -> bool:
+        """True when `point`'s p99 (or p95 / p50) TTFT is under 2x the unloaded TTFT."""
+        return getattr(point, f"ttft_{stat}_ms") < 2 * self.unloaded_ttft_ms
 
     def saturation(self, stat: str = "p99") -> float:
-        """Highest offered rate whose p99 (or p50) TTFT < 2x unloaded TTFT (0 if none). With a
-        dozen requests per rate the p99 is the slowest one: `p50` is the steadier reading."""
-        key = "ttft_p99_ms" if stat == "p99" else "ttft_p50_ms"
-        ok = [p.rate for p in self.points if getattr(p, key) < 2 * self.unloaded_ttft_ms]
-        return max(ok, default=0.0)
+        """Highest grid rate whose TTFT `stat` stays under 2x the unloaded TTFT (0.0: none)."""
+        return max((p.rate for p in self.points if p.grid and self.holds(p, stat)), default=0.0)
+
+    def first_failure(self, stat: str = "p99") -> float | None:
+        """Lowest grid rate whose TTFT `stat` is not under 2x the unloaded TTFT (None: none)."""
+        return min((p.rate for p in self.points if p.grid and not self.holds(p, stat)),
+                   default=None)  # fmt: skip
+
+    def stopped(self) -> bool:
+        """True once the system is past its bound for good: the last grid point's p50, or the
+        last two grid points' p99, not under 2x unloaded."""
+        grid = [p for p in self.points if p.grid]
+        return bool(grid) and (
+            not self.holds(grid[-1], "p50")
+            or (len(grid) > 1 and not self.holds(grid[-1]) and not self.holds(grid[-2]))
+        )
 
     def at(self, rate: float) -> RatePoint | None:
         """The point measured at `rate` (None if none)."""
@@ -142,23 +193,15 @@ class Workload:
         return [p if isinstance(p, str) else ref(self.entries[p].entry_id) for p in chat.parts]
 
     def request(self, chat: ChatSpec, system: str, max_tokens: int) -> Any:
-        """The engine request of `chat` under `system` (a policy, `prefix` or `full`)."""
-        from mpic.engine.hf.vision import load_image
-        from mpic.engine.vllm.requests import exact_request, linked_request
-        from mpic.linker.recipe import plan_prompt
-
-        eng = self.engine
-        policy = "full" if system in ("prefix", "full") else system
-        planned = plan_prompt(eng.spec, eng.processor, self._parts(chat), self.table, policy,
-                              None, max_tokens)  # fmt: skip
-        if policy != "full":
-            req = linked_request(planned.plan, policy, eng.spec)
-            req.cache_salt = f"online-{uuid.uuid4().hex}"  # linked KV: no cross-run hits
-            return req
-        images = [load_image(self.media[r]) for r in planned.refs if r in self.media]
-        req = exact_request(planned.plan, eng.spec.image_token_id, images)
-        if system == "full":
-            req.cache_salt = f"full-{uuid.uuid4().hex}"
+        """The engine request of `chat` under `system` (a policy, `prefix` or `full`), built by
+        `VllmFrontEnd.prepare`: linked under a policy (fresh salt: no linked KV reused across
+        runs), exact for `prefix` (no salt: vLLM's prefix caching) and `full` (fresh salt)."""
+        exact = system in ("prefix", "full")
+        salt = None if system == "prefix" else f"online-{system}-{uuid.uuid4().hex}"
+        _, req = self.engine.prepare(
+            self._parts(chat), self.table, "full" if exact else system,
+            max_new_tokens=max_tokens, media=self.media, exact=exact, salt=salt,
+        )  # fmt: skip
         return req
 
 
@@ -184,8 +227,11 @@ def run_rate(
     rate: float,
     max_tokens: int,
     seed: int,
+    grid: bool = True,
 ) -> RatePoint:
-    """The chats as Poisson arrivals at `rate` per second; TTFT percentiles and throughput."""
+    """The chats as Poisson arrivals at `rate` per second (arrival times from `seed`: the same
+    for every system); TTFT percentiles and throughput. Requests are built before the clock
+    starts."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, len(chats)))
     reqs = [work.request(c, system, max_tokens) for c in chats]
@@ -203,39 +249,61 @@ def run_rate(
         return [t for t, _ in out], max(end for _, end in out) - float(arrivals[0])
 
     ttfts, span = asyncio.run(run())
-    return RatePoint(
-        rate=rate,
-        requests=len(chats),
-        ttft_p50_ms=1e3 * float(np.percentile(ttfts, 50)),
-        ttft_p99_ms=1e3 * float(np.percentile(ttfts, 99)),
-        throughput=len(chats) / span,
-    )
+    pct = [1e3 * float(v) for v in np.percentile(ttfts, [50, 95, 99])]
+    raw = [round(1e3 * t, 1) for t in ttfts]
+    return RatePoint(rate, len(chats), *pct, len(chats) / span, raw, grid)
 
 
-def unloaded(work: Workload, system: str, chats: list[ChatSpec], max_tokens: int) -> float:
-    """p50 TTFT (ms) of `chats` sent one after the other."""
+def unloaded(
+    work: Workload, system: str, chats: list[ChatSpec], max_tokens: int, idle_s: float = 0.0
+) -> list[float]:
+    """TTFTs (ms) of `chats` sent one after the other, each after `idle_s` seconds of an idle
+    engine (prefix cache reset first)."""
 
     async def run() -> list[float]:
         await _reset_prefix_cache(work.engine)
-        return [(await _ttft(work.engine, work.request(c, system, max_tokens), max_tokens))[0]
-                for c in chats]  # fmt: skip
+        out = []
+        for c in chats:
+            req = work.request(c, system, max_tokens)
+            await asyncio.sleep(idle_s)
+            out.append((await _ttft(work.engine, req, max_tokens))[0])
+        return out
 
-    return 1e3 * float(np.median(asyncio.run(run())))
+    return [1e3 * t for t in asyncio.run(run())]
+
+
+@dataclass
+class RunSettings:
+    """How one model's curves are measured (see the module docstring)."""
+
+    rates: list[float]
+    requests: int
+    unloaded: int
+    items: int
+    users: int
+    per_user: int
+    max_tokens: int
+    seed: int
+
+
+def _echo(model: str, system: str, p: RatePoint, curve: SystemCurve) -> None:
+    ok = "ok" if curve.holds(p) else "past 2x unloaded"
+    typer.echo(
+        f"[{time.strftime('%H:%M:%S')}] {model} {system:>12} {p.rate:5.3g}/s x{p.requests}: "
+        f"TTFT p50 {p.ttft_p50_ms:6.0f} p95 {p.ttft_p95_ms:6.0f} p99 {p.ttft_p99_ms:6.0f} ms, "
+        f"{p.throughput:5.2f} answers/s ({ok}{'' if p.grid else ', half-prefix point'})"
+    )
 
 
 def run_model(
+    name: str,
     model: str,
     kind: str,
     systems: list[str],
-    rates: list[float],
-    requests: int,
-    items: int,
-    users: int,
-    per_user: int,
-    max_tokens: int,
-    seed: int,
+    run: RunSettings,
+    on_curve: Any = None,
 ) -> list[SystemCurve]:
-    """Every system's curve on one model (one engine)."""
+    """Every system's curve on one model (one engine); `on_curve(curves)` after each point."""
     import tempfile
 
     from mpic.engine.vllm.async_engine import AsyncVllmEngine
@@ -244,76 +312,107 @@ def run_model(
 
     storage = StorageConfig(url=Path(tempfile.mkdtemp()).as_uri(), fsync=False)
     engine = AsyncVllmEngine(VllmEngineConfig(model=model, storage=storage, max_num_seqs=16))
-    curves = []
+    order = sorted(systems, key=lambda s: s != "prefix")  # prefix first: its half rate
+    curves: list[SystemCurve] = []
+    half = 0.0
     try:
-        work = Workload(engine, kind, users, per_user, seed)
-        warm = make_chats(3, users, per_user, items, seed + 99)
-        for system in systems:  # first-use costs out of the way
-            unloaded(work, system, warm[:1], max_tokens)
-        for system in systems:
-            curve = SystemCurve(system, unloaded(work, system, warm, max_tokens))
-            for r, rate in enumerate(rates):
-                n = max(requests, int(rate * 6))
-                chats = make_chats(n, users, per_user, items, seed + r)
-                point = run_rate(work, system, chats, rate, max_tokens, seed + r)
+        work = Workload(engine, kind, run.users, run.per_user, run.seed)
+        typer.echo(f"[{time.strftime('%H:%M:%S')}] {name}: {len(work.entries)} items uploaded")
+        warm = make_chats(run.unloaded + 1, run.users, run.per_user, run.items, run.seed + 99)
+        for system in order:
+            unloaded(work, system, warm[:1], run.max_tokens)  # first-use costs out of the way
+        for system in order:
+            before = engine.fallbacks
+            samples = unloaded(work, system, warm[1:], run.max_tokens, idle_s=1.0)
+            hot = unloaded(work, system, warm[1:], run.max_tokens)
+            curve = SystemCurve(system, float(np.median(samples)), samples, hot)
+            typer.echo(
+                f"[{time.strftime('%H:%M:%S')}] {name} {system:>12} unloaded TTFT "
+                f"{curve.unloaded_ttft_ms:.0f} ms (median of {len(samples)}, "
+                f"{min(samples):.0f}-{max(samples):.0f}; back to back {np.median(hot):.0f})"
+            )
+            for r, rate in enumerate(run.rates):
+                n = max(run.requests, int(rate * 6))
+                chats = make_chats(n, run.users, run.per_user, run.items, run.seed + r)
+                point = run_rate(work, system, chats, rate, run.max_tokens, run.seed + r)
                 curve.points.append(point)
-                typer.echo(
-                    f"  {system:>9} rate {rate:5.2f}/s: TTFT p50 {point.ttft_p50_ms:7.0f} "
-                    f"p99 {point.ttft_p99_ms:7.0f} ms, {point.throughput:5.2f} answers/s"
-                )
-                if point.ttft_p99_ms > 4 * curve.unloaded_ttft_ms:
-                    break  # saturated: higher rates only queue longer
+                _echo(name, system, point, curve)
+                if on_curve is not None:
+                    on_curve([*curves, curve])  # a run cut short keeps every point
+                if curve.stopped():
+                    break  # past its bound for good: higher rates only queue longer
+            if system == "prefix":
+                half = curve.saturation() / 2
+            if half > 0 and system != "full" and curve.at(half) is None:
+                chats = make_chats(run.requests, run.users, run.per_user, run.items, run.seed + 50)
+                point = run_rate(work, system, chats, half, run.max_tokens, run.seed + 50, False)
+                curve.points.append(point)
+                curve.points.sort(key=lambda p: p.rate)
+                _echo(name, system, point, curve)
+            curve.fallbacks = engine.fallbacks - before
             curves.append(curve)
-        prefix = next((c for c in curves if c.system == "prefix"), None)
-        half = (prefix.saturation() or prefix.saturation("p50")) / 2 if prefix else 0.0
-        for curve in curves if half > 0 else []:  # the point the issue asks for, measured
-            if curve.system == "full" or any(abs(p.rate - half) < 1e-9 for p in curve.points):
-                continue
-            chats = make_chats(max(requests, int(half * 6)), users, per_user, items, seed + 50)
-            curve.points.append(run_rate(work, curve.system, chats, half, max_tokens, seed + 50))
-            curve.points.sort(key=lambda p: p.rate)
+            if on_curve is not None:
+                on_curve(curves)
     finally:
         engine.close()
     return curves
 
 
 def summary(curves: list[SystemCurve]) -> dict[str, Any]:
-    """Saturation throughput of each system, MPIC's ratio to vLLM prefix caching, and p99 TTFT
-    at half of prefix caching's saturation rate."""
-    by = {c.system: c for c in curves}
-    out: dict[str, Any] = {
-        "saturation_rate": {c.system: c.saturation() for c in curves},
-        "saturation_rate_p50": {c.system: c.saturation("p50") for c in curves},
-    }
-    prefix = by.get("prefix")
-    if prefix is not None and prefix.saturation("p50"):
-        base = prefix.saturation("p50")
-        out["ratio_vs_prefix_p50"] = {
-            c.system: c.saturation("p50") / base
-            for c in curves
-            if c.system not in ("prefix", "full")
-        }
+    """Saturation rate of each system (p99 rule; the same rule on p95 and p50), each MPIC system's
+    ratio to vLLM prefix caching (a lower bound `>= x` when prefix caching held at no rate), and
+    TTFT at half of prefix caching's saturation rate."""
+    out: dict[str, Any] = {}
+    prefix = next((c for c in curves if c.system == "prefix"), None)
+    mpic = [c for c in curves if c.system not in ("prefix", "full")]
+    for stat in ("p99", "p95", "p50"):
+        out[f"saturation_rate_{stat}"] = {c.system: c.saturation(stat) for c in curves}
+        out[f"first_failing_rate_{stat}"] = {c.system: c.first_failure(stat) for c in curves}
+        if prefix is None:
+            continue
+        base = prefix.saturation(stat)
+        if base:
+            out[f"ratio_vs_prefix_{stat}"] = {c.system: c.saturation(stat) / base for c in mpic}
+        else:  # prefix caching held at no measured rate: below the grid's lowest
+            low = min((p.rate for p in prefix.points), default=0.0)
+            out[f"ratio_vs_prefix_{stat}"] = {
+                c.system: f">= {c.saturation(stat) / low:g}" if low and c.saturation(stat) else None
+                for c in mpic
+            }
     if prefix is not None:
-        base = prefix.saturation()
-        out["ratio_vs_prefix"] = {
-            c.system: (c.saturation() / base if base else float("inf"))
-            for c in curves
-            if c.system not in ("prefix", "full")
-        }
-        half = (base or prefix.saturation("p50")) / 2  # the p50 reading when p99 never held
+        half = prefix.saturation() / 2
         out["half_prefix_rate"] = half
-        out["p99_at_half_prefix_rate_ms"] = {
-            c.system: (p.ttft_p99_ms if (p := c.at(half)) else None) for c in curves
+        out["ttft_at_half_prefix_rate_ms"] = {
+            c.system: (
+                {"p50": p.ttft_p50_ms, "p95": p.ttft_p95_ms, "p99": p.ttft_p99_ms}
+                if half and (p := c.at(half))
+                else None
+            )
+            for c in curves
         }
     return out
 
 
+def load_results(path: Path) -> tuple[dict[str, list[SystemCurve]], dict]:
+    """(curves per model, meta) of an `online.json`."""
+    doc = json.loads(path.read_text())
+    results = {}
+    for m, v in doc["models"].items():
+        curves = []
+        for c in v["curves"]:
+            points = [RatePoint(**p) for p in c.pop("points")]
+            curves.append(SystemCurve(**c, points=points))
+        results[m] = curves
+    return results, doc["meta"]
+
+
 def write_outputs(results: dict[str, list[SystemCurve]], meta: dict, out: Path) -> None:
-    """`online.json` and `online.png` (per model: TTFT p50/p99 and throughput vs rate)."""
+    """`online.json` and `online.png` (per model: TTFT p50 / p99 and throughput vs rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -324,7 +423,7 @@ def write_outputs(results: dict[str, list[SystemCurve]], meta: dict, out: Path) 
         },
     }
     (out / "online.json").write_text(json.dumps(payload, indent=1))
-    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.5 * len(results)), squeeze=False)
     for row, (m, curves) in enumerate(results.items()):
         ax_t, ax_x = axes[row]
         for c in curves:
@@ -332,20 +431,27 @@ def write_outputs(results: dict[str, list[SystemCurve]], meta: dict, out: Path) 
             line = ax_t.plot(
                 rates, [p.ttft_p50_ms for p in c.points], "o-", label=f"{c.system} p50"
             )
-            ax_t.plot(rates, [p.ttft_p99_ms for p in c.points], "x--", color=line[0].get_color(),
+            color = line[0].get_color()
+            ax_t.plot(rates, [p.ttft_p99_ms for p in c.points], "x--", color=color,
                       label=f"{c.system} p99")  # fmt: skip
+            ax_t.axhline(2 * c.unloaded_ttft_ms, color=color, linestyle=":", linewidth=0.8)
             ax_x.plot(rates, [p.throughput for p in c.points], "o-", label=c.system)
         ax_t.set_xscale("log")
         ax_t.set_yscale("log")
         ax_t.set_xlabel("offered rate (requests/s)")
-        ax_t.set_ylabel("TTFT (ms)")
-        ax_t.set_title(m)
+        ax_t.set_ylabel("TTFT (ms); dotted: 2x unloaded")
+        ax_t.set_title(f"{m}: TTFT vs offered rate", fontsize=9)
         ax_t.legend(fontsize=7)
         ax_x.set_xscale("log")
         ax_x.set_xlabel("offered rate (requests/s)")
         ax_x.set_ylabel("throughput (answers/s)")
-        ax_x.set_title(f"{m}: saturation {summary(curves)['saturation_rate']}", fontsize=8)
+        sat = summary(curves)["saturation_rate_p99"]
+        ax_x.set_title(f"{m}: saturation (p99 < 2x unloaded) {sat}", fontsize=8)
         ax_x.legend(fontsize=7)
+        ticks = sorted({p.rate for c in curves for p in c.points})
+        for ax in (ax_t, ax_x):  # the measured rates as the x labels
+            ax.set_xticks(ticks, [f"{r:g}" for r in ticks], fontsize=7)
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     fig.tight_layout()
     fig.savefig(out / "online.png", dpi=110)
     plt.close(fig)
@@ -356,15 +462,17 @@ def print_table(results: dict[str, list[SystemCurve]]) -> None:
     from rich.table import Table
 
     table = Table(title="Online serving on one vLLM engine (CPU, float32)")
-    for col in ["model", "system", "unloaded TTFT ms", "saturation req/s", "points"]:
+    for col in ["model", "system", "unloaded ms", "sat. p99 / p95", "rate: p50/p95/p99 ms, /s"]:
         table.add_column(col)
     for m, curves in results.items():
         for c in curves:
             pts = "; ".join(
-                f"{p.rate:g}/s: {p.ttft_p50_ms:.0f}/{p.ttft_p99_ms:.0f} ms {p.throughput:.2f}/s"
+                f"{p.rate:g}: {p.ttft_p50_ms:.0f}/{p.ttft_p95_ms:.0f}/{p.ttft_p99_ms:.0f} "
+                f"{p.throughput:.2f}"
                 for p in c.points
             )
-            table.add_row(m, c.system, f"{c.unloaded_ttft_ms:.0f}", f"{c.saturation():g}", pts)
+            sat = f"{c.saturation():g} / {c.saturation('p95'):g}"
+            table.add_row(m, c.system, f"{c.unloaded_ttft_ms:.0f}", sat, pts)
     Console().print(table)
     for m, curves in results.items():
         Console().print(m, json.dumps(summary(curves)))
@@ -386,15 +494,34 @@ def command(
         "--models",
         help="llava (3 images per chat), smollm2 (4 documents per chat)",
     ),  # fmt: skip
-    rates: str = typer.Option("0.5,1,2,4,8", "--rates", help="Offered rates (requests/s)."),
-    requests: int = typer.Option(12, "--requests", min=2, max=1000, help="Chats per rate."),
+    rates: str = typer.Option(
+        "0.25,0.5,0.75,1,1.5,2,3,4,6,8", "--rates", help="Offered rates (requests/s), run upward."
+    ),
+    requests: int = typer.Option(40, "--requests", min=2, max=1000, help="Chats per rate."),
+    unloaded_n: int = typer.Option(
+        10,
+        "--unloaded",
+        min=1,
+        max=200,
+        help="Requests (one at a time, 1 s idle before each) for the unloaded TTFT.",
+    ),
     systems: str = typer.Option("mpic-32,default,prefix,full", "--systems"),
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, max=256),
     users: int = typer.Option(4, "--users", min=1, max=64),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option("out/online", "--out", help="Folder for online.json / online.png."),
+    from_json: str = typer.Option(
+        "",
+        "--from-json",
+        help="Only re-read an online.json: table, summary, JSON and PNG to --out.",
+    ),
 ) -> None:
     """MPIC vs vLLM prefix caching vs full recomputation, online, on one vLLM engine."""
+    if from_json:
+        results, meta = load_results(Path(from_json))
+        print_table(results)
+        write_outputs(results, meta, Path(out))
+        return
     from mpic.deployments.config import ServeAppConfig
     from mpic.deployments.local import prepare_local
 
@@ -409,15 +536,21 @@ def command(
         "llava": lambda: (prepare_local(ServeAppConfig()).engine.model, "image", 3, 4),
         "smollm2": lambda: (_smollm2_dir(), "text", 4, 5),
     }
+    meta = {"rates": rate_list, "requests": requests, "unloaded": unloaded_n,
+            "max_tokens": max_tokens, "users": users, "default_policy": default,
+            "seed": seed}  # fmt: skip
     results: dict[str, list[SystemCurve]] = {}
     for m in [m for m in models.split(",") if m]:
         if m not in setups:
             raise typer.BadParameter(f"unknown model {m!r}; expected {sorted(setups)}")
         model, kind, items, per_user = setups[m]()
         typer.echo(f"{m}: {model} ({items} {kind} items per chat; systems {names})")
-        results[m] = run_model(model, kind, names, rate_list, requests, items, users, per_user,
-                               max_tokens, seed)  # fmt: skip
-    meta = {"rates": rate_list, "requests": requests, "max_tokens": max_tokens, "users": users,
-            "default_policy": default, "seed": seed}  # fmt: skip
+        run = RunSettings(rate_list, requests, unloaded_n, items, users, per_user, max_tokens,
+                          seed)  # fmt: skip
+
+        def save(curves: list[SystemCurve], m: str = m) -> None:
+            write_outputs({**results, m: curves}, meta, Path(out))
+
+        results[m] = run_model(m, model, kind, names, run, on_curve=save)
     print_table(results)
     write_outputs(results, meta, Path(out))
