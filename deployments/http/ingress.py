@@ -2,7 +2,8 @@
 
 Only small things cross HTTP: image bytes on upload, text and ids on queries. The ingress hands
 image bytes to the Encoder, chains the Encoder's result (an ObjectRef, never materialised here)
-into the LLM worker, asks the Resolver to resolve a chat request, and streams the worker's tokens.
+into the LLM worker, asks the Resolver to resolve a chat request (then the Encoder for its inline
+images: `mpic.deployments.serve.inline`), and streams the worker's tokens.
 
 Every request carries a request id (Serve's, taken from an `X-Request-ID` header when the client
 sends one): it is in every log line of every deployment that handles the request (Serve's JSON
@@ -65,6 +66,7 @@ from mpic.deployments.http.vllm_routes import VllmRoutes, router
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.monitoring.metrics import ServeMetrics, metrics_page
 from mpic.deployments.serve.files import FileCatalog, document_media_type
+from mpic.deployments.serve.inline import encode_inline
 from mpic.errors import PayloadTooLargeError
 from mpic.retriever.sources import allowed_source
 
@@ -419,6 +421,7 @@ class Ingress(VllmRoutes):
             extra={"request_id": rid},
         )
         prompt: LinkedPrompt = await self.resolver.resolve.remote(who.user, body)
+        await encode_inline(prompt, self.encoder)  # refs this replica owns while it answers
         prompt.request_id, prompt.sampling = rid, body.sampling()
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
