@@ -428,10 +428,12 @@ class Ingress(VllmRoutes):
             events = self.worker.options(stream=True).generate.remote(prompt)
             gen = self._sse(events, body, cid, created, prompt, t0)
             first = await anext(gen)  # surface errors before the 200 status is sent
+            self.readiness.served()  # newer than any readiness poll that began before it
             return StreamingResponse(_prepend(first, gen), media_type="text/event-stream")
         answers = await asyncio.gather(
             *(_Answer().collect(self._generate(prompt, i)) for i in range(body.n))
         )
+        self.readiness.served()
         done = answers[0].done
         ttft = answers[0].t_first - t0
         for a in answers:
