@@ -65,7 +65,7 @@ def build_app(
     layers = model_layers(config.engine)  # None: no model, or its folder is not here
     enc, wrk = encoder.bind(config), worker.bind(config, check_policy_layers=layers is None)
     ret = retriever.bind(config, wrk)
-    res = resolver.bind(config, enc, ret, layers)  # checks policies itself, asking no worker
+    res = resolver.bind(config, ret, layers)  # checks policies itself, asking no worker
     return ingress.bind(config, enc, res, wrk, ret)
 
 

@@ -33,7 +33,11 @@ class Segment:
     document: bool = False
     """`entry` only: the item is a text document (an uploaded .txt/.md file), not an image."""
     embeds: Any = None
-    """`inline` only: the `EncodedImage` (a Ray ObjectRef in transit)."""
+    """`inline` only: the `EncodedImage` (a Ray ObjectRef in transit, owned by the ingress that
+    asked the Encoder: `mpic.deployments.serve.inline`)."""
+    media: bytes = b""
+    """`inline` only: the image bytes as sent (the worker re-encodes them if the Encoder's
+    result is lost in transit)."""
 
 
 @dataclass

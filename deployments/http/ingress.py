@@ -2,7 +2,8 @@
 
 Only small things cross HTTP: image bytes on upload, text and ids on queries. The ingress hands
 image bytes to the Encoder, chains the Encoder's result (an ObjectRef, never materialised here)
-into the LLM worker, asks the Resolver to resolve a chat request, and streams the worker's tokens.
+into the LLM worker, asks the Resolver to resolve a chat request (then the Encoder for its inline
+images: `mpic.deployments.serve.inline`), and streams the worker's tokens.
 
 Every request carries a request id (Serve's, taken from an `X-Request-ID` header when the client
 sends one): it is in every log line of every deployment that handles the request (Serve's JSON
@@ -65,6 +66,7 @@ from mpic.deployments.http.vllm_routes import VllmRoutes, router
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.monitoring.metrics import ServeMetrics, metrics_page
 from mpic.deployments.serve.files import FileCatalog, document_media_type
+from mpic.deployments.serve.inline import encode_inline
 from mpic.errors import PayloadTooLargeError
 from mpic.retriever.sources import allowed_source
 
@@ -419,16 +421,19 @@ class Ingress(VllmRoutes):
             extra={"request_id": rid},
         )
         prompt: LinkedPrompt = await self.resolver.resolve.remote(who.user, body)
+        await encode_inline(prompt, self.encoder)  # refs this replica owns while it answers
         prompt.request_id, prompt.sampling = rid, body.sampling()
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
             events = self.worker.options(stream=True).generate.remote(prompt)
             gen = self._sse(events, body, cid, created, prompt, t0)
             first = await anext(gen)  # surface errors before the 200 status is sent
+            self.readiness.served()  # newer than any readiness poll that began before it
             return StreamingResponse(_prepend(first, gen), media_type="text/event-stream")
         answers = await asyncio.gather(
             *(_Answer().collect(self._generate(prompt, i)) for i in range(body.n))
         )
+        self.readiness.served()
         done = answers[0].done
         ttft = answers[0].t_first - t0
         for a in answers:

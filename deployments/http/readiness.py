@@ -9,8 +9,12 @@ Serve's queue for minutes; instead it gets a fast 503 `not_ready` with `Retry-Af
 Serve's controller knows the replica states (`serve.status()`); `AppReadiness` polls them on a
 background task every `period_s`, so a request only reads the last answer (no controller call on
 the request path). A replica that dies later (engine restart) turns readiness off again until
-Serve has replaced it. Outside a Serve replica (the in-process test app, which builds every
-deployment before it serves) the application is always ready.
+Serve has replaced it. A poll's answer is as old as the moment its probe began, and on a busy
+host `serve.status()` takes seconds, while Serve's router hears of a new replica at once: a chat
+can be served by the replacement while the last answer still says it is starting. A served chat
+is newer evidence (`served`): readiness is on from then, and a not-ready answer of a probe that
+began before it is dropped. Outside a Serve replica (the in-process test app, which builds
+every deployment before it serves) the application is always ready.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class AppReadiness:
         self.deployments: dict[str, bool] = {}
         self._ready = probe is None
         self._checked = 0.0
+        self._served_at = float("-inf")
         self._task: asyncio.Task | None = None
 
     @property
@@ -99,8 +104,17 @@ class AppReadiness:
         """The last answer (True once every deployment could serve at the last poll)."""
         return self._ready
 
+    def served(self) -> None:
+        """A chat was answered (the worker streamed its first event): the deployments on its
+        path can serve now, whatever a probe that began earlier says."""
+        self._served_at = time.monotonic()
+        if not self._ready:
+            logger.info("application ready (a chat was served)")
+            self._ready = True
+
     async def _poll_once(self) -> None:
         assert self._probe is not None
+        began = time.monotonic()
         try:
             states = await asyncio.wait_for(
                 asyncio.to_thread(self._probe), timeout=self.poll_timeout_s
@@ -115,6 +129,9 @@ class AppReadiness:
                 return
             states = {}
         ready = bool(states) and all(states.values())
+        if not ready and began < self._served_at:  # older than a served chat: stale
+            self._checked = time.monotonic()
+            return
         if ready != self._ready:
             logger.info("application %s (%s)", "ready" if ready else "not ready", states)
         self.deployments, self._ready, self._checked = states, ready, time.monotonic()

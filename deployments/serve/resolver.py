@@ -2,9 +2,10 @@
 
 Resolution happens in the CALLER's namespace only: a file id of another user is "not found"
 (404, the same answer as an unknown id), an expired one 410. Inline `image_url` parts are
-encoded for this request only (not cached) and travel to the worker as ObjectRefs; MRAG
-retrieval asks the Retriever deployment and links its hits (images, and text passages as
-documents) before the last user turn's text.
+decoded and size-checked here and kept as bytes: the Ingress has them encoded for this request
+only (not cached; the Encoder's result travels to the worker as an ObjectRef the Ingress owns,
+`mpic.deployments.serve.inline`); MRAG retrieval asks the Retriever deployment and links its hits
+(images, and text passages as documents) before the last user turn's text.
 The policy is parsed and checked here, once (`mpic.deployments.serve.policy_check`, against the
 served model's layer count bound in at build time), so a chat makes two Ray calls: this resolve,
 then the worker's generate. The link plan itself (token ids, positions, policy selection) is built
@@ -28,7 +29,7 @@ from mpic.deployments.http.schemas import (
     MPICOptions,
     TextPart,
 )
-from mpic.deployments.messages import EncodedImage, LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
 from mpic.deployments.serve.files import FileCatalog
 from mpic.deployments.serve.policy_check import check_policy
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
@@ -43,7 +44,6 @@ class Resolver:
     def __init__(
         self,
         config: ServeAppConfig,
-        encoder: DeploymentHandle,
         retriever: DeploymentHandle,
         num_layers: int | None = None,
     ) -> None:
@@ -51,7 +51,7 @@ class Resolver:
         app builder), which per-layer policies are checked against; None: unchecked."""
         self.cfg = config
         self.files = FileCatalog(config.store)
-        self.encoder, self.retriever = encoder, retriever
+        self.retriever = retriever
         self.num_layers = num_layers
 
     async def resolve(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:
@@ -138,8 +138,7 @@ class Resolver:
             raise InvalidRequestError(f"image_url is not valid base64: {exc}") from exc
         if len(data) > self.cfg.limits.max_upload_bytes:
             raise PayloadTooLargeError("inline image over the upload size limit")
-        ref = await self.encoder.encode.remote(data)._to_object_ref()  # not materialised here
-        return Segment("inline", embeds=ref)
+        return Segment("inline", media=data)  # encoded by the Ingress's request (serve.inline)
 
     async def _auto_collection(self) -> str:
         """The collection of `"retrieval": "auto"`: `default_collection`, else the one an admin
@@ -164,10 +163,8 @@ class Resolver:
         images: list[bytes] = []
         hashes: list[str] = []
         for seg in users[-1].segments:
-            if seg.kind == "inline":  # the Encoder's EncodedImage (an ObjectRef under Ray)
-                encoded = seg.embeds
-                encoded = encoded if isinstance(encoded, EncodedImage) else await encoded
-                images.append(encoded.media)
+            if seg.kind == "inline":
+                images.append(seg.media)
             elif seg.kind == "entry" and not seg.document:
                 hashes.append(seg.content_hash)
         hits: list[tuple[str, str, str]] = await self.retriever.search.remote(

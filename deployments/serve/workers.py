@@ -18,8 +18,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import ray
-
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engines.engine import build_engine
 from mpic.deployments.engines.tokenization import detokenize, tokenize_chat, tokenize_text
@@ -31,6 +29,7 @@ from mpic.deployments.monitoring.vllm_metrics import RunningGauge
 from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.serve.image_limits import check_image_pixels
+from mpic.deployments.serve.inline import resolve_inline
 from mpic.deployments.serve.policy_check import check_policy, model_layers
 from mpic.documents import decode_document
 from mpic.errors import MPICError
@@ -55,11 +54,16 @@ class Encoder:
         """Decode (415 if not an image) and encode one image; before decoding, from its header:
         413 over `limits.max_image_pixels` pixels (decompression bombs), 400 over
         `limits.max_image_side` or `limits.max_image_aspect_ratio` (resize bombs)."""
-        lim = self.limits
-        check_image_pixels(
-            image_bytes, lim.max_image_pixels, lim.max_image_side, lim.max_image_aspect_ratio
-        )
-        return self.engine.encode_image(image_bytes)
+        return encode_checked(self.engine, self.limits, image_bytes)
+
+
+def encode_checked(engine: Any, lim: Any, image_bytes: bytes) -> EncodedImage:
+    """`Encoder.encode` on `engine` with the `limits` section `lim` (also the LLM worker's
+    re-encoding of an inline image whose encoding was lost in transit)."""
+    check_image_pixels(
+        image_bytes, lim.max_image_pixels, lim.max_image_side, lim.max_image_aspect_ratio
+    )
+    return engine.encode_image(image_bytes)
 
 
 class LLMWorker:
@@ -241,9 +245,10 @@ class LLMWorker:
         return tokens
 
     async def generate(self, prompt: LinkedPrompt) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """Stream the answer to `prompt`. Inline images arrive as ObjectRefs; linked entries
-        load in parallel from the fastest tier (on a thread), lost ones are recomputed from their
-        media. No lock: concurrent calls reach the engine together (vLLM batches them).
+        """Stream the answer to `prompt`. Inline images arrive as ObjectRefs (one lost in
+        transit is encoded here again, `mpic.deployments.serve.inline`); linked entries load in
+        parallel from the fastest tier (on a thread), lost ones are recomputed from their media.
+        No lock: concurrent calls reach the engine together (vLLM batches them).
 
         Admission: 503 while the engine is dead, 429 past the replica's budget (before any
         entry loads). Cancellation: when the caller goes away (client disconnect: Serve cancels
@@ -274,10 +279,10 @@ class LLMWorker:
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """shadow: for a request sampled by the fidelity monitor, receives its `entries` and
         the `served` first-token distribution (stripped from the DoneEvent)."""
-        for turn in prompt.turns:
-            for seg in turn.segments:
-                if isinstance(seg.embeds, ray.ObjectRef):
-                    seg.embeds = await seg.embeds
+        reencoded = await resolve_inline(
+            prompt, lambda data: encode_checked(self.engine, self.cfg.limits, data),
+            prompt.request_id,
+        )  # fmt: skip
         segs = {s.entry_id: s for t in prompt.turns for s in t.segments if s.kind == "entry"}
         keys = list(segs)
         store = self.cfg.store
@@ -304,7 +309,7 @@ class LLMWorker:
                 async for ev in events:
                     if isinstance(ev, DoneEvent):
                         ev.tier_hits = dict(tiers)
-                        ev.fallbacks += len(got.fallbacks)
+                        ev.fallbacks += len(got.fallbacks) + reencoded
                         ev.policy = ev.policy or prompt.policy
                         if shadow is not None:
                             shadow.update(entries=entries, served=ev.first_token)

@@ -71,8 +71,8 @@ class VllmEngineConfig(VllmOptions):
         "reads",
         description="'reads' (default): read a linked request's entries in the background "
         "(vLLM's WAITING_FOR_REMOTE_KVS), link it inside a step; True: link it in the background "
-        "too (the worker's linking thread; experimental: nondeterministic wrong tokens seen in "
-        "the exactness tests, docs/vllm.md); false: both inside the step that schedules it.",
+        "too (the worker's linking thread, taking turns with vLLM's steps on the model; "
+        "experimental, docs/vllm.md); false: both inside the step that schedules it.",
     )
     link_share: float = Field(
         1.0,

@@ -21,6 +21,12 @@ blocks for N-1 only), or any non-plain policy in load mode `reads`, has its entr
 and is linked in the step that schedules its last token (shipped again as a synchronous job,
 with `has_sync_kv_loads` set so that the worker links it before the forward).
 
+A claim that starts after a local prefix-cache hit (an identical linked request, same salt, left
+its blocks cached) is linked in a step in load mode `background` too (`phase2 = "link"`): the
+hit blocks are shared with whoever else holds them, possibly a request decoding now, and a link
+rewrites every block of its request (zeroed first); on the linking thread a decoding request's
+forward could read them half rewritten, inside a step it never sees them so.
+
 Synchronous claims (linked in the step that schedules them, reads included): compression
 requests and load mode `step`. Preempted requests come back through `get_num_new_matched_tokens`
 and are linked again into their new blocks (`scheduled_cached_reqs.resumed_req_ids` for sync
@@ -77,6 +83,8 @@ class MPICScheduler:
         """Two-phase requests received, waiting for the step of their last token."""
         self._forget: set[str] = set()
         """Requests that ended between their two phases (the worker drops what it holds)."""
+        self._hit: set[str] = set()
+        """Async claims that start after a local prefix-cache hit (shared blocks)."""
 
     def _is_async(self, request: Request) -> bool:
         params = request.kv_transfer_params or {}
@@ -84,6 +92,8 @@ class MPICScheduler:
 
     def _phase2_of(self, request: Request) -> str:
         """ "", "link" or "shift" for an async claim (see `LinkJob.phase2`)."""
+        if self.mode == "background" and request.request_id in self._hit:
+            return "link"  # shared prefix-hit blocks: rewritten in a step, never beside one
         policy = str((request.kv_transfer_params or {})[vllm_params.KEY].get("policy"))
         if not needs_last_token(policy):  # a plain pass: linked where its entries are
             return ""
@@ -108,6 +118,10 @@ class MPICScheduler:
             self._async_ids.add(rid)
         else:
             self._async_ids.discard(rid)
+        if num_computed_tokens > 0:
+            self._hit.add(rid)
+        else:
+            self._hit.discard(rid)
         return claim, load_async
 
     def update_state_after_alloc(
@@ -200,6 +214,7 @@ class MPICScheduler:
         rid = request.request_id
         self._sync.pop(rid, None)
         self._async_ids.discard(rid)
+        self._hit.discard(rid)
         self._requests.pop(rid, None)
         if self._phase2.pop(rid, None) is not None:
             self._forget.add(rid)  # received: vLLM frees the blocks, the worker its entries

@@ -59,7 +59,8 @@ from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.adapter import VllmLayerAdapter
 from mpic.engine.vllm.batched_link import BatchItem, link_batch
 from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, batchable, load_mode
-from mpic.engine.vllm.link_pacing import LinkPacer, PacedAdapter
+from mpic.engine.vllm.link_pacing import LinkPacer
+from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter, guard_runner
 from mpic.engine.vllm.paged_kv import PagedLinkedKV
 from mpic.errors import MPICError
 from mpic.linker.pipeline import link_and_prefill
@@ -125,6 +126,8 @@ class MPICWorker:
         self.mode = load_mode(async_loads)
         self._last_forward = 0.0
         self._pacer = LinkPacer(link_share, self._decoding)
+        self._model_lock = ModelLock()
+        """vLLM's step and the linking thread take turns on the model (`model_lock`)."""
         self._storage = storage
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._runner: Any = None
@@ -179,6 +182,8 @@ class MPICWorker:
         """The model runner of this worker (handed over by the `mpic` vLLM plugin)."""
         self._runner = runner
         self._main_cpus = os.sched_getaffinity(0)  # vLLM bound this (its forward's) thread
+        if self.mode == "background":  # vLLM's CPU kernels are not thread-safe (model_lock)
+            guard_runner(runner, self._model_lock)
 
     def runner(self) -> Any:
         if self._runner is None:
@@ -342,7 +347,7 @@ class MPICWorker:
         began = time.perf_counter()
         self._pacer.start()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._model_lock.linking():
                 self._link_all(ready, paced=True)
         except Exception as exc:  # noqa: BLE001 - never lose a job: fail the unreported
             logger.exception("MPIC: the linking thread failed")
@@ -390,8 +395,9 @@ class MPICWorker:
 
     def _link_all(self, ready: list[tuple[LinkJob, list[CacheEntry]]], paced: bool = False) -> None:
         adapter: Any = self.adapter()
-        if paced and self._pacer.share < 1:
-            adapter = PacedAdapter(adapter, self._pacer)
+        if paced:  # the linking thread: one layer at a time between vLLM's steps
+            pacer = self._pacer if self._pacer.share < 1 else None
+            adapter = YieldingAdapter(adapter, self._model_lock, pacer)
         layers = [adapter.attention_layer(i) for i in range(adapter.num_layers)]
         caches = [self._kv_caches[layer.layer_name] for layer in layers]
         batch: list[tuple[LinkJob, BatchItem]] = []

@@ -126,7 +126,7 @@ def in_process_app(
         worker = LLMWorker(config)
         wrk = LocalHandle(worker, calls)
         ret = LocalHandle(Retriever(config, wrk), calls)
-        resolver = Resolver(config, enc, ret, model_layers(config.engine))  # as build_app
+        resolver = Resolver(config, ret, model_layers(config.engine))  # as build_app
         res = LocalHandle(resolver, calls)
         cls = ingress_class()
         ingress = cls.__new__(cls)

@@ -76,7 +76,7 @@ def test_the_resolver_is_bound_with_the_layer_count_and_no_worker(tiny_llava_dir
     handles = [
         a._bound_deployment.name for a in resolver.init_args if hasattr(a, "_bound_deployment")
     ]
-    assert handles == ["Encoder", "Retriever"]
+    assert handles == ["Retriever"]  # inline images: the Ingress asks the Encoder
     assert resolver.init_args[-1] == 2  # the tiny LLaVA's layers
     assert bound["LLMWorker"]._bound_deployment.init_kwargs == {"check_policy_layers": False}
 

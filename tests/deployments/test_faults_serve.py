@@ -114,12 +114,15 @@ def test_llm_worker_killed_mid_stream(serve_app: ServeApp) -> None:
     recovery = _recover(serve_app.url, content)
     after = _worker_pids(serve_app.config.name)
     assert after and not set(after) & set(before)
-    # a client honours Retry-After: right after the first answer the restarted replica may still
-    # answer one fast 503 (seen in the full suite, never alone)
-    _recover(serve_app.url, content, limit_s=60)
+    # The chat right after the first one served: in the full suite it got a 503 twice (never
+    # alone). A stale readiness answer is one cause, fixed (`AppReadiness.served`: Serve's
+    # router reaches the new replica before a slow `serve.status()` poll sees it), so a
+    # `not_ready` here fails; any other 503 is printed and its Retry-After honoured once.
     r = _chat(serve_app.url, content)
     if r.status_code == 503:
         assert "retry-after" in {k.lower() for k in r.headers}
+        assert r.json()["error"]["code"] != "not_ready", r.text
+        print(json.dumps({"fault": "503 after recovery", "body": r.json()["error"]}))
         time.sleep(int(r.headers["retry-after"]))
         r = _chat(serve_app.url, content)
     assert r.status_code == 200, r.text

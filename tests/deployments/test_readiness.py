@@ -38,6 +38,38 @@ def test_not_ready_until_every_deployment_can_serve() -> None:
     asyncio.run(run())
 
 
+def test_a_served_chat_outdates_a_probe_that_began_before_it() -> None:
+    """After a worker restart Serve's router routes to the new replica at once, while a probe
+    (`serve.status()`, seconds on a busy host) may still answer what it saw when it began: the
+    chat after the first one served must not get a 503 from that stale answer."""
+    states = {"Ingress": True, "LLMWorker": False}
+    began = threading.Event()
+
+    def slow_probe() -> dict[str, bool]:
+        seen = dict(states)  # the state when the probe began
+        began.set()
+        time.sleep(0.3)
+        return seen
+
+    ready = AppReadiness(slow_probe, period_s=0.01, probe_timeout_s=1.0)
+
+    async def run() -> None:
+        assert not await ready.check()
+        began.clear()
+        while not began.is_set():  # a probe is under way, seeing LLMWorker still starting
+            await asyncio.sleep(0.005)
+        states["LLMWorker"] = True  # the replacement is up and a chat is served by it
+        ready.served()
+        await ready.require()
+        await asyncio.sleep(0.45)  # the stale probe has answered "not ready" meanwhile
+        await ready.require()
+        states["LLMWorker"] = False  # the replica dies later: probes after the chat count
+        await asyncio.sleep(0.8)
+        assert not await ready.check()
+
+    asyncio.run(run())
+
+
 def test_a_hanging_probe_answers_not_ready_fast() -> None:
     ready = AppReadiness(lambda: time.sleep(30) or {}, period_s=0.1, probe_timeout_s=0.3)
 

@@ -109,6 +109,22 @@ def test_every_policy_loads_in_the_background_first() -> None:
     ) == (79, False)
 
 
+def test_a_claim_after_a_prefix_hit_is_linked_in_a_step_in_background_mode() -> None:
+    """Blocks hit in vLLM's prefix cache are shared (an identical linked request, possibly
+    decoding now); a link rewrites them, so never on the linking thread beside a forward."""
+
+    def hit(s: MPICScheduler, req: FakeRequest, computed: int) -> LinkJob:
+        assert s.get_num_new_matched_tokens(req, computed) == (79 - computed, True)
+        s.update_state_after_alloc(req, _blocks(3), 79 - computed)
+        (job,) = s.build_connector_meta(_output()).jobs
+        return job
+
+    background = MPICScheduler(BS, True)
+    assert hit(background, FakeRequest("h", 80), BS).phase2 == "link"
+    assert hit(background, FakeRequest("n", 80), 0).phase2 == ""  # nothing shared
+    assert hit(MPICScheduler(BS, "reads"), FakeRequest("r", 80), BS).phase2 == ""  # in a step
+
+
 def test_second_phase_links_or_shifts_in_the_last_tokens_step() -> None:
     s = MPICScheduler(BS)
     edge, shift, failed = (

@@ -105,3 +105,57 @@ def test_pacer_sleeps_its_share_complement_only_while_decoding() -> None:
     assert pacer.slept_s == slept  # nothing decodes: full speed
     with pytest.raises(ValueError):
         LinkPacer(0, lambda: True)
+
+
+def test_the_step_and_the_linking_thread_never_run_the_model_together() -> None:
+    """vLLM's CPU kernels share per-layer handler state and one scratchpad (model_lock): a
+    step and the linking thread take turns, the step waiting for one layer at most."""
+    from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter, guard_runner
+
+    lock = ModelLock()
+    inside: list[str] = []
+    overlap: list[tuple[str, ...]] = []
+
+    def enter(who: str) -> None:
+        if inside:
+            overlap.append((*inside, who))
+        inside.append(who)
+        time.sleep(0.002)
+        inside.remove(who)
+
+    class Runner:
+        def execute_model(self, n: int) -> int:
+            enter("step")
+            return n + 1
+
+    class Adapter:
+        num_layers = 40
+
+        def attention_inputs(self, layer, hidden, positions):
+            enter("link")
+            return hidden
+
+        def attention_output_and_mlp(self, layer, hidden, attn_out):
+            enter("link")
+            return hidden
+
+    runner = Runner()
+    guard_runner(runner, lock)
+    guard_runner(runner, lock)  # once per runner
+    adapter = YieldingAdapter(Adapter(), lock)
+    started = threading.Event()
+
+    def link() -> None:
+        with lock.linking():
+            started.set()
+            for layer in range(adapter.num_layers):
+                adapter.attention_inputs(layer, None, None)
+                adapter.attention_output_and_mlp(layer, None, None)
+
+    thread = threading.Thread(target=link)
+    thread.start()
+    started.wait(5)
+    steps = [runner.execute_model(i) for i in range(20)]  # while the link runs
+    thread.join(10)
+    assert steps == list(range(1, 21)) and not overlap
+    assert lock.steps_waited > 0  # the link held the model when steps came: they took turns
