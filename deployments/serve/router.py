@@ -5,28 +5,37 @@ request-router API).
 With several LLM-worker replicas, a chat whose entries sit in one replica's memory (or disk) tier
 costs a memory read there and an object-store read anywhere else (MPIC section 3.2: load the KV
 from the closest tier); but sending every chat of a user to one replica piles them in its queue.
-`EntryAffinityRouter` weighs both, as an expected time to first token per replica r:
+`EntryAffinityRouter` weighs both: cache affinity bounded by load, as Ray Serve's
+`PrefixCacheAffinityRouter` (`imbalanced_threshold`), with misses costed by where each entry lives.
+For a request linking entries E, at each candidate replica r:
 
-    cost(r) = q(r) * service_s + sum_{e in entries(request)} load_s(tier_r(e))
+    cost(r) = miss_s(r) + service_s * max(0, q(r) - min_r' q(r') - imbalance_threshold)
+    miss_s(r) = max_{e in E} load_s(tier_r(e)) + |{e in E: tier_r(e) != memory}| * evict_s(r)
 
 - q(r): requests queued or running at r (Serve's queue-length cache; replicas without a cached
-  length are probed, as Ray Serve's prefix-aware router does);
-- service_s: how long one request holds a replica, learned by this router (time from routing to
-  completion, divided by the requests that were ahead of it: `on_request_routed`,
-  `on_request_completed`); a batching engine (vLLM) yields a small value, so affinity weighs more;
+  length are probed, as Ray Serve's prefix-aware router does). Queue differences up to
+  `imbalance_threshold` count as ties (affinity decides); each request past it costs `service_s`,
+  how long one request holds a replica, learned by this router (time from routing to completion
+  over the requests that were ahead of it: `on_request_routed`, `on_request_completed`).
 - tier_r(e): memory if r reported `e` in its memory tier or this router sent r a request linking
   `e` since (a chat leaves its entries there), disk if r reported it in its disk tier, else the
   object store (`remote`); load_s(tier): the mean entry load time r measured per tier
   (`LLMWorker.record_routing_stats`: the store's `mpic_store_load_seconds`), with defaults until
-  it has measured one. Misses are thus costed by where the entry lives: a slow object store
-  makes affinity worth more queueing.
+  it has measured one. Entries load in parallel (`fetch_entries`), hence the max.
+- evict_s(r): what a miss costs later. A missed entry is admitted into r's memory tier; when that
+  tier is full (`memory_full` in r's routing stats; assumed until r reports) it pushes out
+  another entry, which a later chat reads back from the object store: load_s(remote) at r.
+  Without this charge a replica holding one of two entries and one holding none would tie
+  (parallel loads cost the same), and duplicates would crowd both tiers.
 
-Bounded by load (Ray Serve's `PrefixCacheAffinityRouter` `imbalanced_threshold`): when the
-longest and shortest queues differ by more than `imbalance_threshold`, the request goes to the
-least loaded replicas (Serve picks the shorter queue of them), whatever they hold. Otherwise the
-replicas are ranked by cost (ties together, Serve picks the shorter queue within a rank, then the
-next rank when a rank is full). Requests without entries (uploads, policy checks) go to Serve's
-power of two choices. `decisions` counts each outcome.
+So with a fast store a chat follows its entries while the queues stay within the threshold and
+goes to the least loaded replica past it; a slow object store makes affinity worth more queueing
+(past the threshold too, while a miss costs more than the extra wait). Replicas rank by cost;
+equal costs form one rank (Serve picks the shorter queue within a rank, then the next rank when a
+rank is full). Requests without entries (uploads, policy checks) go to Serve's power of two
+choices. `decisions` counts each outcome: `affinity` (the entries decided), `load` (the shorter
+queue did: entries held alike), `imbalanced` (a replica holding more of the entries lost on its
+queue), `no_entries`.
 """
 
 from __future__ import annotations
@@ -71,9 +80,9 @@ DEFAULT_LOAD_S = {"memory": 0.0005, "disk": 0.005, "remote": 0.05}
 
 
 class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Route to the replica with the least expected time to first token (see the module
-    docstring): queue wait plus entry loads, by where each entry lives; least loaded past an
-    imbalance."""
+    """Route to the replica with the least cost (see the module docstring): entry loads by where
+    each entry lives plus the evictions a miss causes, with queue differences up to
+    `imbalance_threshold` counted as ties and each request past it as `service_s` of wait."""
 
     def initialize_state(
         self,
@@ -82,7 +91,8 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         history: int = 65536,
         max_queue_gap: int | None = None,
     ) -> None:
-        """`imbalance_threshold`: queue-length difference past which load alone decides;
+        """`imbalance_threshold`: queue-length difference counted as a tie (past it, each
+        queued request costs `service_s`);
         `service_s`: a request's service time until this router has measured one; `history`:
         entry->replica assignments remembered between routing-stats reports. `max_queue_gap`:
         the former name of `imbalance_threshold`."""
@@ -123,11 +133,23 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             for r in candidates
         }
 
-    def load_s(self, replica: RunningReplica, entries: list[str]) -> float:
-        """Seconds `replica` would spend loading `entries` (each once) from where they live."""
+    def tier_load_s(self, replica: RunningReplica) -> dict[str, float]:
+        """Mean seconds `replica` takes to load one entry from each tier (its measurements, else
+        `DEFAULT_LOAD_S`)."""
         measured = (replica.routing_stats or {}).get("load_s", {})
-        per_tier = {t: float(measured.get(t) or DEFAULT_LOAD_S[t]) for t in DEFAULT_LOAD_S}
-        return sum(per_tier[t] for t in self.tiers(replica, list(dict.fromkeys(entries))))
+        return {t: float(measured.get(t) or DEFAULT_LOAD_S[t]) for t in DEFAULT_LOAD_S}
+
+    def miss_s(self, replica: RunningReplica, entries: list[str]) -> float:
+        """miss_s(r) of the module docstring: seconds `replica` would spend loading `entries`
+        (each once, in parallel) from where they live, plus evict_s(r) per entry it does not
+        hold in memory (the entry its admission pushes out, read back later)."""
+        tiers = self.tiers(replica, list(dict.fromkeys(entries)))
+        if not tiers:
+            return 0.0
+        per_tier = self.tier_load_s(replica)
+        full = (replica.routing_stats or {}).get("memory_full", True)
+        evict_s = per_tier["remote"] if full else 0.0
+        return max(per_tier[t] for t in tiers) + sum(t != "memory" for t in tiers) * evict_s
 
     # ------------------------------------------------------------------ load
     async def queue_lengths(self, candidates: list[RunningReplica]) -> dict[ReplicaID, int]:
@@ -152,9 +174,11 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             out.setdefault(r.replica_id, 0)
         return out
 
-    def cost(self, replica: RunningReplica, queue: int, entries: list[str]) -> float:
-        """cost(r) of the module docstring: queue wait + entry loads, in seconds."""
-        return queue * self.service_s + self.load_s(replica, entries)
+    def cost(self, replica: RunningReplica, excess: int, entries: list[str]) -> float:
+        """cost(r) of the module docstring, in seconds; `excess`: q(r) minus the shortest
+        queue among the candidates."""
+        wait = max(0, excess - self.imbalance_threshold) * self.service_s
+        return wait + self.miss_s(replica, entries)
 
     async def choose_replicas(
         self,
@@ -173,14 +197,10 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self.decisions["no_entries"] += 1
             return [power_of_two(candidate_replicas)]
         queue = await self.queue_lengths(candidate_replicas)
-        if max(queue.values()) - min(queue.values()) > self.imbalance_threshold:
-            self.decisions["imbalanced"] += 1
-            least = min(queue.values())
-            first = [r for r in candidate_replicas if queue[r.replica_id] == least]
-            rest = [r for r in candidate_replicas if queue[r.replica_id] != least]
-            return [first, rest] if rest else [first]
+        shortest = min(queue.values())
         costs = {
-            r.replica_id: self.cost(r, queue[r.replica_id], entries) for r in candidate_replicas
+            r.replica_id: self.cost(r, queue[r.replica_id] - shortest, entries)
+            for r in candidate_replicas
         }
         ranked = sorted(candidate_replicas, key=lambda r: costs[r.replica_id])
         ranks: list[list[RunningReplica]] = []
@@ -189,11 +209,12 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 ranks[-1].append(r)
             else:
                 ranks.append([r])
-        best = ranks[0][0]
-        shortest = min(queue.values())
         held = self.scores(candidate_replicas, entries)
-        if queue[best.replica_id] > shortest or held[best.replica_id] > min(held.values()):
-            self.decisions["affinity"] += 1  # entries won over (or beside) the shortest queue
+        best = min(ranks[0], key=lambda r: queue[r.replica_id])  # Serve's pick within the rank
+        if held[best.replica_id] < max(held.values()):
+            self.decisions["imbalanced"] += 1  # a replica holding more lost on its queue
+        elif held[best.replica_id] > min(held.values()):
+            self.decisions["affinity"] += 1
         else:
             self.decisions["load"] += 1
         return ranks
