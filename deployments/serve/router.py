@@ -18,8 +18,11 @@ For a request linking entries E, at each candidate replica r:
   how long one request holds a replica, learned by this router (time from routing to completion
   over the requests that were ahead of it: `on_request_routed`, `on_request_completed`).
 - tier_r(e): memory if r reported `e` in its memory tier or this router sent r a request linking
-  `e` since (a chat leaves its entries there), disk if r reported it in its disk tier, else the
-  object store (`remote`); load_s(tier): the mean entry load time r measured per tier
+  `e` after that report was taken (a chat leaves its entries there; reports carry their wall
+  time `at`, and a request sent up to `SENT_GRACE_S` before it may not have loaded yet), disk if
+  r reported it in its disk tier, else the object store (`remote`). An older send counts for
+  nothing: the report says whether the entry is still there or was evicted since.
+  load_s(tier): the mean entry load time r measured per tier
   (`LLMWorker.record_routing_stats`: the store's `mpic_store_load_seconds`), with defaults until
   it has measured one. Entries load in parallel (`fetch_entries`), hence the max.
 - evict_s(r): what a miss costs later. A missed entry is admitted into r's memory tier; when that
@@ -75,6 +78,10 @@ def power_of_two(candidates: list[RunningReplica]) -> list[RunningReplica]:
     return random.sample(candidates, min(2, len(candidates)))
 
 
+SENT_GRACE_S = 1.0
+"""A request routed this long before a routing-stats report may not have loaded its entries when
+the report was taken: its entries count as in memory at its replica until a later report."""
+
 DEFAULT_LOAD_S = {"memory": 0.0005, "disk": 0.005, "remote": 0.05}
 """Entry load seconds per tier until a replica reports its own measurements."""
 
@@ -102,7 +109,7 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.service_s = service_s
         self._service_seen = 0
         self._history_size = history
-        self._sent: OrderedDict[str, set[ReplicaID]] = OrderedDict()
+        self._sent: OrderedDict[str, dict[ReplicaID, float]] = OrderedDict()  # wall time
         self._started: dict[tuple[ReplicaID, str], tuple[float, int]] = {}
         self.decisions = {"affinity": 0, "load": 0, "imbalanced": 0, "no_entries": 0}
 
@@ -117,8 +124,10 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         stats: dict[str, Any] = replica.routing_stats or {}
         memory, disk = set(stats.get("memory", ())), set(stats.get("disk", ()))
         out = []
+        reported_at = float(stats.get("at", 0.0))
         for e in entries:
-            if e in memory or replica.replica_id in self._sent.get(e, ()):
+            sent_at = self._sent.get(e, {}).get(replica.replica_id)
+            if e in memory or (sent_at is not None and sent_at > reported_at - SENT_GRACE_S):
                 out.append("memory")
             elif e in disk:
                 out.append("disk")
@@ -224,7 +233,7 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Remember that `replica_id` now holds the request's entries (its memory tier), and
         when it was sent there with how many requests ahead of it."""
         for e in request_entry_ids(pending_request):
-            self._sent.setdefault(e, set()).add(replica_id)
+            self._sent.setdefault(e, {})[replica_id] = time.time()
             self._sent.move_to_end(e)
         while len(self._sent) > self._history_size:
             self._sent.popitem(last=False)
@@ -268,7 +277,7 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         for held in self._sent.values():
-            held.discard(replica_id)
+            held.pop(replica_id, None)
 
 
 def router_options(name: str, stats_period_s: float = 1.0) -> dict[str, Any]:

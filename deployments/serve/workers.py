@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -207,10 +208,10 @@ class LLMWorker:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry
         ids this replica's memory and disk tiers hold, the mean seconds it took to load an
-        entry from each tier (`load_s`: memory, disk, remote), and whether the memory tier is
-        full (`memory_full`: less free than its mean entry, so admitting a missed entry evicts
-        one), so `mpic.deployments.serve.router` costs a miss by where the entry lives and by
-        the eviction it causes."""
+        entry from each tier (`load_s`: memory, disk, remote), whether the memory tier is full
+        (`memory_full`: less free than its mean entry, so admitting a missed entry evicts one)
+        and when this report was taken (`at`, wall time), so `mpic.deployments.serve.router`
+        costs a miss by where the entry lives and by the eviction it causes."""
         disk, memory = self.entries.disk, self.entries.memory
         resident = memory.keys()
         mean_entry = memory.used / len(resident) if resident else 0.0
@@ -220,6 +221,7 @@ class LLMWorker:
             for name, tier in (("memory", "memory"), ("disk", "disk"), ("remote", "object"))
         }
         return {
+            "at": time.time(),
             "memory": resident,
             "memory_full": bool(resident) and memory.capacity - memory.used < mean_entry,
             "disk": disk.keys() if disk else [],

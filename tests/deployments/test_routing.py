@@ -10,6 +10,7 @@ remembered until the replicas report; uploads (no entries) go to power of two; a
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -162,6 +163,14 @@ def test_routed_requests_are_remembered_until_reported(router) -> None:
     pending = prompt("new")
     router.on_request_routed(pending, b.replica_id, None)
     assert choose(router, [a, b], prompt("new"))[0] == ["b"]
+    sent_at = router._sent["new"][b.replica_id]
+    b.routing_stats = {"at": sent_at + 0.5, "memory": []}  # may predate the load: still held
+    assert router.tiers(b, ["new"]) == ["memory"]
+    b.routing_stats = {"at": sent_at + 1.5, "memory": []}  # a later report: evicted since
+    assert router.tiers(b, ["new"]) == ["remote"]
+    b.routing_stats = {"at": sent_at + 1.5, "memory": ["new"]}
+    assert router.tiers(b, ["new"]) == ["memory"]
+    b.routing_stats = {}
     router.on_replica_actor_died(b.replica_id)
     assert router.scores([a, b], ["new"]) == {a.replica_id: 0, b.replica_id: 0}
     assert request_entry_ids(prompt("x", "y", "x")) == ["x", "y", "x"]
@@ -220,6 +229,7 @@ def test_routing_stats_say_when_a_miss_would_evict() -> None:
     assert stats["memory_full"] is True
     assert stats["memory"] == [entries[0].entry_id, entries[1].entry_id]
     assert stats["disk"] == [] and stats["load_s"] == {}
+    assert abs(stats["at"] - time.time()) < 60
 
 
 def test_config_selects_the_router() -> None:
