@@ -391,8 +391,9 @@ class ServeAppConfig(BaseModel):
     llm_router: Literal["cache-aware", "power-of-two"] = Field(
         "cache-aware",
         description="How requests pick an LLM-worker replica: cache-aware (the replica whose "
-        "memory/disk tier holds the entries, else power of two; mpic.deployments.serve.router) or "
-        "Serve's default power-of-two choices.",
+        "memory/disk tier holds the entries while queues differ by at most 2, misses costed by "
+        "tier and eviction; mpic.deployments.serve.router) or Serve's default power-of-two "
+        "choices.",
     )
 
 

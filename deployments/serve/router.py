@@ -5,28 +5,40 @@ request-router API).
 With several LLM-worker replicas, a chat whose entries sit in one replica's memory (or disk) tier
 costs a memory read there and an object-store read anywhere else (MPIC section 3.2: load the KV
 from the closest tier); but sending every chat of a user to one replica piles them in its queue.
-`EntryAffinityRouter` weighs both, as an expected time to first token per replica r:
+`EntryAffinityRouter` weighs both: cache affinity bounded by load, as Ray Serve's
+`PrefixCacheAffinityRouter` (`imbalanced_threshold`), with misses costed by where each entry lives.
+For a request linking entries E, at each candidate replica r:
 
-    cost(r) = q(r) * service_s + sum_{e in entries(request)} load_s(tier_r(e))
+    cost(r) = miss_s(r) + service_s * max(0, q(r) - min_r' q(r') - imbalance_threshold)
+    miss_s(r) = max_{e in E} load_s(tier_r(e)) + |{e in E: tier_r(e) != memory}| * evict_s(r)
 
 - q(r): requests queued or running at r (Serve's queue-length cache; replicas without a cached
-  length are probed, as Ray Serve's prefix-aware router does);
-- service_s: how long one request holds a replica, learned by this router (time from routing to
-  completion, divided by the requests that were ahead of it: `on_request_routed`,
-  `on_request_completed`); a batching engine (vLLM) yields a small value, so affinity weighs more;
+  length are probed, as Ray Serve's prefix-aware router does). Queue differences up to
+  `imbalance_threshold` count as ties (affinity decides); each request past it costs `service_s`,
+  how long one request holds a replica, learned by this router (time from routing to completion
+  over the requests that were ahead of it: `on_request_routed`, `on_request_completed`).
 - tier_r(e): memory if r reported `e` in its memory tier or this router sent r a request linking
-  `e` since (a chat leaves its entries there), disk if r reported it in its disk tier, else the
-  object store (`remote`); load_s(tier): the mean entry load time r measured per tier
+  `e` after that report was taken (a chat leaves its entries there; reports carry their wall
+  time `at`, and a request sent up to `SENT_GRACE_S` before it may not have loaded yet), disk if
+  r reported it in its disk tier, else the object store (`remote`). An older send counts for
+  nothing: the report says whether the entry is still there or was evicted since.
+  load_s(tier): the mean entry load time r measured per tier
   (`LLMWorker.record_routing_stats`: the store's `mpic_store_load_seconds`), with defaults until
-  it has measured one. Misses are thus costed by where the entry lives: a slow object store
-  makes affinity worth more queueing.
+  it has measured one. Entries load in parallel (`fetch_entries`), hence the max.
+- evict_s(r): what a miss costs later. A missed entry is admitted into r's memory tier; when that
+  tier is full (`memory_full` in r's routing stats; assumed until r reports) it pushes out
+  another entry, which a later chat reads back from the object store: load_s(remote) at r.
+  Without this charge a replica holding one of two entries and one holding none would tie
+  (parallel loads cost the same), and duplicates would crowd both tiers.
 
-Bounded by load (Ray Serve's `PrefixCacheAffinityRouter` `imbalanced_threshold`): when the
-longest and shortest queues differ by more than `imbalance_threshold`, the request goes to the
-least loaded replicas (Serve picks the shorter queue of them), whatever they hold. Otherwise the
-replicas are ranked by cost (ties together, Serve picks the shorter queue within a rank, then the
-next rank when a rank is full). Requests without entries (uploads, policy checks) go to Serve's
-power of two choices. `decisions` counts each outcome.
+So with a fast store a chat follows its entries while the queues stay within the threshold and
+goes to the least loaded replica past it; a slow object store makes affinity worth more queueing
+(past the threshold too, while a miss costs more than the extra wait). Replicas rank by cost;
+equal costs form one rank (Serve picks the shorter queue within a rank, then the next rank when a
+rank is full). Requests without entries (uploads, policy checks) go to Serve's power of two
+choices. `decisions` counts each outcome: `affinity` (the entries decided), `load` (the shorter
+queue did: entries held alike), `imbalanced` (a replica holding more of the entries lost on its
+queue), `no_entries`.
 """
 
 from __future__ import annotations
@@ -66,14 +78,18 @@ def power_of_two(candidates: list[RunningReplica]) -> list[RunningReplica]:
     return random.sample(candidates, min(2, len(candidates)))
 
 
+SENT_GRACE_S = 1.0
+"""A request routed this long before a routing-stats report may not have loaded its entries when
+the report was taken: its entries count as in memory at its replica until a later report."""
+
 DEFAULT_LOAD_S = {"memory": 0.0005, "disk": 0.005, "remote": 0.05}
 """Entry load seconds per tier until a replica reports its own measurements."""
 
 
 class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Route to the replica with the least expected time to first token (see the module
-    docstring): queue wait plus entry loads, by where each entry lives; least loaded past an
-    imbalance."""
+    """Route to the replica with the least cost (see the module docstring): entry loads by where
+    each entry lives plus the evictions a miss causes, with queue differences up to
+    `imbalance_threshold` counted as ties and each request past it as `service_s` of wait."""
 
     def initialize_state(
         self,
@@ -82,7 +98,8 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         history: int = 65536,
         max_queue_gap: int | None = None,
     ) -> None:
-        """`imbalance_threshold`: queue-length difference past which load alone decides;
+        """`imbalance_threshold`: queue-length difference counted as a tie (past it, each
+        queued request costs `service_s`);
         `service_s`: a request's service time until this router has measured one; `history`:
         entry->replica assignments remembered between routing-stats reports. `max_queue_gap`:
         the former name of `imbalance_threshold`."""
@@ -92,7 +109,7 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.service_s = service_s
         self._service_seen = 0
         self._history_size = history
-        self._sent: OrderedDict[str, set[ReplicaID]] = OrderedDict()
+        self._sent: OrderedDict[str, dict[ReplicaID, float]] = OrderedDict()  # wall time
         self._started: dict[tuple[ReplicaID, str], tuple[float, int]] = {}
         self.decisions = {"affinity": 0, "load": 0, "imbalanced": 0, "no_entries": 0}
 
@@ -107,8 +124,10 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         stats: dict[str, Any] = replica.routing_stats or {}
         memory, disk = set(stats.get("memory", ())), set(stats.get("disk", ()))
         out = []
+        reported_at = float(stats.get("at", 0.0))
         for e in entries:
-            if e in memory or replica.replica_id in self._sent.get(e, ()):
+            sent_at = self._sent.get(e, {}).get(replica.replica_id)
+            if e in memory or (sent_at is not None and sent_at > reported_at - SENT_GRACE_S):
                 out.append("memory")
             elif e in disk:
                 out.append("disk")
@@ -123,11 +142,23 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             for r in candidates
         }
 
-    def load_s(self, replica: RunningReplica, entries: list[str]) -> float:
-        """Seconds `replica` would spend loading `entries` (each once) from where they live."""
+    def tier_load_s(self, replica: RunningReplica) -> dict[str, float]:
+        """Mean seconds `replica` takes to load one entry from each tier (its measurements, else
+        `DEFAULT_LOAD_S`)."""
         measured = (replica.routing_stats or {}).get("load_s", {})
-        per_tier = {t: float(measured.get(t) or DEFAULT_LOAD_S[t]) for t in DEFAULT_LOAD_S}
-        return sum(per_tier[t] for t in self.tiers(replica, list(dict.fromkeys(entries))))
+        return {t: float(measured.get(t) or DEFAULT_LOAD_S[t]) for t in DEFAULT_LOAD_S}
+
+    def miss_s(self, replica: RunningReplica, entries: list[str]) -> float:
+        """miss_s(r) of the module docstring: seconds `replica` would spend loading `entries`
+        (each once, in parallel) from where they live, plus evict_s(r) per entry it does not
+        hold in memory (the entry its admission pushes out, read back later)."""
+        tiers = self.tiers(replica, list(dict.fromkeys(entries)))
+        if not tiers:
+            return 0.0
+        per_tier = self.tier_load_s(replica)
+        full = (replica.routing_stats or {}).get("memory_full", True)
+        evict_s = per_tier["remote"] if full else 0.0
+        return max(per_tier[t] for t in tiers) + sum(t != "memory" for t in tiers) * evict_s
 
     # ------------------------------------------------------------------ load
     async def queue_lengths(self, candidates: list[RunningReplica]) -> dict[ReplicaID, int]:
@@ -152,9 +183,11 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             out.setdefault(r.replica_id, 0)
         return out
 
-    def cost(self, replica: RunningReplica, queue: int, entries: list[str]) -> float:
-        """cost(r) of the module docstring: queue wait + entry loads, in seconds."""
-        return queue * self.service_s + self.load_s(replica, entries)
+    def cost(self, replica: RunningReplica, excess: int, entries: list[str]) -> float:
+        """cost(r) of the module docstring, in seconds; `excess`: q(r) minus the shortest
+        queue among the candidates."""
+        wait = max(0, excess - self.imbalance_threshold) * self.service_s
+        return wait + self.miss_s(replica, entries)
 
     async def choose_replicas(
         self,
@@ -173,14 +206,10 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self.decisions["no_entries"] += 1
             return [power_of_two(candidate_replicas)]
         queue = await self.queue_lengths(candidate_replicas)
-        if max(queue.values()) - min(queue.values()) > self.imbalance_threshold:
-            self.decisions["imbalanced"] += 1
-            least = min(queue.values())
-            first = [r for r in candidate_replicas if queue[r.replica_id] == least]
-            rest = [r for r in candidate_replicas if queue[r.replica_id] != least]
-            return [first, rest] if rest else [first]
+        shortest = min(queue.values())
         costs = {
-            r.replica_id: self.cost(r, queue[r.replica_id], entries) for r in candidate_replicas
+            r.replica_id: self.cost(r, queue[r.replica_id] - shortest, entries)
+            for r in candidate_replicas
         }
         ranked = sorted(candidate_replicas, key=lambda r: costs[r.replica_id])
         ranks: list[list[RunningReplica]] = []
@@ -189,11 +218,12 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 ranks[-1].append(r)
             else:
                 ranks.append([r])
-        best = ranks[0][0]
-        shortest = min(queue.values())
         held = self.scores(candidate_replicas, entries)
-        if queue[best.replica_id] > shortest or held[best.replica_id] > min(held.values()):
-            self.decisions["affinity"] += 1  # entries won over (or beside) the shortest queue
+        best = min(ranks[0], key=lambda r: queue[r.replica_id])  # Serve's pick within the rank
+        if held[best.replica_id] < max(held.values()):
+            self.decisions["imbalanced"] += 1  # a replica holding more lost on its queue
+        elif held[best.replica_id] > min(held.values()):
+            self.decisions["affinity"] += 1
         else:
             self.decisions["load"] += 1
         return ranks
@@ -203,7 +233,7 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Remember that `replica_id` now holds the request's entries (its memory tier), and
         when it was sent there with how many requests ahead of it."""
         for e in request_entry_ids(pending_request):
-            self._sent.setdefault(e, set()).add(replica_id)
+            self._sent.setdefault(e, {})[replica_id] = time.time()
             self._sent.move_to_end(e)
         while len(self._sent) > self._history_size:
             self._sent.popitem(last=False)
@@ -247,7 +277,7 @@ class EntryAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         for held in self._sent.values():
-            held.discard(replica_id)
+            held.pop(replica_id, None)
 
 
 def router_options(name: str, stats_period_s: float = 1.0) -> dict[str, Any]:

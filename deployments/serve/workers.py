@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -210,17 +211,23 @@ class LLMWorker:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every `request_routing_stats_period_s`): the entry
-        ids this replica's memory and disk tiers hold, and the mean seconds it took to load an
-        entry from each tier (`load_s`: memory, disk, remote), so `mpic.deployments.serve.router`
-        costs a miss by where the entry lives."""
-        disk = self.entries.disk
+        ids this replica's memory and disk tiers hold, the mean seconds it took to load an
+        entry from each tier (`load_s`: memory, disk, remote), whether the memory tier is full
+        (`memory_full`: less free than its mean entry, so admitting a missed entry evicts one)
+        and when this report was taken (`at`, wall time), so `mpic.deployments.serve.router`
+        costs a miss by where the entry lives and by the eviction it causes."""
+        disk, memory = self.entries.disk, self.entries.memory
+        resident = memory.keys()
+        mean_entry = memory.used / len(resident) if resident else 0.0
         metrics = self.entries.metrics
         load_s = {
             name: metrics.mean_load_s(tier)
             for name, tier in (("memory", "memory"), ("disk", "disk"), ("remote", "object"))
         }
         return {
-            "memory": self.entries.memory.keys(),
+            "at": time.time(),
+            "memory": resident,
+            "memory_full": bool(resident) and memory.capacity - memory.used < mean_entry,
             "disk": disk.keys() if disk else [],
             "load_s": {k: v for k, v in load_s.items() if v is not None},
         }

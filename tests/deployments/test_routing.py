@@ -1,14 +1,16 @@
 """`EntryAffinityRouter` (mpic.deployments.serve.router), driven through Serve's router interface
-with stand-in replicas (fast): replicas rank by expected cost (queue wait + entry loads by tier),
-ties together; memory beats disk beats the object store; a slow object store makes waiting for the
-holder worth it; past the imbalance threshold the least loaded replica wins; the service time is
-learned from completions; routed requests are remembered until the replicas report; uploads (no
-entries) go to power of two; and the `llm_router` config puts the router class into the
-LLMWorker deployment options."""
+with stand-in replicas (fast): replicas rank by cost (entry loads by tier, plus the eviction a
+miss causes in a full memory tier), ties together; memory beats disk beats the object store;
+queue differences within the imbalance threshold are ties and each request past it costs a
+service time, so a fast store sends the chat to the least loaded replica there and a slow one
+keeps it with its entries; the service time is learned from completions; routed requests are
+remembered until the replicas report; uploads (no entries) go to power of two; and the
+`llm_router` config puts the router class into the LLMWorker deployment options."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -70,19 +72,37 @@ def choose(router, replicas, pending) -> list[list[str]]:
 
 
 def test_cheapest_replica_ranks_first_by_where_entries_live(router) -> None:
+    # default load times: memory 0.0005 s, disk 0.005 s, remote 0.05 s; memory tiers full
+    # (assumed until reported): each entry not in memory also costs the 0.05 s re-read of the
+    # entry its admission evicts
     a = FakeReplica("a", {"memory": ["e1"], "disk": []})
     b = FakeReplica("b", {"memory": ["e2", "e3"], "disk": ["e4"]})
     c = FakeReplica("c", {})
+    assert router.miss_s(b, ["e2", "e4", "e9"]) == pytest.approx(0.05 + 2 * 0.05)
+    assert router.miss_s(a, ["e2", "e4", "e9"]) == pytest.approx(0.05 + 3 * 0.05)
     ranks = choose(router, [a, b, c], prompt("e2", "e4", "e9"))
-    assert ranks[0] == ["b"] and sorted(ranks[1]) == ["a", "c"]  # memory + disk + 1 remote
+    assert ranks[0] == ["b"] and sorted(ranks[1]) == ["a", "c"]
     ranks = choose(router, [a, b, c], prompt("e1", "e3"))
     assert sorted(ranks[0]) == ["a", "b"] and ranks[1] == ["c"]  # a tie: the shorter queue wins
     assert router.decisions["affinity"] == 2
     # a disk hit beats a remote read; a memory hit beats a disk hit
     d = FakeReplica("d", {"disk": ["e5"]})
+    assert router.miss_s(d, ["e5"]) == pytest.approx(0.005 + 0.05)
     assert choose(router, [c, d], prompt("e5"))[0] == ["d"]
     e = FakeReplica("e", {"memory": ["e5"]})
+    assert router.miss_s(e, ["e5"]) == pytest.approx(0.0005)
     assert choose(router, [d, e], prompt("e5"))[0] == ["e"]
+
+
+def test_a_miss_is_charged_for_the_eviction_it_causes(router) -> None:
+    # parallel loads: holding one of two entries saves no load time, only the eviction
+    a = FakeReplica("a", {"memory": ["e1"], "memory_full": True})
+    b = FakeReplica("b", {"memory": [], "memory_full": True})
+    assert choose(router, [a, b], prompt("e1", "e2"))[0] == ["a"]  # 0.05 + 0.05 < 0.05 + 0.1
+    b.routing_stats["memory_full"] = False  # room at b: its two misses evict nothing
+    assert router.miss_s(b, ["e1", "e2"]) == pytest.approx(0.05)
+    assert choose(router, [a, b], prompt("e1", "e2"))[0] == ["b"]
+    assert router.decisions == {"affinity": 1, "load": 0, "imbalanced": 1, "no_entries": 0}
 
 
 def test_no_holder_or_no_entries(router) -> None:
@@ -97,27 +117,33 @@ def test_no_holder_or_no_entries(router) -> None:
     assert router.decisions == {"affinity": 0, "load": 1, "imbalanced": 0, "no_entries": 1}
 
 
-def test_queue_wait_is_weighed_against_misses(router) -> None:
+def test_queue_differences_within_the_threshold_are_ties(router) -> None:
     a, b = FakeReplica("a", {"memory": ["e1"]}), FakeReplica("b")
     router._replica_queue_len_cache.update(a.replica_id, 2)
     router._replica_queue_len_cache.update(b.replica_id, 0)
-    # 2 requests ahead (2 x 0.25 s) cost more than one object-store read (0.05 s by default)
-    assert choose(router, [a, b], prompt("e1"))[0] == ["b"]
-    # a slow object store (1 s per entry, as b measured it) makes waiting at a cheaper
-    b.routing_stats = {"load_s": {"remote": 1.0}}
-    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]
+    # 2 more requests at a: within the threshold (2), so the entries decide
+    assert router.cost(a, 2, ["e1"]) == pytest.approx(0.0005)
+    assert choose(router, [a, b], prompt("e1")) == [["a"], ["b"]]
     assert router.decisions["affinity"] == 1
-
-
-def test_imbalance_past_the_threshold_goes_to_the_least_loaded(router) -> None:
-    a, b = FakeReplica("a", {"memory": ["e1"], "load_s": {"remote": 10.0}}), FakeReplica("b")
-    b.routing_stats = {"load_s": {"remote": 10.0}}
+    # one past it costs a service time (0.25 s) > a miss and its eviction at b (0.1 s)
     router._replica_queue_len_cache.update(a.replica_id, 3)
-    router._replica_queue_len_cache.update(b.replica_id, 0)
-    assert choose(router, [a, b], prompt("e1")) == [["b"], ["a"]]  # 3 - 0 > threshold 2
+    assert router.cost(a, 3, ["e1"]) == pytest.approx(0.25 + 0.0005)
+    assert choose(router, [a, b], prompt("e1")) == [["b"], ["a"]]
     assert router.decisions["imbalanced"] == 1
+    # nobody holds the entry (queues within the threshold): one rank, Serve takes the shorter
     router._replica_queue_len_cache.update(a.replica_id, 2)
-    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]  # within it: the cost decides
+    assert sorted(choose(router, [a, b], prompt("e9"))[0]) == ["a", "b"]
+
+
+def test_a_slow_store_makes_affinity_worth_queueing_past_the_threshold(router) -> None:
+    a = FakeReplica("a", {"memory": ["e1"]})
+    b = FakeReplica("b", {"load_s": {"remote": 0.3}})  # b measured 0.3 s per object read
+    router._replica_queue_len_cache.update(b.replica_id, 0)
+    router._replica_queue_len_cache.update(a.replica_id, 4)  # 2 past: 0.5 s < 0.3 + 0.3 s
+    assert choose(router, [a, b], prompt("e1"))[0] == ["a"]
+    router._replica_queue_len_cache.update(a.replica_id, 5)  # 3 past: 0.75 s > 0.6 s
+    assert choose(router, [a, b], prompt("e1"))[0] == ["b"]
+    assert router.decisions == {"affinity": 1, "load": 0, "imbalanced": 1, "no_entries": 0}
 
 
 def test_service_time_is_learned_from_completions(router) -> None:
@@ -137,6 +163,14 @@ def test_routed_requests_are_remembered_until_reported(router) -> None:
     pending = prompt("new")
     router.on_request_routed(pending, b.replica_id, None)
     assert choose(router, [a, b], prompt("new"))[0] == ["b"]
+    sent_at = router._sent["new"][b.replica_id]
+    b.routing_stats = {"at": sent_at + 0.5, "memory": []}  # may predate the load: still held
+    assert router.tiers(b, ["new"]) == ["memory"]
+    b.routing_stats = {"at": sent_at + 1.5, "memory": []}  # a later report: evicted since
+    assert router.tiers(b, ["new"]) == ["remote"]
+    b.routing_stats = {"at": sent_at + 1.5, "memory": ["new"]}
+    assert router.tiers(b, ["new"]) == ["memory"]
+    b.routing_stats = {}
     router.on_replica_actor_died(b.replica_id)
     assert router.scores([a, b], ["new"]) == {a.replica_id: 0, b.replica_id: 0}
     assert request_entry_ids(prompt("x", "y", "x")) == ["x", "y", "x"]
@@ -170,6 +204,32 @@ def test_calls_sharing_a_request_id_each_get_their_replica(router) -> None:
         return await first.future, await second.future
 
     assert loop.run_until_complete(run()) == (a, b)
+
+
+def test_routing_stats_say_when_a_miss_would_evict() -> None:
+    from types import SimpleNamespace
+
+    from mpic.deployments.serve.workers import LLMWorker
+    from mpic.storage.memory_tier import MemoryTier, entry_nbytes
+    from mpic.storage.metrics import StoreMetrics
+    from tests.storage.synthetic import make_entry
+
+    entries = [make_entry(i) for i in range(3)]
+    size = entry_nbytes(entries[0])
+    memory = MemoryTier(int(2.5 * size))  # room for 2 entries and a half
+    worker = SimpleNamespace(
+        entries=SimpleNamespace(memory=memory, disk=None, metrics=StoreMetrics())
+    )
+    stats = LLMWorker.record_routing_stats(worker)
+    assert stats["memory"] == [] and stats["memory_full"] is False
+    memory.put(entries[0].entry_id, entries[0])
+    assert LLMWorker.record_routing_stats(worker)["memory_full"] is False  # 1.5 entries free
+    memory.put(entries[1].entry_id, entries[1])
+    stats = LLMWorker.record_routing_stats(worker)  # half an entry free: the next one evicts
+    assert stats["memory_full"] is True
+    assert stats["memory"] == [entries[0].entry_id, entries[1].entry_id]
+    assert stats["disk"] == [] and stats["load_s"] == {}
+    assert abs(stats["at"] - time.time()) < 60
 
 
 def test_config_selects_the_router() -> None:
