@@ -74,16 +74,14 @@ def link_and_prefill(
     prefix = planned.prefix if not policy.two_step and hook is None else None
     cached = prefix.length if prefix is not None else 0
     if prefix is not None:  # two-step and in-pass-hook policies recompute it
-        linked_kv.write_layers(torch.arange(cached), prefix.keys, prefix.values)
+        prefix.write(linked_kv)
     report = None
     if policy.scouts:
         extra = {"cached_prefix": cached} if cached else {}  # older scouts lack the keyword
         depth, report = policy.scout(adapter, plan, entries, linked_kv, **extra)
         plan = dataclasses.replace(plan, recompute_depth=depth)
-    if cached and bool((plan.recompute_depth[:cached] > 0).any()):
-        depth = plan.recompute_depth.clone()
-        depth[:cached] = 0  # linked exactly from the prefix cache
-        plan = dataclasses.replace(plan, recompute_depth=depth)
+    if prefix is not None:
+        plan = prefix.exclude(plan)  # linked exactly from the prefix cache
     correction = policy.correction(plan, adapter.num_layers)
     if correction is not None:
         set_correction = getattr(linked_kv, "set_correction", None)

@@ -24,6 +24,7 @@ reuse the prompt's own prefix); two-step and in-pass-hook policies still recompu
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.selective_prefill import run_layers
 from mpic.types import MROPE_FAMILIES, CacheEntry, LinkPlan
 
@@ -50,6 +52,18 @@ class CachedPrefix:
     """[L, P, H_kv, D] post-RoPE at positions 0..P-1."""
     values: torch.Tensor
     """[L, P, H_kv, D]."""
+
+    def write(self, kv: LinkedKV) -> None:
+        """Write the P tokens' exact KV into slots 0..P-1 of a linked KV (dense or paged)."""
+        kv.write_layers(torch.arange(self.length), self.keys, self.values)
+
+    def exclude(self, plan: LinkPlan) -> LinkPlan:
+        """`plan` with tokens 0..P-1 at depth 0 (linked from here: not recomputed)."""
+        if not bool((plan.recompute_depth[: self.length] > 0).any()):
+            return plan
+        depth = plan.recompute_depth.clone()
+        depth[: self.length] = 0
+        return dataclasses.replace(plan, recompute_depth=depth)
 
 
 def common_prefix(plan: LinkPlan, context: Sequence[int]) -> int:

@@ -35,7 +35,7 @@ from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import Policy, get_policy
 from mpic.linker.positions import next_position
-from mpic.linker.prefix import PrefixCache
+from mpic.linker.prefix import PrefixCache, takes_prefix
 from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
@@ -169,7 +169,9 @@ class ReferenceRunner:
         planned = plan_parts(
             self.spec, self.processor, parts, table, policy, system, max_new_tokens, raw
         )
-        if self.prefixes is not None and policy.name not in ("full", "prefix"):
+        if self.prefixes is not None and takes_prefix(
+            policy, planned.plan, self.adapter.num_layers
+        ):
             prefix = self.prefixes.lookup(planned.plan, planned.entries)
             planned = dataclasses.replace(planned, prefix=prefix)
         return planned

@@ -154,7 +154,7 @@ def link_batch(
         link_entries(it.kv, it.plan, it.entries, adapter.rope, adapter.num_layers,
                      device=adapter.device)  # fmt: skip
         if it.prefix is not None:
-            it.kv.write_layers(torch.arange(it.prefix.length), it.prefix.keys, it.prefix.values)
+            it.prefix.write(it.kv)
         local = torch.nonzero(it.plan.recompute_depth > 0).flatten()
         if local.numel() == 0:
             continue

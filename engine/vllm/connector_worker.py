@@ -410,9 +410,7 @@ class MPICWorker:
                 if job.press is None and batchable(policy):
                     plan = self._fit(job, plan)
                     if prefix is not None:  # linked exactly, not in the pass
-                        depth = plan.recompute_depth.clone()
-                        depth[: prefix.length] = 0
-                        plan = dataclasses.replace(plan, recompute_depth=depth)
+                        plan = prefix.exclude(plan)
                     kv = PagedLinkedKV(layers, caches, job.block_ids, self.block_size)
                     batch.append((job, BatchItem(plan, entries, kv, job.block_ids, prefix)))
                     continue
