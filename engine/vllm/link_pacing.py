@@ -7,18 +7,16 @@ physical core, a busy host) or the GIL is contended, linking at full speed slows
 requests' forwards: measured on the 2-vCPU development hosts, a compute thread on the other
 vCPU halves the forward's core's speed. `LinkPacer` lets the linking thread run at most
 `share` of the wall time while a forward ran in the last `idle_s` seconds: after each layer
-call it sleeps `worked * (1 / share - 1)`; with no forward (nothing decoding) it runs at full
-speed. share 1.0 (default) never sleeps. The cost is the linked requests' time to first token
-(their link takes up to 1 / share times longer while others decode).
+call (`mpic.engine.vllm.model_lock.YieldingAdapter`, with the model free) it sleeps
+`worked * (1 / share - 1)`; with no forward (nothing decoding) it runs at full speed. share 1.0
+(default) never sleeps. The cost is the linked requests' time to first token (their link takes
+up to 1 / share times longer while others decode).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
 
 
 class LinkPacer:
@@ -44,29 +42,3 @@ class LinkPacer:
             time.sleep(nap)
             self.slept_s += nap
         self._since = time.perf_counter()
-
-
-class PacedAdapter:
-    """A `LayerAdapter` whose per-layer calls pause on a `LinkPacer` (other attributes and
-    calls are the wrapped adapter's)."""
-
-    def __init__(self, adapter: Any, pacer: LinkPacer) -> None:
-        self._adapter = adapter
-        self._pacer = pacer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._adapter, name)
-
-    def attention_inputs(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self._adapter.attention_inputs(layer, hidden, positions)
-        self._pacer.pause()
-        return out
-
-    def attention_output_and_mlp(
-        self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor
-    ) -> torch.Tensor:
-        out = self._adapter.attention_output_and_mlp(layer, hidden, attn_out)
-        self._pacer.pause()
-        return out

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mpic.engine.vllm.link_job import LinkJob
-from mpic.engine.vllm.link_pacing import LinkPacer, PacedAdapter
+from mpic.engine.vllm.link_pacing import LinkPacer
+from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter
 from mpic.storage.config import StorageConfig
 
 connector_worker = pytest.importorskip("mpic.engine.vllm.connector_worker")
@@ -93,16 +94,18 @@ class _Adapter:
 def test_pacer_sleeps_its_share_complement_only_while_decoding() -> None:
     decoding = [True]
     pacer = LinkPacer(0.25, lambda: decoding[0])
-    adapter = PacedAdapter(_Adapter(), pacer)
+    lock = ModelLock()
+    adapter = YieldingAdapter(_Adapter(), lock, pacer)  # the linking thread's adapter
     assert adapter.num_layers == 2  # other attributes pass through
     pacer.start()
     x = torch.zeros(1)
-    adapter.attention_inputs(0, x, x)
-    assert pacer.slept_s >= 3 * 0.02 * 0.9  # worked >= 20 ms -> slept 3x that
-    decoding[0] = False
-    slept = pacer.slept_s
-    adapter.attention_inputs(0, x, x)
-    assert pacer.slept_s == slept  # nothing decodes: full speed
+    with lock.linking():
+        adapter.attention_inputs(0, x, x)
+        assert pacer.slept_s >= 3 * 0.02 * 0.9  # worked >= 20 ms -> slept 3x that
+        decoding[0] = False
+        slept = pacer.slept_s
+        adapter.attention_inputs(0, x, x)
+        assert pacer.slept_s == slept  # nothing decodes: full speed
     with pytest.raises(ValueError):
         LinkPacer(0, lambda: True)
 
@@ -110,7 +113,7 @@ def test_pacer_sleeps_its_share_complement_only_while_decoding() -> None:
 def test_the_step_and_the_linking_thread_never_run_the_model_together() -> None:
     """vLLM's CPU kernels share per-layer handler state and one scratchpad (model_lock): a
     step and the linking thread take turns, the step waiting for one layer at most."""
-    from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter, guard_runner
+    from mpic.engine.vllm.model_lock import guard_runner
 
     lock = ModelLock()
     inside: list[str] = []
