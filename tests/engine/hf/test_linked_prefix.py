@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpic.benchmarks.fidelity import passages, question_parts
 from mpic.linker.policies.base import Policy
 
 pytestmark = pytest.mark.slow
@@ -23,17 +22,9 @@ class _AllButPrefix(Policy):
         return torch.full((plan.num_tokens,), num_layers, dtype=torch.int64)
 
 
-@pytest.fixture(scope="module")
-def setup(smollm2_runner):
-    runner = smollm2_runner
-    docs = passages(3, chars=300)
-    ids = [runner.cache_document(d.text).entry_id for d in docs]
-    return runner, question_parts(docs, ids, 1)
-
-
 @torch.inference_mode()
-def test_the_linked_prefix_is_the_exact_prefill(setup) -> None:
-    runner, parts = setup
+def test_the_linked_prefix_is_the_exact_prefill(smollm2_question) -> None:
+    runner, parts = smollm2_question
     assert runner.prefixes is not None  # on by default
     planned = runner.plan(parts, "mpic-32")
     prefix = planned.prefix
@@ -53,8 +44,10 @@ def test_the_linked_prefix_is_the_exact_prefill(setup) -> None:
 
 
 @torch.inference_mode()
-def test_the_prefix_is_counted_as_cached_and_its_budget_share_goes_to_items(setup) -> None:
-    runner, parts = setup
+def test_the_prefix_is_counted_as_cached_and_its_budget_share_goes_to_items(
+    smollm2_question,
+) -> None:
+    runner, parts = smollm2_question
     on = runner.prefill(parts, "mpic-32")
     prefixes, runner.prefixes = runner.prefixes, None
     try:

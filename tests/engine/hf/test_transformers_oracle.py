@@ -21,7 +21,6 @@ import math
 import pytest
 import torch
 
-from mpic.benchmarks.fidelity import passages, question_parts
 from mpic.linker.policies.base import Policy
 
 pytestmark = pytest.mark.slow
@@ -141,14 +140,6 @@ class _Given(Policy):
         return self.depth
 
 
-@pytest.fixture(scope="module")
-def setup(smollm2_runner):
-    runner = smollm2_runner
-    docs = passages(3, chars=300)
-    ids = [runner.cache_document(d.text).entry_id for d in docs]
-    return runner, question_parts(docs, ids, 1)
-
-
 @pytest.mark.parametrize(
     "policy",
     [
@@ -162,10 +153,10 @@ def setup(smollm2_runner):
 )
 @pytest.mark.parametrize("link_prefix", [True, False])
 @torch.inference_mode()
-def test_oracle_reproduces_the_projects_logits(setup, policy, link_prefix):
+def test_oracle_reproduces_the_projects_logits(smollm2_question, policy, link_prefix):
     from mpic.linker.policies import get_policy
 
-    runner, parts = setup
+    runner, parts = smollm2_question
     prefixes = runner.prefixes
     if not link_prefix:
         runner.prefixes = None
@@ -182,10 +173,10 @@ def test_oracle_reproduces_the_projects_logits(setup, policy, link_prefix):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @torch.inference_mode()
-def test_oracle_on_random_selections_with_the_correction(setup, seed):
+def test_oracle_on_random_selections_with_the_correction(smollm2_question, seed):
     """Any selection: random item tokens recomputed, then the correction's scale from the
     `scout-*` policy applied by hand through the linked KV."""
-    runner, parts = setup
+    runner, parts = smollm2_question
     planned = runner.plan(parts, "full")
     plan, layers = planned.plan, runner.adapter.num_layers
     g = torch.Generator().manual_seed(seed)
