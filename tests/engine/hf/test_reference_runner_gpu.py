@@ -1,7 +1,8 @@
 """The reference runner on CUDA against the CPU oracle, both tiny families (marked gpu: skipped
 without CUDA). Entries, prefill logits under every kind of policy (full, mpic-k, VLCache depths,
-CacheBlend's in-pass hook, full reuse), greedy decode; the fused `flex` backend against the
-`sdpa_runs` oracle on the GPU in fp32 and bf16; and no host<->device sync in the layer loop."""
+CacheBlend's in-pass hook, full reuse, the scout with the linked-key correction), greedy decode;
+the fused `flex` backend against the `sdpa_runs` oracle on the GPU in fp32 and bf16; and no
+host<->device sync in the layer loop."""
 
 import io
 
@@ -15,7 +16,17 @@ from mpic.linker.selective_prefill import run_layers
 
 pytestmark = pytest.mark.gpu
 
-POLICIES = ["full", "mpic-2", "mpic-0", "vlcache-0.5:0.25", "cacheblend-15", "full-reuse"]
+# scout-0.5 and auto (the default): the scouting pass and the linked-key correction on CUDA
+POLICIES = [
+    "full",
+    "mpic-2",
+    "mpic-0",
+    "vlcache-0.5:0.25",
+    "cacheblend-15",
+    "full-reuse",
+    "scout-0.5:s0.9/0.8",
+    "auto",
+]
 FP32_TOL = 2e-3  # TF32-free matmuls, but cuDNN convolutions and kernel orders differ
 
 
@@ -66,7 +77,7 @@ def test_cuda_prefill_equals_cpu_oracle(runners, policy):
     torch.testing.assert_close(got.kv.keys.cpu(), want.kv.keys, rtol=FP32_TOL, atol=FP32_TOL)
 
 
-@pytest.mark.parametrize("policy", ["full", "mpic-2"])
+@pytest.mark.parametrize("policy", ["full", "mpic-2", "auto"])
 def test_cuda_decode_equals_cpu(runners, policy):
     cpu, cuda, ids = runners
     want = cpu.generate(_parts(ids), policy, max_new_tokens=8, stop_at_eos=False).tokens
