@@ -24,16 +24,22 @@ The correction changes only the MIXING weights of the two groups; within a group
 distribution is unchanged, so the recomputed tokens' own fresh attention is untouched when no
 key is linked (full recompute is exact under any S).
 
-This module is the torch path used by every backend (`AttentionBackend.attend_corrected`'s
-default): scores are materialised per chunk of queries ([H, chunk, N]), which is fine for the
-few hundred recomputed queries of a prompt and for one decode query. `flex` overrides it with two
-FlexAttention calls returning their log-sum-exps (kernels/flex.py).
+Two implementations, one equation (`AttentionBackend.attend_corrected`'s default, whatever the
+backend):
+- on CPU, **two fused calls**: PyTorch's CPU flash-attention kernel (the one `F.sdpa` runs
+  there), which also returns each row's log-sum-exp, over the linked keys and over the rest
+  (keys gathered per group, causal-by-prompt-index masks built once per query set), merged by
+  `merge_groups`: about the cost of one plain attention call;
+- elsewhere (CUDA), the torch path: scores materialised per chunk of 64 queries ([H, chunk, N]),
+  ~20 kernels per chunk and layer. On an H100 this made the default `auto` slower than full
+  recomputation (docs/kernels.md "GPU"); a fused CUDA version is not written yet.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +78,43 @@ class CorrectedState:
     [C, b] (0 / -inf))."""
     linked: torch.Tensor
     """float32 [kv_len]: 1 on linked keys."""
+    groups: Groups | None = None
+    """The two-call CPU path's state (then `chunks` is empty)."""
+
+
+@dataclass
+class Groups:
+    """Keys split into the linked group A and the rest B, with each group's causal mask."""
+
+    index_a: torch.Tensor
+    """int64 [N_A]: prompt indices of the linked keys in [0, kv_len)."""
+    index_b: torch.Tensor
+    """int64 [N_B]: the other keys (text, recomputed item tokens, the queries themselves)."""
+    mask_a: torch.Tensor
+    """float32 [1, 1, S, N_A]: 0 where query i sees key index_a[j] (index_a[j] <= q_index[i]),
+    -inf elsewhere."""
+    mask_b: torch.Tensor
+    """float32 [1, 1, S, N_B], likewise."""
+    sees_a: torch.Tensor
+    """bool [1, S]: the query sees at least one linked key (else its lse_A is -inf)."""
+
+
+def _flash_with_lse() -> Any:
+    """PyTorch's CPU flash-attention op: (q, k, v, attn_mask=float mask, scale=) -> (out [B, H,
+    S, D], logsumexp float32 [B, H, S]); GQA by key-head broadcasting. None if absent."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _groups(q_index: torch.Tensor, link: torch.Tensor) -> Groups:
+    """`Groups` for host indices (int64 [S]) and the linked mask over [0, kv_len) (bool)."""
+    index_a = torch.nonzero(link).flatten()
+    index_b = torch.nonzero(~link).flatten()
+    masks = []
+    for index in (index_a, index_b):
+        visible = index[None, :] <= q_index[:, None]  # [S, N_group]
+        masks.append(torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)[None, None])
+    sees_a = (index_a[None, :] <= q_index[:, None]).any(dim=1)[None]
+    return Groups(index_a, index_b, masks[0], masks[1], sees_a)
 
 
 def prepare_corrected(q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> CorrectedState:
@@ -81,6 +124,8 @@ def prepare_corrected(q_index: torch.Tensor, linked: torch.Tensor, num_keys: int
     kv_len = min(int(q_index[-1]) + 1, num_keys) if num_q else 0
     dev = q_index.device
     link = linked[:kv_len].to(dev)
+    if dev.type == "cpu" and num_q and _flash_with_lse() is not None:
+        return CorrectedState(kv_len, [], link.float(), _groups(q_index, link))
     host = q_index.cpu()
     chunks = []
     for c0 in range(0, num_q, CHUNK):
@@ -115,6 +160,8 @@ def corrected_attention(
     scale = dim**-0.5 if scale is None else scale
     if state is None:
         state = prepare_corrected(q_index, linked, int(keys.shape[0]))
+    if state.groups is not None:
+        return _two_calls(q, keys, values, s, scale, state.groups)
     kv_len = state.kv_len
     kv_heads = int(keys.shape[1])
     group = heads // kv_heads
@@ -149,6 +196,34 @@ def corrected_attention(
         outs.append(out.reshape(heads, c, dim).transpose(0, 1))  # [C, H, D]
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.to(q.dtype)
+
+
+def _two_calls(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    s: float,
+    scale: float,
+    groups: Groups,
+) -> torch.Tensor:
+    """The CPU path: one flash-attention call per group (its log-sum-exp returned), merged by
+    `merge_groups` in float32. q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D] in q's dtype."""
+    flash = _flash_with_lse()
+    qh = q.float().transpose(0, 1)[None]  # [1, H, S, D]
+    parts = []
+    for index, mask in ((groups.index_a, groups.mask_a), (groups.index_b, groups.mask_b)):
+        if index.numel() == 0:  # an empty group: weight 0 (lse -inf)
+            lse = torch.full(qh.shape[1:3], -math.inf)
+            parts.append((torch.zeros(qh.shape[1:]), lse))
+            continue
+        k = keys.index_select(0, index).float().transpose(0, 1)[None]  # [1, H_kv, N_g, D]
+        v = values.index_select(0, index).float().transpose(0, 1)[None]
+        out, lse = flash(qh, k, v, attn_mask=mask, scale=scale)
+        parts.append((out[0], lse[0]))
+    (out_a, lse_a), (out_b, lse_b) = parts
+    # a query that sees no linked key: the kernel returns lse 0 for its empty row, not -inf
+    lse_a = torch.where(groups.sees_a, lse_a, -math.inf)
+    return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
 
 def linked_mask(

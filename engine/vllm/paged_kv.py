@@ -337,7 +337,7 @@ class PagedLinkedKV:
         self._layers = layers
         self._num_layers = len(caches)
         self._correction: LinkCorrection | None = None
-        self._corrected = SelectiveAttention("sdpa_runs")  # its torch corrected path
+        self._corrected = SelectiveAttention("sdpa_runs")  # mpic.kernels.correction
         self._last_q: dict[int, tuple[int, torch.Tensor]] = {}
         """layer -> (prompt index, q [H, D]) of the last query a corrected layer saw."""
         self._shifted: list[tuple[int, torch.Tensor]] = []
@@ -383,8 +383,8 @@ class PagedLinkedKV:
 
     def set_correction(self, correction: LinkCorrection | None) -> None:
         """Apply the APE-style correction of linked keys in `attend` (None: plain). vLLM's CPU
-        attention op returns no log-sum-exp, so corrected layers attend through the torch path
-        (`mpic.kernels.correction`) over the request's K/V: gathered from the blocks where the
+        attention op returns no log-sum-exp, so corrected layers attend through
+        `mpic.kernels.correction` (the same code as the reference runner) over the request's K/V: gathered from the blocks where the
         layout is readable, else from the dense mirrors (`keys` and `values`), which must then
         have been given. Exact against the dense linked KV (same f32 inputs, same code)."""
         if correction is not None and correction.active:

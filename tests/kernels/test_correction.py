@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from mpic.kernels import correction
 from mpic.kernels.attention import SelectiveAttention, selected_attention
 from mpic.kernels.correction import corrected_attention, linked_mask, merge_groups
 
@@ -44,16 +45,27 @@ def _case(num_keys=300, num_q=150, seed=0):
     return q, q_index, keys, values, linked
 
 
+@pytest.fixture(params=["two-calls", "chunks"])
+def path(request, monkeypatch):
+    """Both implementations on the CPU: the two fused calls (the CPU default) and the chunked
+    torch path (what CUDA runs), forced by hiding the CPU flash op."""
+    if request.param == "chunks":
+        monkeypatch.setattr(correction, "_flash_with_lse", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("s", [0.5, 0.8, 1.2])
-def test_corrected_attention_equals_the_equation(s):
+def test_corrected_attention_equals_the_equation(s, path):
     q, q_index, keys, values, linked = _case()
+    state = correction.prepare_corrected(q_index, linked, int(keys.shape[0]))
+    assert (state.groups is not None) == (path == "two-calls")
     got = corrected_attention(q, q_index, keys, values, linked, s)
     torch.testing.assert_close(
         got, _naive(q, q_index, keys, values, linked, s), atol=2e-5, rtol=1e-4
     )
 
 
-def test_scale_one_is_plain_selective_attention_and_empty_group_is_plain():
+def test_scale_one_is_plain_selective_attention_and_empty_group_is_plain(path):
     q, q_index, keys, values, linked = _case(seed=1)
     plain = selected_attention(q, q_index, keys, values)
     torch.testing.assert_close(corrected_attention(q, q_index, keys, values, linked, 1.0), plain)
@@ -62,7 +74,7 @@ def test_scale_one_is_plain_selective_attention_and_empty_group_is_plain():
 
 
 @pytest.mark.parametrize("backend", ["sdpa_runs", "flex"])
-def test_every_backend_applies_it_through_selective_attention(backend):
+def test_every_backend_applies_it_through_selective_attention(backend, path):
     q, q_index, keys, values, linked = _case(seed=2)
     attn = SelectiveAttention(backend)
     want = _naive(q, q_index, keys, values, linked, 0.8)
@@ -87,3 +99,14 @@ def test_merge_groups_and_linked_mask():
     is_item = torch.tensor([True, False, True, True, True])
     assert linked_mask(is_item, depth, 0, 7).tolist() == [True, False, True, False] + [False] * 3
     assert linked_mask(is_item, depth, 2, 7).tolist() == [True, False, True, True] + [False] * 3
+
+
+def test_queries_that_see_no_linked_key_get_plain_attention(path):
+    """Queries before the first linked key (text ahead of every item): the CPU kernel reports
+    lse 0 for their empty linked row, which must count as an empty group."""
+    q, q_index, keys, values, linked = _case(seed=3)
+    linked[:150] = False
+    assert bool((q_index < 150).any())
+    got = corrected_attention(q, q_index, keys, values, linked, 0.6)
+    want = _naive(q, q_index, keys, values, linked, 0.6)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
