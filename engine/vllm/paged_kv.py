@@ -384,9 +384,10 @@ class PagedLinkedKV:
     def set_correction(self, correction: LinkCorrection | None) -> None:
         """Apply the APE-style correction of linked keys in `attend` (None: plain). vLLM's CPU
         attention op returns no log-sum-exp, so corrected layers attend through
-        `mpic.kernels.correction` (the same code as the reference runner) over the request's K/V: gathered from the blocks where the
-        layout is readable, else from the dense mirrors (`keys` and `values`), which must then
-        have been given. Exact against the dense linked KV (same f32 inputs, same code)."""
+        `mpic.kernels.correction` (the reference runner's code) over the request's K/V: gathered
+        from the blocks where the layout is readable, else from the dense mirrors (`keys` and
+        `values`), which must then have been given. Exact against the dense linked KV (same f32
+        inputs, same code)."""
         if correction is not None and correction.active:
             readable = self._ops.readable and self._values is None
             if not readable and (self._keys is None or self._values is None):
