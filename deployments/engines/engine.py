@@ -83,6 +83,9 @@ class ServeEngine(ABC):
         """Engine-specific counters for tests and operators (none by default)."""
         return {}
 
+    def close(self) -> None:  # noqa: B027 (a hook: most engines start nothing)
+        """Stop what the engine started (processes, threads); nothing by default."""
+
     @property
     def text_tokenizer(self) -> Any:
         """The served model's HF text tokenizer (`/tokenize`, `/detokenize`); None for an

@@ -76,6 +76,12 @@ class VllmServeEngine(ServeEngine):
                 )
             )
 
+    def close(self) -> None:
+        """Stop vLLM's engine processes (the worker role's; idempotent)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+
     @property
     def fingerprint(self) -> str:
         """The model fingerprint."""

@@ -69,9 +69,11 @@ def serve_config(model_dir: Path, store_dir: Path):
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeApp]:
-    """Start Ray (2 CPUs) + Serve + the application once; shut everything down at the end."""
+    """Start Ray (2 CPUs) + Serve + the application once; shut everything down after the last
+    test of tests/deployments (package scope: the idle app does not run beside the rest of the
+    suite)."""
     from mpic.deployments.local import start_local, stop_local
 
     saved = {k: os.environ.get(k) for k in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS", "OMP_NUM_THREADS")}

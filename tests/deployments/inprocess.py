@@ -160,6 +160,7 @@ def in_process_app(
         for call in overrides:
             app.dependency_overrides.pop(call, None)
         app.dependency_overrides.update(outer)
+        worker.engine.close()  # a vLLM engine's processes would outlive the app
 
 
 def fake_config(store_dir: Path, **engine: Any) -> Any:
