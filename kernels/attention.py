@@ -91,12 +91,11 @@ class SelectiveAttention:
             self._state = self.backend.prepare(q_index, num_keys)
             self._index, self._num_keys = q_index, num_keys
         if linked is not None and s != 1.0:
-            from mpic.kernels.correction import prepare_corrected
-
             held = self._corrected
             stale = held is None or held[0] is not q_index or held[1] is not linked
             if stale or held[2] != num_keys:
-                held = (q_index, linked, num_keys, prepare_corrected(q_index, linked, num_keys))
+                prepared = self.backend.prepare_corrected(q_index, linked, num_keys)
+                held = (q_index, linked, num_keys, prepared)
                 self._corrected = held
             return self.backend.attend_corrected(
                 self._state, q, q_index, keys, values, linked, s, scale, held[3]

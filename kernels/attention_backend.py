@@ -35,6 +35,13 @@ class AttentionBackend(ABC):
         """q [S, H, D], keys/values [N, H_kv, D] indexed by prompt index (H % H_kv == 0),
         scale (default D ** -0.5) -> [S, H, D] in q's dtype. No host<->device syncs."""
 
+    def prepare_corrected(self, q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> Any:
+        """State for `attend_corrected` of one query set and one linked set (bool [N]), built
+        once and reused by every layer with both. Default: `mpic.kernels.correction`'s."""
+        from mpic.kernels.correction import prepare_corrected
+
+        return prepare_corrected(q_index, linked, num_keys)
+
     def attend_corrected(
         self,
         state: Any,

@@ -30,9 +30,13 @@ backend):
   there), which also returns each row's log-sum-exp, over the linked keys and over the rest
   (keys gathered per group, causal-by-prompt-index masks built once per query set), merged by
   `merge_groups`: about the cost of one plain attention call;
-- elsewhere (CUDA), the torch path: scores materialised per chunk of 64 queries ([H, chunk, N]),
+- on CUDA the `flex` backend (the default there) runs two compiled FlexAttention calls that
+  return their log-sum-exps, merged the same way (`FlexBackend.attend_corrected`; written after
+  the H100 run in docs/kernels.md "GPU" and not yet run on a GPU; a call that fails to lower
+  falls back to the next path, with a warning);
+- otherwise the torch path here: scores materialised per chunk of 64 queries ([H, chunk, N]),
   ~20 kernels per chunk and layer. On an H100 this made the default `auto` slower than full
-  recomputation (docs/kernels.md "GPU"); a fused CUDA version is not written yet.
+  recomputation (docs/kernels.md "GPU").
 """
 
 from __future__ import annotations

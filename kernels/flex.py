@@ -68,6 +68,23 @@ def _call_compiled(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwarg
 
 
 @dataclass
+class FlexCorrected:
+    """What `FlexBackend.prepare_corrected` builds for one query set and one linked set: the
+    two groups' block masks of the fused corrected path."""
+
+    linked_mask: BlockMask
+    """`kv_idx <= q_index[q_idx]` and the key is linked (group A)."""
+    other_mask: BlockMask
+    """`kv_idx <= q_index[q_idx]` and the key is not linked (group B)."""
+    kv_len: int
+    """Keys [0, kv_len) are passed to the kernel (as `FlexState.kv_len`)."""
+    args: tuple[torch.Tensor, torch.Tensor, int]
+    """(q_index, linked, num_keys): to build the unfused state if the fused call fails."""
+    fallback: Any = None
+    """`mpic.kernels.correction`'s state, once the fused call has failed."""
+
+
+@dataclass
 class FlexState:
     """What `FlexBackend.prepare` builds for one query set."""
 
@@ -91,11 +108,18 @@ class FlexBackend(AttentionBackend):
     name = "flex"
 
     def __init__(
-        self, compile: bool | None = None, block_size: int = 128, read_indices: bool | None = None
+        self,
+        compile: bool | None = None,
+        block_size: int = 128,
+        read_indices: bool | None = None,
+        fused_correction: bool | None = None,
     ) -> None:
         self.compile = compile
         self.block_size = block_size
         self.read_indices = read_indices
+        self.fused_correction = fused_correction
+        """The linked-key correction as two FlexAttention calls returning their log-sum-exps:
+        None = on CUDA (where the CPU's two fused SDPA calls do not run), True/False to force."""
 
     def prepare(self, q_index: torch.Tensor, num_keys: int) -> FlexState:
         """Block mask of `kv_idx <= q_index[q_idx]`, built on q_index's device without a sync."""
@@ -120,6 +144,109 @@ class FlexBackend(AttentionBackend):
             BLOCK_SIZE=self.block_size,
         )
         return FlexState(mask, kv_len)
+
+    def prepare_corrected(self, q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> Any:
+        """The two groups' block masks (`FlexCorrected`) where the correction is fused, else
+        the default state (`mpic.kernels.correction.prepare_corrected`). No host sync on CUDA."""
+        fused = q_index.is_cuda if self.fused_correction is None else self.fused_correction
+        if not fused or q_index.numel() < 2:  # decoding: one query, the default path
+            return super().prepare_corrected(q_index, linked, num_keys)
+        on_host = q_index.device.type == "cpu" if self.read_indices is None else self.read_indices
+        kv_len = min(int(q_index[-1]) + 1, num_keys) if on_host else num_keys
+        link = linked[:kv_len].to(q_index.device)
+
+        def in_linked(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (kv_idx <= q_index[q_idx]) & link[kv_idx]
+
+        def in_other(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (kv_idx <= q_index[q_idx]) & ~link[kv_idx]
+
+        masks = [
+            create_block_mask(
+                rule,
+                B=None,
+                H=None,
+                Q_LEN=int(q_index.numel()),
+                KV_LEN=kv_len,
+                device=q_index.device,
+                BLOCK_SIZE=self.block_size,
+            )
+            for rule in (in_linked, in_other)
+        ]
+        return FlexCorrected(masks[0], masks[1], kv_len, (q_index, linked, num_keys))
+
+    def attend_corrected(
+        self,
+        state: Any,
+        q: torch.Tensor,
+        q_index: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        linked: torch.Tensor,
+        s: float,
+        scale: float | None = None,
+        corrected_state: Any = None,
+    ) -> torch.Tensor:
+        """With a `FlexCorrected` state: one FlexAttention call per group (A: linked keys, B:
+        the rest), each returning its log-sum-exp, merged by `merge_groups` (the equation of
+        `mpic.kernels.correction`). If that call fails (a kernel that does not lower), this
+        request falls back to the default path, with a warning. Else the default path."""
+        if not isinstance(corrected_state, FlexCorrected):
+            return super().attend_corrected(
+                state, q, q_index, keys, values, linked, s, scale, corrected_state
+            )
+        if corrected_state.fallback is None:
+            try:
+                return self._two_flex_calls(corrected_state, q, keys, values, s, scale)
+            except Exception as exc:  # inductor lowering errors have no stable public type
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"fused corrected attention failed ({type(exc).__name__}: {first}); "
+                    "unfused path used",
+                    stacklevel=2,
+                )
+                corrected_state.fallback = super().prepare_corrected(*corrected_state.args)
+        return super().attend_corrected(
+            state, q, q_index, keys, values, linked, s, scale, corrected_state.fallback
+        )
+
+    def _two_flex_calls(
+        self,
+        prepared: FlexCorrected,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        s: float,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D] in q's dtype."""
+        from mpic.kernels.correction import merge_groups
+
+        gqa = q.shape[1] != keys.shape[1]
+        head_dim = q.shape[-1]
+        scale = head_dim**-0.5 if scale is None else scale
+        qh = q.transpose(0, 1)[None]  # [1, H, S, D]
+        kh = keys[: prepared.kv_len].transpose(0, 1)[None]
+        vh = values[: prepared.kv_len].transpose(0, 1)[None]
+        compiled = q.is_cuda if self.compile is None else self.compile
+        padded = 1 << (head_dim - 1).bit_length()
+        if compiled and padded != head_dim:  # as `attend`: fused kernels want a power of two
+            pad = (0, padded - head_dim)
+            qh, kh, vh = F.pad(qh, pad), F.pad(kh, pad), F.pad(vh, pad)
+        parts = []
+        for mask in (prepared.linked_mask, prepared.other_mask):
+            kwargs = {"block_mask": mask, "scale": scale, "enable_gqa": gqa, "return_lse": True}
+            if compiled:
+                out, lse = _call_compiled(
+                    qh.contiguous(), kh.contiguous(), vh.contiguous(), **kwargs
+                )
+            else:
+                with warnings.catch_warnings():  # the eager path is chosen on purpose here
+                    warnings.filterwarnings("ignore", ".*without torch.compile", UserWarning)
+                    out, lse = flex_attention(qh, kh, vh, **kwargs)
+            parts.append((out[0, ..., :head_dim], lse[0]))  # [H, S, D], [H, S] (-inf: no key)
+        (out_a, lse_a), (out_b, lse_b) = parts
+        return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
     def attend(
         self,

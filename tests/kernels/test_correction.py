@@ -2,6 +2,7 @@
 per-head two-group attention written from the equation, on every backend."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -110,3 +111,90 @@ def test_queries_that_see_no_linked_key_get_plain_attention(path):
     got = corrected_attention(q, q_index, keys, values, linked, 0.6)
     want = _naive(q, q_index, keys, values, linked, 0.6)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("s", [0.6, 1.3])
+def test_fused_flex_correction_equals_the_equation(s):
+    """The CUDA default (two FlexAttention calls returning log-sum-exps, merged), forced on the
+    CPU with the eager kernel; queries before any linked key included; decode falls back."""
+    from mpic.kernels.flex import FlexBackend, FlexCorrected
+
+    q, q_index, keys, values, linked = _case(seed=4)
+    linked[:120] = False
+    backend = FlexBackend(compile=False, fused_correction=True)
+    attn = SelectiveAttention(backend)
+    got = attn(q, q_index, keys, values, linked=linked, s=s)
+    assert isinstance(attn._corrected[3], FlexCorrected)
+    want = _naive(q, q_index, keys, values, linked, s)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    one = attn(q[-1:], torch.tensor([299]), keys, values, linked=linked, s=s)
+    want_one = _naive(q[-1:], torch.tensor([299]), keys, values, linked, s)
+    torch.testing.assert_close(one, want_one, atol=2e-5, rtol=1e-4)
+
+
+def test_fused_flex_correction_falls_back_when_the_kernel_fails(monkeypatch):
+    from mpic.kernels.flex import FlexBackend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("NoValidChoicesError")
+
+    q, q_index, keys, values, linked = _case(seed=5)
+    backend = FlexBackend(compile=False, fused_correction=True)
+    monkeypatch.setattr(backend, "_two_flex_calls", broken)
+    attn = SelectiveAttention(backend)
+    with pytest.warns(UserWarning, match="unfused path"):
+        got = attn(q, q_index, keys, values, linked=linked, s=0.8)
+    torch.testing.assert_close(
+        got, _naive(q, q_index, keys, values, linked, 0.8), atol=2e-5, rtol=1e-4
+    )
+    again = attn(q, q_index, keys, values, linked=linked, s=0.8)  # no second try, no warning
+    torch.testing.assert_close(again, got)
+
+
+@pytest.mark.slow
+def test_compiled_fused_flex_correction_on_cpu_is_right_either_way():
+    """The compiled call as on CUDA, compiled by inductor for the CPU: torch 2.13's CPU inductor
+    cannot lower `return_lse` (a real lowering error), so this exercises the fallback; a torch
+    that can would run the fused kernel. Either way the answer is the equation's."""
+    from mpic.kernels.flex import FlexBackend
+
+    q, q_index, keys, values, linked = _case(seed=6)
+    attn = SelectiveAttention(FlexBackend(compile=True, fused_correction=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = attn(q, q_index, keys, values, linked=linked, s=0.8)
+    torch.testing.assert_close(
+        got, _naive(q, q_index, keys, values, linked, 0.8), atol=2e-5, rtol=1e-4
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 80, 128])
+def test_fused_flex_correction_on_cuda(dtype, dim):
+    """The CUDA default: compiled FlexAttention with `return_lse`, no fallback taken."""
+    from mpic.kernels.flex import FlexBackend
+
+    n, heads, kv_heads = 1500, 32, 8
+    g = torch.Generator().manual_seed(7)
+    q_index = torch.cat([torch.arange(0, 30), torch.arange(600, 632), torch.arange(n - 40, n)])
+    q = torch.randn(q_index.numel(), heads, dim, generator=g)
+    keys = torch.randn(n, kv_heads, dim, generator=g)
+    values = torch.randn(n, kv_heads, dim, generator=g)
+    linked = torch.ones(n, dtype=torch.bool)
+    linked[q_index] = False
+    linked[:10] = False
+    want = corrected_attention(q, q_index, keys, values, linked, 0.8)  # CPU, float32
+    attn = SelectiveAttention(FlexBackend())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fallback would warn
+        got = attn(
+            q.to("cuda", dtype),
+            q_index.cuda(),
+            keys.to("cuda", dtype),
+            values.to("cuda", dtype),
+            linked=linked.cuda(),
+            s=0.8,
+        )
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
