@@ -67,7 +67,9 @@ def test_the_linked_prefix_gives_the_recomputed_prefix_logits_and_counts_as_cach
     p = prefix.length
     assert linked.recomputed_tokens == plain.recomputed_tokens - p
     assert bool((linked.plan.recompute_depth[:p] == 0).all())
-    torch.testing.assert_close(kv.keys[:, :p], kv_plain.keys[:, :p], rtol=1e-5, atol=1e-6)
+    # the context pass and the selective pass reach the same keys by different kernel calls:
+    # float32 rounding (1.7e-6 seen on an AMD EPYC host), far below a wrong prefix's O(1)
+    torch.testing.assert_close(kv.keys[:, :p], kv_plain.keys[:, :p], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linked.result.logits, plain.result.logits, rtol=1e-5, atol=1e-5)
 
 
