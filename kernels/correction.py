@@ -113,12 +113,9 @@ def _groups(q_index: torch.Tensor, link: torch.Tensor) -> Groups:
     """`Groups` for host indices (int64 [S]) and the linked mask over [0, kv_len) (bool)."""
     index_a = torch.nonzero(link).flatten()
     index_b = torch.nonzero(~link).flatten()
-    masks = []
-    for index in (index_a, index_b):
-        visible = index[None, :] <= q_index[:, None]  # [S, N_group]
-        masks.append(torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)[None, None])
-    sees_a = (index_a[None, :] <= q_index[:, None]).any(dim=1)[None]
-    return Groups(index_a, index_b, masks[0], masks[1], sees_a)
+    visible = [index[None, :] <= q_index[:, None] for index in (index_a, index_b)]  # [S, N_g]
+    mask_a, mask_b = (torch.zeros(v.shape).masked_fill_(~v, -math.inf)[None, None] for v in visible)
+    return Groups(index_a, index_b, mask_a, mask_b, visible[0].any(dim=1)[None])
 
 
 def prepare_corrected(q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> CorrectedState:

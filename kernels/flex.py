@@ -18,6 +18,7 @@ mask (device index).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,10 +124,9 @@ class FlexBackend(AttentionBackend):
 
     def prepare(self, q_index: torch.Tensor, num_keys: int) -> FlexState:
         """Block mask of `kv_idx <= q_index[q_idx]`, built on q_index's device without a sync."""
-        on_host = q_index.device.type == "cpu" if self.read_indices is None else self.read_indices
-        kv_len = min(int(q_index[-1]) + 1, num_keys) if on_host else num_keys
+        kv_len = self._kv_len(q_index, num_keys)
         if q_index.numel() == 1:
-            if on_host:
+            if self._on_host(q_index):
                 return FlexState(None, kv_len)
             keys = torch.arange(kv_len, device=q_index.device)
             return FlexState(None, kv_len, (keys <= q_index)[None])
@@ -134,8 +134,21 @@ class FlexBackend(AttentionBackend):
         def causal_by_index(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return kv_idx <= q_index[q_idx]
 
-        mask = create_block_mask(
-            causal_by_index,
+        return FlexState(self._block_mask(causal_by_index, q_index, kv_len), kv_len)
+
+    def _on_host(self, q_index: torch.Tensor) -> bool:
+        """Whether the indices may be read (host tensors, unless `read_indices` says)."""
+        return q_index.device.type == "cpu" if self.read_indices is None else self.read_indices
+
+    def _kv_len(self, q_index: torch.Tensor, num_keys: int) -> int:
+        """Keys passed to the kernel: max(q_index) + 1 where the indices may be read (one host
+        read), else all `num_keys` (the block mask skips the rest; no sync)."""
+        return min(int(q_index[-1]) + 1, num_keys) if self._on_host(q_index) else num_keys
+
+    def _block_mask(self, rule: Any, q_index: torch.Tensor, kv_len: int) -> BlockMask:
+        """FlexAttention block mask of `rule(b, h, q_idx, kv_idx)` over [S, kv_len]."""
+        return create_block_mask(
+            rule,
             B=None,
             H=None,
             Q_LEN=int(q_index.numel()),
@@ -143,7 +156,6 @@ class FlexBackend(AttentionBackend):
             device=q_index.device,
             BLOCK_SIZE=self.block_size,
         )
-        return FlexState(mask, kv_len)
 
     def prepare_corrected(self, q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> Any:
         """The two groups' block masks (`FlexCorrected`) where the correction is fused, else
@@ -151,8 +163,7 @@ class FlexBackend(AttentionBackend):
         fused = q_index.is_cuda if self.fused_correction is None else self.fused_correction
         if not fused or q_index.numel() < 2:  # decoding: one query, the default path
             return super().prepare_corrected(q_index, linked, num_keys)
-        on_host = q_index.device.type == "cpu" if self.read_indices is None else self.read_indices
-        kv_len = min(int(q_index[-1]) + 1, num_keys) if on_host else num_keys
+        kv_len = self._kv_len(q_index, num_keys)
         link = linked[:kv_len].to(q_index.device)
 
         def in_linked(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -161,19 +172,12 @@ class FlexBackend(AttentionBackend):
         def in_other(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return (kv_idx <= q_index[q_idx]) & ~link[kv_idx]
 
-        masks = [
-            create_block_mask(
-                rule,
-                B=None,
-                H=None,
-                Q_LEN=int(q_index.numel()),
-                KV_LEN=kv_len,
-                device=q_index.device,
-                BLOCK_SIZE=self.block_size,
-            )
-            for rule in (in_linked, in_other)
-        ]
-        return FlexCorrected(masks[0], masks[1], kv_len, (q_index, linked, num_keys))
+        return FlexCorrected(
+            self._block_mask(in_linked, q_index, kv_len),
+            self._block_mask(in_other, q_index, kv_len),
+            kv_len,
+            (q_index, linked, num_keys),
+        )
 
     def attend_corrected(
         self,
@@ -222,31 +226,57 @@ class FlexBackend(AttentionBackend):
         """q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D] in q's dtype."""
         from mpic.kernels.correction import merge_groups
 
-        gqa = q.shape[1] != keys.shape[1]
+        masks = (prepared.linked_mask, prepared.other_mask)
+        # per group: out [H, S, D], lse [H, S] (-inf for a query that sees no key of the group)
+        (out_a, lse_a), (out_b, lse_b) = self._flex_calls(
+            q, keys, values, prepared.kv_len, masks, scale, return_lse=True
+        )
+        return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
+
+    def _flex_calls(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kv_len: int,
+        masks: Sequence[BlockMask],
+        scale: float | None,
+        return_lse: bool = False,
+    ) -> list[Any]:
+        """One FlexAttention call per block mask over the same q [S, H, D] and keys/values
+        [kv_len of N, H_kv, D]: compiled where `compile` says (the head size zero-padded to a
+        power of two, as fused kernels want), else eager. Per mask: out [H, S, D], or with
+        `return_lse` (out, lse [H, S])."""
         head_dim = q.shape[-1]
-        scale = head_dim**-0.5 if scale is None else scale
+        kwargs: dict[str, Any] = {
+            "scale": head_dim**-0.5 if scale is None else scale,
+            "enable_gqa": q.shape[1] != keys.shape[1],
+        }
+        if return_lse:
+            kwargs["return_lse"] = True
         qh = q.transpose(0, 1)[None]  # [1, H, S, D]
-        kh = keys[: prepared.kv_len].transpose(0, 1)[None]
-        vh = values[: prepared.kv_len].transpose(0, 1)[None]
+        kh = keys[:kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
+        vh = values[:kv_len].transpose(0, 1)[None]
         compiled = q.is_cuda if self.compile is None else self.compile
-        padded = 1 << (head_dim - 1).bit_length()
-        if compiled and padded != head_dim:  # as `attend`: fused kernels want a power of two
-            pad = (0, padded - head_dim)
-            qh, kh, vh = F.pad(qh, pad), F.pad(kh, pad), F.pad(vh, pad)
-        parts = []
-        for mask in (prepared.linked_mask, prepared.other_mask):
-            kwargs = {"block_mask": mask, "scale": scale, "enable_gqa": gqa, "return_lse": True}
+        if compiled:
+            padded = 1 << (head_dim - 1).bit_length()
+            if padded != head_dim:
+                pad = (0, padded - head_dim)
+                qh, kh, vh = F.pad(qh, pad), F.pad(kh, pad), F.pad(vh, pad)
+            qh, kh, vh = qh.contiguous(), kh.contiguous(), vh.contiguous()
+        results = []
+        for mask in masks:
             if compiled:
-                out, lse = _call_compiled(
-                    qh.contiguous(), kh.contiguous(), vh.contiguous(), **kwargs
-                )
+                res = _call_compiled(qh, kh, vh, block_mask=mask, **kwargs)
             else:
                 with warnings.catch_warnings():  # the eager path is chosen on purpose here
                     warnings.filterwarnings("ignore", ".*without torch.compile", UserWarning)
-                    out, lse = flex_attention(qh, kh, vh, **kwargs)
-            parts.append((out[0, ..., :head_dim], lse[0]))  # [H, S, D], [H, S] (-inf: no key)
-        (out_a, lse_a), (out_b, lse_b) = parts
-        return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
+                    res = flex_attention(qh, kh, vh, block_mask=mask, **kwargs)
+            if return_lse:
+                results.append((res[0][0, ..., :head_dim], res[1][0]))
+            else:
+                results.append(res[0, ..., :head_dim])
+        return results
 
     def attend(
         self,
@@ -257,36 +287,18 @@ class FlexBackend(AttentionBackend):
         scale: float | None = None,
     ) -> torch.Tensor:
         """One FlexAttention (or, for one query, SDPA) call -> [S, H, D]."""
-        gqa = q.shape[1] != keys.shape[1]
-        head_dim = q.shape[-1]
-        scale = head_dim**-0.5 if scale is None else scale
-        qh = q.transpose(0, 1)[None]  # [1, H, S, D]
-        kh = keys[: state.kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
-        vh = values[: state.kv_len].transpose(0, 1)[None]
         if state.block_mask is None:
-            mask = state.single_mask
+            qh = q.transpose(0, 1)[None]  # [1, H, S, D]
+            kh = keys[: state.kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
+            vh = values[: state.kv_len].transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
+                qh,
+                kh,
+                vh,
+                attn_mask=state.single_mask,
+                scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                enable_gqa=q.shape[1] != keys.shape[1],
             )
             return out[0].transpose(0, 1)
-        compiled = q.is_cuda if self.compile is None else self.compile
-        if not compiled:
-            with warnings.catch_warnings():  # the eager path is chosen on purpose here
-                warnings.filterwarnings("ignore", ".*without torch.compile", UserWarning)
-                out = flex_attention(
-                    qh, kh, vh, block_mask=state.block_mask, scale=scale, enable_gqa=gqa
-                )
-            return out[0].transpose(0, 1)
-        padded = 1 << (head_dim - 1).bit_length()
-        if padded != head_dim:  # fused kernels want a power-of-two head size
-            pad = (0, padded - head_dim)
-            qh, kh, vh = F.pad(qh, pad), F.pad(kh, pad), F.pad(vh, pad)
-        out = _call_compiled(
-            qh.contiguous(),
-            kh.contiguous(),
-            vh.contiguous(),
-            block_mask=state.block_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        return out[0, ..., :head_dim].transpose(0, 1)
+        (out,) = self._flex_calls(q, keys, values, state.kv_len, [state.block_mask], scale)
+        return out.transpose(0, 1)
