@@ -40,6 +40,8 @@ KERNEL_OPTIONS: tuple[dict[str, int] | None, ...] = (
     {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1},
 )
 _WORKING_OPTIONS: dict[tuple[str, torch.dtype, int], int] = {}
+_UNFUSED: set[str] = set()
+"""Device types where the fused corrected attention failed to run (this process)."""
 
 
 def _compiled_flex() -> Any:
@@ -120,7 +122,8 @@ class FlexBackend(AttentionBackend):
         self.read_indices = read_indices
         self.fused_correction = fused_correction
         """The linked-key correction as two FlexAttention calls returning their log-sum-exps:
-        None = on CUDA (where the CPU's two fused SDPA calls do not run), True/False to force."""
+        None = on CUDA (where the CPU's two fused SDPA calls do not run), True/False to force.
+        Off on a device type where a fused call has failed in this process (`_UNFUSED`)."""
 
     def prepare(self, q_index: torch.Tensor, num_keys: int) -> FlexState:
         """Block mask of `kv_idx <= q_index[q_idx]`, built on q_index's device without a sync."""
@@ -161,7 +164,8 @@ class FlexBackend(AttentionBackend):
         """The two groups' block masks (`FlexCorrected`) where the correction is fused, else
         the default state (`mpic.kernels.correction.prepare_corrected`). No host sync on CUDA."""
         fused = q_index.is_cuda if self.fused_correction is None else self.fused_correction
-        if not fused or q_index.numel() < 2:  # decoding: one query, the default path
+        # decoding (one query) and a device where the fused call failed: the default path
+        if not fused or q_index.device.type in _UNFUSED or q_index.numel() < 2:
             return super().prepare_corrected(q_index, linked, num_keys)
         kv_len = self._kv_len(q_index, num_keys)
         link = linked[:kv_len].to(q_index.device)
@@ -209,6 +213,7 @@ class FlexBackend(AttentionBackend):
                     "unfused path used",
                     stacklevel=2,
                 )
+                _UNFUSED.add(q.device.type)  # later requests do not retry the lowering
                 corrected_state.fallback = super().prepare_corrected(*corrected_state.args)
         return super().attend_corrected(
             state, q, q_index, keys, values, linked, s, scale, corrected_state.fallback
