@@ -8,7 +8,12 @@ linking costs the requests around it on the vLLM worker (issue 22 items 2 and 3)
   their ITL in the same run before the arrivals (unloaded), for the connector's load modes
   (`async_loads`): True, reads and linking in the background (the linking thread); "reads",
   reads in the background (vLLM's WAITING_FOR_REMOTE_KVS), linking inside a step; False, both
-  inside the step. `link_share` paces the linking thread while requests decode.
+  inside the step. `link_share` paces the linking thread while requests decode. The window is
+  split with the worker's spans (`read_spans`, `link_spans`): gaps while an entry read is in
+  flight and no link runs (what the loads cost the step) and gaps that overlap a link pass (what
+  the recomputation costs). `exact=True` sends the same new prompts as plain vLLM requests with
+  their images (no linking: vLLM's own prefill of them), the cost any prefill of new requests
+  puts on the decoders.
 - Batching: B linked requests (entries in the worker's memory tier) arrive together; their TTFT
   with the step's requests linked in one selective pass (`batch_links`) vs one pass per request,
   and the connector's counters (`largest_pass`).
@@ -50,9 +55,16 @@ def _engine(model: str, storage: Any, **options: Any) -> Any:
     return AsyncVllmEngine(cfg)
 
 
-def _linked(engine: Any, entries: list[Any], text: str, policy: str = "mpic-32") -> Any:
+def _linked(
+    engine: Any,
+    entries: list[Any],
+    text: str,
+    policy: str = "mpic-32",
+    media: dict[str, bytes] | None = None,
+) -> Any:
     """The linked request of text, image 1, 'and', image 2, ... (`policy` depths;
-    `VllmFrontEnd.prepare`), salted: no prefix-cache hit between requests."""
+    `VllmFrontEnd.prepare`), salted: no prefix-cache hit between requests. With `media` (entry
+    id -> image bytes): the same prompt as a plain vLLM request with its images instead."""
     from mpic.linker.prompt import ImageRef
 
     parts: list[Any] = [f"{text} ({uuid.uuid4().hex[:6]})"]
@@ -60,7 +72,8 @@ def _linked(engine: Any, entries: list[Any], text: str, policy: str = "mpic-32")
         parts += [ImageRef(e.entry_id), "and"]
     table = {e.entry_id: e for e in entries}
     salt = f"bench-{uuid.uuid4().hex}"
-    return engine.prepare(parts, table, policy, None, 16, salt=salt)[1]
+    exact = media is not None
+    return engine.prepare(parts, table, policy, None, 16, media=media, exact=exact, salt=salt)[1]
 
 
 async def _stream(engine: Any, req: Any, max_tokens: int, times: list[float]) -> None:
@@ -77,6 +90,8 @@ class HeadOfLine:
     """One head-of-line run."""
 
     async_loads: bool | str
+    exact: bool
+    """The new requests were plain vLLM requests (no linking)."""
     delay_s: float
     link_share: float
     itl_unloaded_ms: float
@@ -85,6 +100,13 @@ class HeadOfLine:
     """Mean gap while the new requests' entries load and link (arrival -> last first token)."""
     itl_max_loading_ms: float
     ratio: float
+    itl_reads_ms: float
+    """Mean gap overlapping an entry read and no link pass (nan: no such gap)."""
+    itl_reads_max_ms: float
+    reads_gaps: int
+    reads_ratio: float
+    itl_linking_ms: float
+    """Mean gap overlapping a link pass (in a step or on the linking thread)."""
     new_ttft_ms: list[float]
     gets: int
     worker: dict[str, Any] = field(default_factory=dict)
@@ -104,6 +126,7 @@ def head_of_line(
     decode_tokens: int = 96,
     warm_tokens: int = 24,
     link_share: float = 1.0,
+    exact: bool = False,
 ) -> HeadOfLine:
     """See the module docstring; returns the decoders' ITL before and during the loads."""
     from mpic.benchmarks.delayed_s3 import delayed_s3
@@ -116,7 +139,11 @@ def head_of_line(
             model, storage, async_loads=async_loads, link_share=link_share, max_num_seqs=16
         )
         try:
-            entries = [engine.cache_image(png(100 + i)) for i in range(new * images)]
+            media = {}
+            entries = []
+            for i in range(new * images):
+                entries.append(engine.cache_image(png(100 + i)))
+                media[entries[-1].entry_id] = png(100 + i)
             gets0 = s3.proxy.gets
 
             async def run() -> tuple[list[list[float]], list[float], float, float]:
@@ -138,9 +165,10 @@ def head_of_line(
                 arrive = time.perf_counter()
                 firsts: list[list[float]] = [[] for _ in range(new)]
                 reqs = [
-                    _linked(engine, entries[i * images : (i + 1) * images], f"Compare {i}")
+                    _linked(engine, entries[i * images : (i + 1) * images], f"Compare {i}",
+                            media=media if exact else None)
                     for i in range(new)
-                ]
+                ]  # fmt: skip
                 news = [asyncio.create_task(_stream(engine, r, 1, firsts[i]))
                         for i, r in enumerate(reqs)]  # fmt: skip
                 await asyncio.gather(*news)
@@ -150,14 +178,18 @@ def head_of_line(
 
             streams, ttfts, arrive, done = asyncio.run(run())
             worker = engine.connector_stats()
-            worker["link_spans"] = [
-                (round(a - arrive, 4), round(b - arrive, 4), n)
-                for a, b, n in worker.get("link_spans", [])
-            ]  # seconds since the arrivals
+            for key in ("link_spans", "read_spans"):  # seconds since the arrivals
+                worker[key] = [
+                    (round(a - arrive, 4), round(b - arrive, 4), *rest)
+                    for a, b, *rest in worker.get(key, [])
+                    if b > arrive
+                ]
         finally:
             engine.close()
         gets = s3.proxy.gets - gets0
-    before, during, timeline = [], [], []
+    before, during, reading, linking, timeline = [], [], [], [], []
+    reads = [(a, b) for a, b, *_ in worker["read_spans"]]
+    links = [(a, b) for a, b, *_ in worker["link_spans"]]
     for times in streams:
         for a, b in zip(times[1:-1], times[2:], strict=False):  # skip the first (prefill) gap
             gap = 1e3 * (b - a)
@@ -166,21 +198,36 @@ def head_of_line(
                 before.append(gap)
             elif a >= arrive and b <= done:
                 during.append(gap)
+                ra, rb = a - arrive, b - arrive  # the spans' clock
+                if any(s < rb and ra < e for s, e in links):
+                    linking.append(gap)
+                elif any(s < rb and ra < e for s, e in reads):
+                    reading.append(gap)
     unloaded = statistics.mean(before)
-    loading = statistics.mean(during) if during else float("nan")
+    loading = _mean(during)
     return HeadOfLine(
         async_loads=async_loads,
+        exact=exact,
         delay_s=delay_s,
         link_share=link_share,
         itl_unloaded_ms=unloaded,
         itl_loading_ms=loading,
-        itl_max_loading_ms=max(during) if during else float("nan"),
+        itl_max_loading_ms=max(during, default=float("nan")),
         ratio=loading / unloaded,
+        itl_reads_ms=_mean(reading),
+        itl_reads_max_ms=max(reading, default=float("nan")),
+        reads_gaps=len(reading),
+        reads_ratio=_mean(reading) / unloaded,
+        itl_linking_ms=_mean(linking),
         new_ttft_ms=[1e3 * t for t in ttfts],
         gets=gets,
         worker=worker,
         timeline=sorted(timeline),
     )
+
+
+def _mean(gaps: list[float]) -> float:
+    return statistics.mean(gaps) if gaps else float("nan")
 
 
 @dataclass
@@ -237,8 +284,10 @@ def batching(
     return Batching(batch_links, requests, ttfts, float(np.median(ttfts)), stats)
 
 
-def mode_name(async_loads: bool | str) -> str:
+def mode_name(async_loads: bool | str, exact: bool = False) -> str:
     """A load mode in words."""
+    if exact:
+        return "plain vLLM prefill of the same prompts (no linking)"
     if async_loads is True:
         return "reads + linking off the step"
     if async_loads == "reads":
@@ -264,10 +313,17 @@ def write_outputs(hol: list[HeadOfLine], bat: list[Batching], out: Path) -> None
         fig, ax = plt.subplots(figsize=(8, 4))
         for h in hol:
             xs, ys = zip(*h.timeline, strict=False) if h.timeline else ([], [])
-            label = f"{mode_name(h.async_loads)}: ITL x{h.ratio:.2f} while loading"
+            label = f"{mode_name(h.async_loads, h.exact)}: ITL x{h.ratio:.2f}"
             ax.plot(xs, ys, ".-", ms=3, lw=0.8, label=label)
         ax.axvline(0, color="gray", ls="--", lw=0.8)
-        ax.set_xlabel("token time (s) since the new requests arrived")
+        for h in hol[:1]:  # the first run's reads and link passes
+            for a, b, *_ in h.worker.get("read_spans", []):
+                ax.axvspan(a, b, color="tab:green", alpha=0.08, lw=0)
+            for a, b, *_ in h.worker.get("link_spans", []):
+                ax.axvspan(a, b, color="tab:red", alpha=0.15, lw=0)
+        ax.set_xlabel(
+            "token time (s) since the new requests arrived (first run: reads green, links red)"
+        )
         ax.set_ylabel("decoders' inter-token gap (ms)")
         ax.set_yscale("log")
         delay = hol[0].delay_s * 1e3
@@ -302,7 +358,9 @@ def command(
         1.0, "--link-share", min=0.01, max=1.0, help="Linking thread's share while decoding."
     ),
     modes: str = typer.Option(
-        "background,reads,step", "--modes", help="Head-of-line load modes to run."
+        "reads,background,step,exact",
+        "--modes",
+        help="Head-of-line load modes to run (exact: the same prompts as plain vLLM requests).",
     ),
     out: str = typer.Option("out/linking", "--out", help="Folder for JSON and PNGs."),
 ) -> None:
@@ -316,11 +374,15 @@ def command(
         from mpic.deployments.config import ServeAppConfig
 
         model = prepare_local(ServeAppConfig()).engine.model
-    names = {"background": True, "reads": "reads", "step": False}
+    names = {"background": True, "reads": "reads", "step": False, "exact": "reads"}
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    if unknown := set(chosen) - set(names):
+        raise typer.BadParameter(f"unknown mode(s) {sorted(unknown)}; choose from {list(names)}")
     hol = [
-        head_of_line(model, delay_ms / 1e3, names[m.strip()], link_share=link_share)
-        for m in modes.split(",")
-        if m.strip()
+        head_of_line(
+            model, delay_ms / 1e3, names[m], link_share=link_share, exact=m == "exact"
+        )  # fmt: skip
+        for m in chosen
     ]
     bat = [batching(model, requests, batch_links=b) for b in (True, False)]
     table = Table(title="Linking on the vLLM worker")
@@ -328,9 +390,12 @@ def command(
         table.add_column(col)
     for h in hol:
         table.add_row(
-            f"{mode_name(h.async_loads)}, GET +{h.delay_s * 1e3:.0f} ms",
+            f"{mode_name(h.async_loads, h.exact)}, GET +{h.delay_s * 1e3:.0f} ms",
             f"ITL {h.itl_unloaded_ms:.1f} -> {h.itl_loading_ms:.1f} ms (x{h.ratio:.2f}, max "
-            f"{h.itl_max_loading_ms:.0f}); new TTFT p50 {np.median(h.new_ttft_ms):.0f} ms",
+            f"{h.itl_max_loading_ms:.0f}); while only reads run {h.itl_reads_ms:.1f} ms "
+            f"(x{h.reads_ratio:.2f}, max {h.itl_reads_max_ms:.0f}, {h.reads_gaps} gaps); "
+            f"over link passes {h.itl_linking_ms:.1f} ms; "
+            f"new TTFT p50 {np.median(h.new_ttft_ms):.0f} ms",
         )
     for b in bat:
         table.add_row(

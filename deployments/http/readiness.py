@@ -7,8 +7,11 @@ Serve's queue for minutes; instead it gets a fast 503 `not_ready` with `Retry-Af
 `GET /readyz` answers 503 (the KubeRay manifests' readiness probes, k8s/rayservice.yaml).
 
 Serve's controller knows the replica states (`serve.status()`); `AppReadiness` polls them on a
-background task every `period_s`, so a request only reads the last answer (no controller call on
-the request path). A replica that dies later (engine restart) turns readiness off again until
+background task, every `period_s` (0.5 s) while the application starts and every
+`ready_period_s` (5 s) once it is ready, so a request only reads the last answer (no controller
+call on the request path). Each `serve.status()` serialises the application's config (the
+request-router class with it): polled every 0.5 s for good it kept an idle Ingress replica at
+~20% of a CPU core, more than half of it in that call (py-spy, 2-core host). A replica that dies later (engine restart) turns readiness off again until
 Serve has replaced it. A poll's answer is as old as the moment its probe began, and on a busy
 host `serve.status()` takes seconds, while Serve's router hears of a new replica at once: a chat
 can be served by the replacement while the last answer still says it is starting. A served chat
@@ -74,8 +77,9 @@ def replica_probe() -> Probe | None:
 class AppReadiness:
     """The cached readiness of the application (see the module docstring).
 
-    probe: deployment -> can serve (None: always ready); period_s: how often it is polled;
-    retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a first request
+    probe: deployment -> can serve (None: always ready); period_s: how often it is polled
+    until the application is ready, ready_period_s: after (how late a replica that died is
+    noticed, unless a chat meets it first); retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a first request
     waits for the first answer (a request never waits longer, hence the fast 503);
     poll_timeout_s: how long one poll may take (a poll that fails or times out after the app was
     ready keeps the ready answer)."""
@@ -84,12 +88,14 @@ class AppReadiness:
         self,
         probe: Probe | None,
         period_s: float = 0.5,
+        ready_period_s: float = 5.0,
         retry_after_s: int = 5,
         probe_timeout_s: float = 0.5,
         poll_timeout_s: float = 10.0,
     ) -> None:
         self._probe = probe
         self.period_s = period_s
+        self.ready_period_s = ready_period_s
         self.retry_after_s = retry_after_s
         self.probe_timeout_s = probe_timeout_s
         self.poll_timeout_s = poll_timeout_s
@@ -139,7 +145,7 @@ class AppReadiness:
     async def _loop(self) -> None:
         while True:
             await self._poll_once()
-            await asyncio.sleep(self.period_s)
+            await asyncio.sleep(self.ready_period_s if self._ready else self.period_s)
 
     async def check(self) -> bool:
         """Readiness now: starts the polling task on first use (waiting at most

@@ -34,7 +34,8 @@ their share of the budget on item tokens, as in the reference runner. Where no e
 context (or the prefill fails) the prefix is recomputed as before. `stats` counts passes and
 requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`), prefixes
 (`prefix_linked` requests, `prefix_tokens`, `prefix_contexts` prefilled) and link
-time (`link_ms_in_step`, `link_ms_background`, `link_spans`), read by the engine's owner with
+time (`link_ms_in_step`, `link_ms_background`) with recent spans (`link_spans`, `read_spans`),
+read by the engine's owner with
 `collective_rpc("mpic_connector_stats")`.
 
 The model: the `mpic` vLLM plugin hands this process's model runner to `attach_runner` right
@@ -172,8 +173,10 @@ class MPICWorker:
             "prefix_contexts": 0,
         }
         """Counters; `link_ms_*`: wall time of link passes inside steps / on the linking
-        thread; `link_spans`: the linking thread's last 64 batches (start, end, requests) in
-        `time.perf_counter` (CLOCK_MONOTONIC: comparable across this host's processes)."""
+        thread; `link_spans`: the last 64 link batches (start, end, requests, "step" or
+        "thread"); `read_spans`: the last 64 async jobs' reads (start, all entries in memory,
+        entries), both in `time.perf_counter` (CLOCK_MONOTONIC: comparable across this host's
+        processes; `mpic bench linking` lays them beside the decoders' tokens)."""
         self._shifted: list[PagedLinkedKV] = []
         """Linked KV whose keys are shifted for this step's forward (restored after it)."""
 
@@ -251,11 +254,9 @@ class MPICWorker:
             except LOAD_ERRORS as exc:
                 self._fail(loading.job, exc)
                 continue
-            logger.debug(
-                "MPIC: %s entries in memory after %.1f ms",
-                rid,
-                1e3 * (time.perf_counter() - loading.began),
-            )
+            now = time.perf_counter()
+            logger.debug("MPIC: %s entries in memory in %.1f ms", rid, 1e3 * (now - loading.began))
+            self._span("read_spans", (loading.began, now, len(loading.reads)))
             entries = [got[e] for e in loading.job.entry_ids]
             if loading.job.phase2 == "link":  # linked in its last token's step
                 self._held[rid] = entries
@@ -269,8 +270,15 @@ class MPICWorker:
         if in_step:
             began = time.perf_counter()
             self._link_all(in_step)
-            self.stats["link_ms_in_step"] += 1e3 * (time.perf_counter() - began)
+            end = time.perf_counter()
+            self.stats["link_ms_in_step"] += 1e3 * (end - began)
+            self._span("link_spans", (began, end, len(in_step), "step"))
         self._start_linking()
+
+    def _span(self, key: str, span: tuple) -> None:
+        """Keep `span` among the last 64 of `stats[key]` (`link_spans`, `read_spans`)."""
+        with self._lock:  # a new list: a copy of `stats` being sent never sees it change
+            self.stats[key] = [*self.stats.get(key, [])[-63:], span]
 
     def _start_reads(self, job: LinkJob) -> None:
         store = self.store()
@@ -361,8 +369,7 @@ class MPICWorker:
             with self._lock:
                 self.stats["link_ms_background"] += 1e3 * (end - began)
                 self.stats["link_ms_paused"] = 1e3 * self._pacer.slept_s
-                spans = self.stats.setdefault("link_spans", [])
-                spans[:] = [*spans[-63:], (began, end, len(ready))]
+            self._span("link_spans", (began, end, len(ready), "thread"))
 
     def _report(self, job: LinkJob, failed: bool) -> None:
         """An async job is done (call with the lock held): finished receiving (and failed

@@ -21,7 +21,7 @@ from tests.deployments.conftest import ServeApp, serve_config
 
 def test_not_ready_until_every_deployment_can_serve() -> None:
     states = {"Ingress": True, "LLMWorker": False}
-    ready = AppReadiness(lambda: dict(states), period_s=0.05)
+    ready = AppReadiness(lambda: dict(states), period_s=0.05, ready_period_s=0.05)
 
     async def run() -> None:
         with pytest.raises(NotReadyError) as err:
@@ -51,7 +51,7 @@ def test_a_served_chat_outdates_a_probe_that_began_before_it() -> None:
         time.sleep(0.3)
         return seen
 
-    ready = AppReadiness(slow_probe, period_s=0.01, probe_timeout_s=1.0)
+    ready = AppReadiness(slow_probe, period_s=0.01, ready_period_s=0.01, probe_timeout_s=1.0)
 
     async def run() -> None:
         assert not await ready.check()
@@ -66,6 +66,33 @@ def test_a_served_chat_outdates_a_probe_that_began_before_it() -> None:
         states["LLMWorker"] = False  # the replica dies later: probes after the chat count
         await asyncio.sleep(0.8)
         assert not await ready.check()
+
+    asyncio.run(run())
+
+
+def test_polls_slow_down_once_ready() -> None:
+    """`serve.status()` is not free (it serialises the app's config): fast polls while the
+    application starts, `ready_period_s` apart once it is ready."""
+    states = {"Ingress": True, "LLMWorker": False}
+    calls: list[float] = []
+
+    def probe() -> dict[str, bool]:
+        calls.append(time.monotonic())
+        return dict(states)
+
+    ready = AppReadiness(probe, period_s=0.02, ready_period_s=0.5)
+
+    async def run() -> None:
+        assert not await ready.check()
+        await asyncio.sleep(0.3)
+        starting = len(calls)
+        assert starting >= 5  # 0.02 s apart while starting
+        states["LLMWorker"] = True
+        await asyncio.sleep(0.1)
+        assert await ready.check()
+        settled = len(calls)
+        await asyncio.sleep(0.4)
+        assert len(calls) - settled <= 1  # 0.5 s apart once ready
 
     asyncio.run(run())
 
