@@ -8,10 +8,11 @@ Serve's queue for minutes; instead it gets a fast 503 `not_ready` with `Retry-Af
 
 Serve's controller knows the replica states (`serve.status()`); `AppReadiness` polls them on a
 background task, every `period_s` (0.5 s) while the application starts and every
-`ready_period_s` (5 s) once it is ready, so a request only reads the last answer (no controller
+`ready_period_s` (2 s) once it is ready, so a request only reads the last answer (no controller
 call on the request path). Each `serve.status()` serialises the application's config (the
 request-router class with it): polled every 0.5 s for good it kept an idle Ingress replica at
-~20% of a CPU core, more than half of it in that call (py-spy, 2-core host). A replica that dies later (engine restart) turns readiness off again until
+~20% of a CPU core, more than half of it in that call (py-spy, 2-core host). A replica that
+dies later (engine restart) turns readiness off again, at the next poll, until
 Serve has replaced it. A poll's answer is as old as the moment its probe began, and on a busy
 host `serve.status()` takes seconds, while Serve's router hears of a new replica at once: a chat
 can be served by the replacement while the last answer still says it is starting. A served chat
@@ -79,8 +80,8 @@ class AppReadiness:
 
     probe: deployment -> can serve (None: always ready); period_s: how often it is polled
     until the application is ready, ready_period_s: after (how late a replica that died is
-    noticed, unless a chat meets it first); retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a first request
-    waits for the first answer (a request never waits longer, hence the fast 503);
+    noticed); retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a
+    first request waits for the first answer (a request never waits longer, hence the fast 503);
     poll_timeout_s: how long one poll may take (a poll that fails or times out after the app was
     ready keeps the ready answer)."""
 
@@ -88,7 +89,7 @@ class AppReadiness:
         self,
         probe: Probe | None,
         period_s: float = 0.5,
-        ready_period_s: float = 5.0,
+        ready_period_s: float = 2.0,
         retry_after_s: int = 5,
         probe_timeout_s: float = 0.5,
         poll_timeout_s: float = 10.0,
