@@ -10,8 +10,8 @@ Serve's controller knows the replica states (`serve.status()`); `AppReadiness` p
 background task, every `period_s` (0.5 s) while the application starts and every
 `ready_period_s` (2 s) once it is ready, so a request only reads the last answer (no controller
 call on the request path). Each `serve.status()` serialises the application's config (the
-request-router class with it): polled every 0.5 s for good it kept an idle Ingress replica at
-~20% of a CPU core, more than half of it in that call (py-spy, 2-core host). A replica that
+request-router class with it): an idle Ingress replica of `mpic serve` used 12.3% of a CPU core
+polling every 0.5 s for good, 4.9% with 2 s once ready (60 s each, 2-core host). A replica that
 dies later (engine restart) turns readiness off again, at the next poll, until
 Serve has replaced it. A poll's answer is as old as the moment its probe began, and on a busy
 host `serve.status()` takes seconds, while Serve's router hears of a new replica at once: a chat
