@@ -139,11 +139,9 @@ def head_of_line(
             model, storage, async_loads=async_loads, link_share=link_share, max_num_seqs=16
         )
         try:
-            media = {}
-            entries = []
-            for i in range(new * images):
-                entries.append(engine.cache_image(png(100 + i)))
-                media[entries[-1].entry_id] = png(100 + i)
+            pngs = [png(100 + i) for i in range(new * images)]
+            entries = [engine.cache_image(data) for data in pngs]
+            media = {e.entry_id: data for e, data in zip(entries, pngs, strict=True)}
             gets0 = s3.proxy.gets
 
             async def run() -> tuple[list[list[float]], list[float], float, float]:
@@ -204,7 +202,7 @@ def head_of_line(
                 elif any(s < rb and ra < e for s, e in reads):
                     reading.append(gap)
     unloaded = statistics.mean(before)
-    loading = _mean(during)
+    loading, reads_only = _mean(during), _mean(reading)
     return HeadOfLine(
         async_loads=async_loads,
         exact=exact,
@@ -214,10 +212,10 @@ def head_of_line(
         itl_loading_ms=loading,
         itl_max_loading_ms=max(during, default=float("nan")),
         ratio=loading / unloaded,
-        itl_reads_ms=_mean(reading),
+        itl_reads_ms=reads_only,
         itl_reads_max_ms=max(reading, default=float("nan")),
         reads_gaps=len(reading),
-        reads_ratio=_mean(reading) / unloaded,
+        reads_ratio=reads_only / unloaded,
         itl_linking_ms=_mean(linking),
         new_ttft_ms=[1e3 * t for t in ttfts],
         gets=gets,
