@@ -17,8 +17,9 @@ mask (device index).
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+try:  # torch >= 2.9: `return_aux` (`return_lse` warns as deprecated, and dynamo guards on that)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = None
+
 from mpic.kernels.attention_backend import AttentionBackend
 
 _COMPILED: dict[str, Any] = {}
+"""`torch.compile(flex_attention)` per compile backend name, built once per process."""
 
 # Kernel options tried in order when torch.compile lowers FlexAttention. On an H100 with torch
 # 2.11 the default configs fail to lower for head size 64 (fp32 and bf16: "NoValidChoicesError:
@@ -43,24 +50,94 @@ _WORKING_OPTIONS: dict[tuple[str, torch.dtype, int], int] = {}
 _UNFUSED: set[str] = set()
 """Device types where the fused corrected attention failed to run (this process)."""
 
-
-def _compiled_flex() -> Any:
-    """torch.compile(flex_attention, dynamic=True), built once per process."""
-    if "flex" not in _COMPILED:
-        # dynamic: one graph for every query/key length, so serving many prompt shapes does not
-        # recompile per request (torch stops compiling a function after its recompile limit, 8,
-        # and runs it eagerly: FlexAttention's eager path materialises the scores and syncs).
-        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED["flex"]
+logger = logging.getLogger(__name__)
 
 
-def _call_compiled(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any) -> Any:
-    """The compiled call with the first `KERNEL_OPTIONS` entry that lowers for this input kind."""
+@dataclass
+class CompileStats:
+    """What compiled FlexAttention did in this process (`compile_stats`)."""
+
+    eager_falls: int = 0
+    """Calls that ran eagerly because the compiled call hit dynamo's recompile limit."""
+    last_fall: str = ""
+    """Why the last fall happened (dynamo's message, first line)."""
+
+
+_STATS = CompileStats()
+
+
+def compile_stats() -> dict[str, Any]:
+    """This process's compiled-FlexAttention figures: `graphs` (graphs dynamo holds for
+    `flex_attention`, any compile backend; None where torch does not say), `eager_falls`
+    (calls run eagerly after a recompile-limit hit) and `last_fall` (its reason)."""
+    return {
+        "graphs": _graph_count(),
+        "eager_falls": _STATS.eager_falls,
+        "last_fall": _STATS.last_fall,
+    }
+
+
+def _graph_count() -> int | None:
+    """Graphs dynamo keeps for `flex_attention`'s code object (each recompile adds one; at
+    `torch._dynamo.config.recompile_limit` a compiled call stops compiling)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(flex_attention.__code__))
+    except Exception:  # a private helper: absent or changed in another torch
+        return None
+
+
+def _causal(q_index: torch.Tensor, keep: torch.Tensor | None) -> Callable[..., Any]:
+    """A FlexAttention mask_mod: key `kv_idx` is visible to query `q_idx` iff kv_idx <=
+    q_index[q_idx] (causal by prompt index) and, with `keep` (bool [keys]), keep[kv_idx] (the
+    corrected path's groups: the linked keys, or the rest).
+
+    Every mask is built here from two functions defined once, so mask_mods share two code
+    objects and dynamo reads q_index and keep as graph inputs: a new request does not recompile
+    (dynamo guards on the mask function's code; per-request closures of several functions once
+    reached its recompile limit within minutes of serving, and FlexAttention then ran eagerly).
+    The plain rule has no `keep` gather: torch 2.13's CPU inductor cannot generate it."""
+    if keep is None:
+
+        def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return kv_idx <= q_index[q_idx]
+
+        return causal
+
+    def causal_kept(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_index[q_idx]) & keep[kv_idx]
+
+    return causal_kept
+
+
+def _compiled_flex(backend: str) -> Any:
+    """torch.compile(flex_attention, dynamic=True, fullgraph=True) with dynamo `backend`, built
+    once per process and backend."""
+    if backend not in _COMPILED:
+        # dynamic: one graph for every query/key length. fullgraph: at dynamo's recompile limit
+        # the call raises instead of silently running eagerly, so `_call_compiled` counts and
+        # logs the fall (FlexAttention's eager path materialises the scores and syncs).
+        _COMPILED[backend] = torch.compile(
+            flex_attention, dynamic=True, fullgraph=True, backend=backend
+        )
+    return _COMPILED[backend]
+
+
+def _call_compiled(
+    backend: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any
+) -> Any:
+    """The compiled call with the first `KERNEL_OPTIONS` entry that lowers for this input kind;
+    past dynamo's recompile limit, the eager call (counted in `compile_stats`, logged once)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
     key = (qh.device.type, qh.dtype, qh.shape[-1])
     start = _WORKING_OPTIONS.get(key, 0)
     for i in range(start, len(KERNEL_OPTIONS)):
         try:
-            out = _compiled_flex()(qh, kh, vh, kernel_options=KERNEL_OPTIONS[i], **kwargs)
+            out = _compiled_flex(backend)(qh, kh, vh, kernel_options=KERNEL_OPTIONS[i], **kwargs)
+        except FailOnRecompileLimitHit as exc:
+            return _eager_fall(exc, qh, kh, vh, **kwargs)
         except Exception:  # inductor lowering errors have no stable public type
             if i == len(KERNEL_OPTIONS) - 1:
                 raise
@@ -68,6 +145,32 @@ def _call_compiled(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwarg
         _WORKING_OPTIONS[key] = i
         return out
     raise AssertionError("unreachable")
+
+
+def _eager_fall(
+    exc: Exception, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any
+) -> Any:
+    """Run FlexAttention eagerly after a recompile-limit hit: counted, logged once per process."""
+    cause = exc.__cause__ or exc
+    reason = " ".join(str(cause).split())[:300] or type(exc).__name__
+    if _STATS.eager_falls == 0:
+        logger.warning(
+            "compiled FlexAttention hit dynamo's recompile limit (%s graphs); running it eagerly "
+            "from now on (slow: materialised scores; TORCH_LOGS=recompiles shows each "
+            "recompile's failing guard). Reason: %s",
+            _graph_count(),
+            reason,
+        )
+    _STATS.eager_falls += 1
+    _STATS.last_fall = reason
+    return _eager_flex(qh, kh, vh, **kwargs)
+
+
+def _eager_flex(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any) -> Any:
+    """FlexAttention's eager path (its warning about it silenced: chosen on purpose here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*without torch.compile", UserWarning)
+        return flex_attention(qh, kh, vh, **kwargs)
 
 
 @dataclass
@@ -79,12 +182,32 @@ class FlexCorrected:
     """`kv_idx <= q_index[q_idx]` and the key is linked (group A)."""
     other_mask: BlockMask
     """`kv_idx <= q_index[q_idx]` and the key is not linked (group B)."""
-    kv_len: int
-    """Keys [0, kv_len) are passed to the kernel (as `FlexState.kv_len`)."""
+    shape: FlexShape
+    """Query rows and keys the masks cover (padded: `FlexShape`)."""
     args: tuple[torch.Tensor, torch.Tensor, int]
     """(q_index, linked, num_keys): to build the unfused state if the fused call fails."""
     fallback: Any = None
     """`mpic.kernels.correction`'s state, once the fused call has failed."""
+
+
+@dataclass(frozen=True)
+class FlexShape:
+    """The sizes one query set's FlexAttention calls run at.
+
+    A block mask of ONE query block or ONE key block has size-1 dimensions, which dynamo
+    specialises (a graph for 1, another for > 1, then recompiles), so short query sets and
+    short key ranges are padded to two blocks: extra query rows repeat the last query's index
+    (their output is dropped), extra keys lie past every query's index (masked out)."""
+
+    rows: int
+    """Real query rows S."""
+    padded_rows: int
+    """Rows the kernel runs (S, or two blocks when S fits one)."""
+    kv_len: int
+    """Keys [0, kv_len) may be visible: max(q_index) + 1 for host indices, all keys for device
+    indices (reading the maximum would sync; the mask skips the rest)."""
+    padded_kv: int
+    """Keys the kernel reads (kv_len, or two blocks when kv_len fits one)."""
 
 
 @dataclass
@@ -92,20 +215,24 @@ class FlexState:
     """What `FlexBackend.prepare` builds for one query set."""
 
     block_mask: BlockMask | None
-    """Mask over [S, kv_len]; None for a single query."""
+    """Mask over the padded [rows, keys] (`shape`); None for a single query."""
     kv_len: int
-    """Keys [0, kv_len) are passed to the kernel: max(q_index) + 1 for host indices, all keys
-    for device indices (reading the maximum would sync; the mask skips the rest)."""
+    """Keys [0, kv_len) are visible to some query (see `FlexShape.kv_len`)."""
     single_mask: torch.Tensor | None = None
     """bool [1, kv_len] for a single query on a device (key j visible iff j <= its index)."""
+    shape: FlexShape | None = None
+    """The padded sizes of the block mask (None for a single query)."""
 
 
 class FlexBackend(AttentionBackend):
     """One FlexAttention call per layer (see the module docstring).
 
-    compile: None = compiled on CUDA, eager elsewhere; True/False to force. read_indices: None =
-    bound the keys by max(q_index) only where the indices are host tensors (reading device
-    indices would sync); False never reads them (the sync-free path, also testable on CPU).
+    compile: None = compiled on CUDA, eager elsewhere; True/False to force. compile_backend:
+    dynamo's backend for the compiled call (`inductor`, the fused Triton kernel on CUDA;
+    `aot_eager` runs the compiled path on the CPU, where torch 2.13's inductor cannot generate
+    FlexAttention's CPU code: tests). read_indices: None = bound the keys by max(q_index) only
+    where the indices are host tensors (reading device indices would sync); False never reads
+    them (the sync-free path, also testable on CPU).
     """
 
     name = "flex"
@@ -116,6 +243,7 @@ class FlexBackend(AttentionBackend):
         block_size: int = 128,
         read_indices: bool | None = None,
         fused_correction: bool | None = None,
+        compile_backend: str = "inductor",
     ) -> None:
         self.compile = compile
         self.block_size = block_size
@@ -124,6 +252,7 @@ class FlexBackend(AttentionBackend):
         """The linked-key correction as two FlexAttention calls returning their log-sum-exps:
         None = on CUDA (where the CPU's two fused SDPA calls do not run), True/False to force.
         Off on a device type where a fused call has failed in this process (`_UNFUSED`)."""
+        self.compile_backend = compile_backend
 
     def prepare(self, q_index: torch.Tensor, num_keys: int) -> FlexState:
         """Block mask of `kv_idx <= q_index[q_idx]`, built on q_index's device without a sync."""
@@ -133,11 +262,8 @@ class FlexBackend(AttentionBackend):
                 return FlexState(None, kv_len)
             keys = torch.arange(kv_len, device=q_index.device)
             return FlexState(None, kv_len, (keys <= q_index)[None])
-
-        def causal_by_index(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return kv_idx <= q_index[q_idx]
-
-        return FlexState(self._block_mask(causal_by_index, q_index, kv_len), kv_len)
+        shape = self._shape(q_index, kv_len)
+        return FlexState(self._block_mask(q_index, None, shape), kv_len, shape=shape)
 
     def _on_host(self, q_index: torch.Tensor) -> bool:
         """Whether the indices may be read (host tensors, unless `read_indices` says)."""
@@ -148,14 +274,29 @@ class FlexBackend(AttentionBackend):
         read), else all `num_keys` (the block mask skips the rest; no sync)."""
         return min(int(q_index[-1]) + 1, num_keys) if self._on_host(q_index) else num_keys
 
-    def _block_mask(self, rule: Any, q_index: torch.Tensor, kv_len: int) -> BlockMask:
-        """FlexAttention block mask of `rule(b, h, q_idx, kv_idx)` over [S, kv_len]."""
+    def _shape(self, q_index: torch.Tensor, kv_len: int) -> FlexShape:
+        """`FlexShape` of S = len(q_index) queries over kv_len keys."""
+
+        def two_blocks(n: int) -> int:
+            return n if n > self.block_size else 2 * self.block_size
+
+        rows = int(q_index.numel())
+        return FlexShape(rows, two_blocks(rows), kv_len, two_blocks(kv_len))
+
+    def _block_mask(
+        self, q_index: torch.Tensor, keep: torch.Tensor | None, shape: FlexShape
+    ) -> BlockMask:
+        """FlexAttention block mask of `_causal(q_index, keep)` over the padded [rows, keys] of
+        `shape`; keep: None or bool [padded_kv] on q_index's device."""
+        pad = shape.padded_rows - shape.rows
+        if pad:  # the extra rows see what the last query sees (their output is dropped)
+            q_index = torch.cat([q_index, q_index[-1:].expand(pad)])
         return create_block_mask(
-            rule,
+            _causal(q_index, keep),
             B=None,
             H=None,
-            Q_LEN=int(q_index.numel()),
-            KV_LEN=kv_len,
+            Q_LEN=shape.padded_rows,
+            KV_LEN=shape.padded_kv,
             device=q_index.device,
             BLOCK_SIZE=self.block_size,
         )
@@ -167,19 +308,13 @@ class FlexBackend(AttentionBackend):
         # decoding (one query) and a device where the fused call failed: the default path
         if not fused or q_index.device.type in _UNFUSED or q_index.numel() < 2:
             return super().prepare_corrected(q_index, linked, num_keys)
-        kv_len = self._kv_len(q_index, num_keys)
-        link = linked[:kv_len].to(q_index.device)
-
-        def in_linked(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return (kv_idx <= q_index[q_idx]) & link[kv_idx]
-
-        def in_other(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return (kv_idx <= q_index[q_idx]) & ~link[kv_idx]
-
+        shape = self._shape(q_index, self._kv_len(q_index, num_keys))
+        link = torch.zeros(shape.padded_kv, dtype=torch.bool, device=q_index.device)
+        link[: shape.kv_len] = linked[: shape.kv_len].to(q_index.device)
         return FlexCorrected(
-            self._block_mask(in_linked, q_index, kv_len),
-            self._block_mask(in_other, q_index, kv_len),
-            kv_len,
+            self._block_mask(q_index, link, shape),
+            self._block_mask(q_index, ~link, shape),
+            shape,
             (q_index, linked, num_keys),
         )
 
@@ -234,7 +369,7 @@ class FlexBackend(AttentionBackend):
         masks = (prepared.linked_mask, prepared.other_mask)
         # per group: out [H, S, D], lse [H, S] (-inf for a query that sees no key of the group)
         (out_a, lse_a), (out_b, lse_b) = self._flex_calls(
-            q, keys, values, prepared.kv_len, masks, scale, return_lse=True
+            q, keys, values, prepared.shape, masks, scale, return_lse=True
         )
         return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
@@ -243,44 +378,48 @@ class FlexBackend(AttentionBackend):
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        kv_len: int,
+        shape: FlexShape,
         masks: Sequence[BlockMask],
         scale: float | None,
         return_lse: bool = False,
     ) -> list[Any]:
         """One FlexAttention call per block mask over the same q [S, H, D] and keys/values
-        [kv_len of N, H_kv, D]: compiled where `compile` says (the head size zero-padded to a
-        power of two, as fused kernels want), else eager. Per mask: out [H, S, D], or with
-        `return_lse` (out, lse [H, S])."""
+        [N, H_kv, D] (the first `shape.padded_kv` keys; rows and keys zero-padded to `shape`):
+        compiled where `compile` says (the head size zero-padded to a power of two, as fused
+        kernels want), else eager. Per mask: out [H, S, D], or with `return_lse` (out, lse
+        [H, S])."""
         head_dim = q.shape[-1]
         kwargs: dict[str, Any] = {
             "scale": head_dim**-0.5 if scale is None else scale,
             "enable_gqa": q.shape[1] != keys.shape[1],
         }
-        if return_lse:
+        if return_lse and AuxRequest is not None:
+            kwargs["return_aux"] = AuxRequest(lse=True)
+        elif return_lse:
             kwargs["return_lse"] = True
         qh = q.transpose(0, 1)[None]  # [1, H, S, D]
-        kh = keys[:kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
-        vh = values[:kv_len].transpose(0, 1)[None]
+        kh = keys[: shape.padded_kv].transpose(0, 1)[None]  # [1, H_kv, <= padded_kv, D]
+        vh = values[: shape.padded_kv].transpose(0, 1)[None]
         compiled = q.is_cuda if self.compile is None else self.compile
+        head_pad = (1 << (head_dim - 1).bit_length()) - head_dim if compiled else 0
+        row_pad, key_pad = shape.padded_rows - shape.rows, shape.padded_kv - kh.shape[2]
+        if head_pad or row_pad:
+            qh = F.pad(qh, (0, head_pad, 0, row_pad))
+        if head_pad or key_pad:  # keys past the tensor: zeros, masked out
+            kh, vh = F.pad(kh, (0, head_pad, 0, key_pad)), F.pad(vh, (0, head_pad, 0, key_pad))
         if compiled:
-            padded = 1 << (head_dim - 1).bit_length()
-            if padded != head_dim:
-                pad = (0, padded - head_dim)
-                qh, kh, vh = F.pad(qh, pad), F.pad(kh, pad), F.pad(vh, pad)
             qh, kh, vh = qh.contiguous(), kh.contiguous(), vh.contiguous()
         results = []
         for mask in masks:
             if compiled:
-                res = _call_compiled(qh, kh, vh, block_mask=mask, **kwargs)
+                res = _call_compiled(self.compile_backend, qh, kh, vh, block_mask=mask, **kwargs)
             else:
-                with warnings.catch_warnings():  # the eager path is chosen on purpose here
-                    warnings.filterwarnings("ignore", ".*without torch.compile", UserWarning)
-                    res = flex_attention(qh, kh, vh, block_mask=mask, **kwargs)
+                res = _eager_flex(qh, kh, vh, block_mask=mask, **kwargs)
             if return_lse:
-                results.append((res[0][0, ..., :head_dim], res[1][0]))
+                out, lse = res[0], res[1].lse if AuxRequest is not None else res[1]
+                results.append((out[0, :, : shape.rows, :head_dim], lse[0, :, : shape.rows]))
             else:
-                results.append(res[0, ..., :head_dim])
+                results.append(res[0, :, : shape.rows, :head_dim])
         return results
 
     def attend(
@@ -292,7 +431,7 @@ class FlexBackend(AttentionBackend):
         scale: float | None = None,
     ) -> torch.Tensor:
         """One FlexAttention (or, for one query, SDPA) call -> [S, H, D]."""
-        if state.block_mask is None:
+        if state.block_mask is None or state.shape is None:
             qh = q.transpose(0, 1)[None]  # [1, H, S, D]
             kh = keys[: state.kv_len].transpose(0, 1)[None]  # [1, H_kv, kv_len, D]
             vh = values[: state.kv_len].transpose(0, 1)[None]
@@ -305,5 +444,5 @@ class FlexBackend(AttentionBackend):
                 enable_gqa=q.shape[1] != keys.shape[1],
             )
             return out[0].transpose(0, 1)
-        (out,) = self._flex_calls(q, keys, values, state.kv_len, [state.block_mask], scale)
+        (out,) = self._flex_calls(q, keys, values, state.shape, [state.block_mask], scale)
         return out.transpose(0, 1)

@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from mpic.kernels.attention import SelectiveAttention, default_backend_name
+from mpic.kernels.attention_backend import AttentionBackend
 from mpic.linker.correction import LinkCorrection
 
 
 class DenseLinkedKV:
     """Linked KV of one sequence; indices are prompt (then decode) indices.
 
-    backend: an attention backend name (`mpic.kernels.attention.BACKENDS`), default by device.
+    backend: an attention backend name (`mpic.kernels.attention.BACKENDS`) or instance (e.g.
+    a configured `FlexBackend`), default by device.
     """
 
     def __init__(
@@ -31,7 +33,7 @@ class DenseLinkedKV:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        backend: str | None = None,
+        backend: str | AttentionBackend | None = None,
     ) -> None:
         shape = (num_layers, capacity, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)

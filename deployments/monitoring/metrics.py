@@ -18,6 +18,10 @@ Series (all prefixed `mpic_`; Ray appends `_total` to counters in the exposition
                                   the LLM worker's entry-store tiers (memory / disk / object)
   recomputed_tokens, tier_hits{tier}
                                   prompt tokens computed (not linked); entries per tier
+  flex_eager_falls, flex_graphs   the LLM worker process's compiled FlexAttention: calls run
+                                  eagerly after dynamo's recompile limit (should stay 0), and
+                                  the graphs dynamo holds (`mpic.kernels.flex.compile_stats`;
+                                  the reference engine's, whose layers run in that process)
 The same requests are also recorded under vLLM's names (`vllm:time_to_first_token_seconds`,
 ...; `mpic.deployments.monitoring.vllm_metrics`), shown by `/metrics` summed over replicas.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import logging
 
-from ray.serve.metrics import Counter, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from mpic.deployments.messages import DoneEvent
 from mpic.deployments.monitoring.vllm_metrics import VllmRequestMetrics, render_vllm_metrics
@@ -159,6 +163,32 @@ class StoreMetricsExporter:
                 if delta > 0:
                     counter.inc(delta, tags={"tier": tier})
                     self.seen[key] = sample.value
+
+
+class CompileMetricsExporter:
+    """Mirrors this process's compiled-FlexAttention figures (`mpic.kernels.flex.compile_stats`)
+    into Ray Serve series: `mpic_flex_eager_falls` grows by the calls that ran eagerly since the
+    last `export()` (a fall is also logged once, with its reason), `mpic_flex_graphs` is the
+    graphs dynamo holds. Runs in the LLM worker after each generation."""
+
+    def __init__(self) -> None:
+        self.falls = Counter(
+            "mpic_flex_eager_falls",
+            description="FlexAttention calls run eagerly after dynamo's recompile limit.",
+        )
+        self.graphs = Gauge("mpic_flex_graphs", description="Compiled FlexAttention graphs.")
+        self.seen_falls = 0
+
+    def export(self) -> None:
+        """Add the falls since the last call; set the graph count."""
+        from mpic.kernels.flex import compile_stats
+
+        stats = compile_stats()
+        if stats["eager_falls"] > self.seen_falls:
+            self.falls.inc(stats["eager_falls"] - self.seen_falls)
+            self.seen_falls = stats["eager_falls"]
+        if stats["graphs"] is not None:
+            self.graphs.set(stats["graphs"])
 
 
 def gather_cluster_metrics(prefixes: tuple[str, ...] = ("mpic_", "ray_mpic_", "vllm")) -> str:

@@ -25,7 +25,7 @@ from mpic.deployments.engines.tokenization import detokenize, tokenize_chat, tok
 from mpic.deployments.http.schemas import FileObject
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.monitoring.fidelity_monitor import FidelityMonitor
-from mpic.deployments.monitoring.metrics import StoreMetricsExporter
+from mpic.deployments.monitoring.metrics import CompileMetricsExporter, StoreMetricsExporter
 from mpic.deployments.monitoring.vllm_metrics import RunningGauge
 from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
@@ -81,6 +81,7 @@ class LLMWorker:
         self.library = open_library(config.store, self.entries)
         self.sweeper = Sweeper(self.library, config.sweep_interval_s)
         self.store_metrics = StoreMetricsExporter(self.entries.metrics)
+        self.compile_metrics = CompileMetricsExporter()
         lim = config.limits
         self.budget = EngineBudget(
             lim.max_requests_in_flight, lim.max_tokens_in_flight, lim.retry_after_s
@@ -321,6 +322,7 @@ class LLMWorker:
                         if shadow is not None:
                             shadow.update(entries=entries, served=ev.first_token)
                         ev.first_token = None
+                        self.compile_metrics.export()
                     yield ev
             except MPICError:
                 raise

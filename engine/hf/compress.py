@@ -23,6 +23,7 @@ from mpic.engine.item_press import (
     press_context,
     press_item_entry,
 )
+from mpic.kernels.attention_backend import AttentionBackend
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.model_spec import ModelSpec
 from mpic.presses.base import BasePress
@@ -92,7 +93,7 @@ def press_entry_dense(
     entry: CacheEntry,
     press: str,
     budget: float,
-    backend: str | None = None,
+    backend: str | AttentionBackend | None = None,
 ) -> CacheEntry:
     """`press_item_entry` over a fresh dense KV (the reference runner's variant)."""
     planned = canonical_planned(spec, entry)

@@ -31,6 +31,7 @@ from mpic.engine.hf.loader import load_hf_model
 from mpic.engine.protocol import Sampling
 from mpic.engine.request_flow import plan_parts
 from mpic.engine.sampling import Sampler
+from mpic.kernels.attention_backend import AttentionBackend
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import Policy, get_policy
@@ -90,18 +91,18 @@ class ReferenceRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         system_prompt: str | None = None,
-        attention_backend: str | None = None,
+        attention_backend: str | AttentionBackend | None = None,
         decode_correction: bool = True,
         link_prefix: bool = True,
     ) -> None:
         """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
-        `sdpa_runs`); None picks by device (`flex` on CUDA). decode_correction: keep a policy's
-        linked-key correction (`scout-*`) while decoding (False: decode with plain attention,
-        as vLLM's own decode does). link_prefix: link the template/system prefix shared with
-        the entries' canonical context exactly from a prefix cache instead of recomputing it
-        (`mpic.linker.prefix`; every policy but `full` and `prefix`, two-step and in-pass-hook
-        policies recompute it; on by default, as in the vLLM worker, so both engines select the
-        same tokens; False: recompute it)."""
+        `sdpa_runs`, or a configured instance); None picks by device (`flex` on CUDA).
+        decode_correction: keep a policy's linked-key correction (`scout-*`) while decoding (False:
+        decode with plain attention, as vLLM's own decode does). link_prefix: link the
+        template/system prefix shared with the entries' canonical context exactly from a prefix
+        cache instead of recomputing it (`mpic.linker.prefix`; every policy but `full` and `prefix`,
+        two-step and in-pass-hook policies recompute it; on by default, as in the vLLM worker, so
+        both engines select the same tokens; False: recompute it)."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model)
         self.attention_backend = attention_backend
