@@ -4,11 +4,18 @@ the CUDA default, selectable on CPU).
 The mask is the exact causal rule by prompt index, `kv_idx <= q_index[q_idx]`, as a FlexAttention
 block mask built once per query set (`prepare`: once per request in an MPIC pass, shared by all
 layers) on the indices' device without reading them back (no host sync on CUDA); key blocks past
-a query block's last index are skipped by the fused kernel. On CUDA the
-call is `torch.compile`d (a fused Triton kernel; head sizes that are not a power of two, e.g. 80,
-are zero-padded to the next one, which leaves q.k and the output unchanged). On CPU it runs eager
-by default (FlexAttention's reference path materialises the S x N scores: correct, not fast);
-`FlexBackend(compile=True)` compiles there too (~11 s on the first call).
+a query block's last index are skipped by the fused kernel. On CUDA the call is `torch.compile`d
+(a fused Triton kernel; head sizes that are not a power of two, e.g. 80, are zero-padded to the
+next one, which leaves q.k and the output unchanged). On CPU it runs eager by default
+(FlexAttention's reference path materialises the S x N scores: correct, not fast);
+`FlexBackend(compile=True)` compiles there too (~11 s on the first call; `compile_backend=
+"aot_eager"` where inductor cannot generate the CPU code).
+
+Compiled for good: every mask comes from two rules defined once (`_causal`), reading the
+request's tensors as graph inputs, and query or key sets that fit one block are padded to two
+(`FlexShape`), so serving any mix of prompts and policies keeps a few graphs (4 for 200 varied
+prompts under every policy family); a recompile-limit hit is counted, logged and exported
+(`mpic.kernels.compiled`).
 
 Shapes: q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D]; GQA through `enable_gqa`. A single
 query (decode) is one SDPA call over keys [0, i] (host index) or over all keys with a [1, N]
@@ -17,7 +24,6 @@ mask (device index).
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,9 +39,7 @@ except ImportError:  # pragma: no cover - older torch
     AuxRequest = None
 
 from mpic.kernels.attention_backend import AttentionBackend
-
-_COMPILED: dict[str, Any] = {}
-"""`torch.compile(flex_attention)` per compile backend name, built once per process."""
+from mpic.kernels.compiled import compiled
 
 # Kernel options tried in order when torch.compile lowers FlexAttention. On an H100 with torch
 # 2.11 the default configs fail to lower for head size 64 (fp32 and bf16: "NoValidChoicesError:
@@ -49,43 +53,6 @@ KERNEL_OPTIONS: tuple[dict[str, int] | None, ...] = (
 _WORKING_OPTIONS: dict[tuple[str, torch.dtype, int], int] = {}
 _UNFUSED: set[str] = set()
 """Device types where the fused corrected attention failed to run (this process)."""
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CompileStats:
-    """What compiled FlexAttention did in this process (`compile_stats`)."""
-
-    eager_falls: int = 0
-    """Calls that ran eagerly because the compiled call hit dynamo's recompile limit."""
-    last_fall: str = ""
-    """Why the last fall happened (dynamo's message, first line)."""
-
-
-_STATS = CompileStats()
-
-
-def compile_stats() -> dict[str, Any]:
-    """This process's compiled-FlexAttention figures: `graphs` (graphs dynamo holds for
-    `flex_attention`, any compile backend; None where torch does not say), `eager_falls`
-    (calls run eagerly after a recompile-limit hit) and `last_fall` (its reason)."""
-    return {
-        "graphs": _graph_count(),
-        "eager_falls": _STATS.eager_falls,
-        "last_fall": _STATS.last_fall,
-    }
-
-
-def _graph_count() -> int | None:
-    """Graphs dynamo keeps for `flex_attention`'s code object (each recompile adds one; at
-    `torch._dynamo.config.recompile_limit` a compiled call stops compiling)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(flex_attention.__code__))
-    except Exception:  # a private helper: absent or changed in another torch
-        return None
 
 
 def _causal(q_index: torch.Tensor, keep: torch.Tensor | None) -> Callable[..., Any]:
@@ -111,33 +78,18 @@ def _causal(q_index: torch.Tensor, keep: torch.Tensor | None) -> Callable[..., A
     return causal_kept
 
 
-def _compiled_flex(backend: str) -> Any:
-    """torch.compile(flex_attention, dynamic=True, fullgraph=True) with dynamo `backend`, built
-    once per process and backend."""
-    if backend not in _COMPILED:
-        # dynamic: one graph for every query/key length. fullgraph: at dynamo's recompile limit
-        # the call raises instead of silently running eagerly, so `_call_compiled` counts and
-        # logs the fall (FlexAttention's eager path materialises the scores and syncs).
-        _COMPILED[backend] = torch.compile(
-            flex_attention, dynamic=True, fullgraph=True, backend=backend
-        )
-    return _COMPILED[backend]
-
-
 def _call_compiled(
     backend: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any
 ) -> Any:
-    """The compiled call with the first `KERNEL_OPTIONS` entry that lowers for this input kind;
-    past dynamo's recompile limit, the eager call (counted in `compile_stats`, logged once)."""
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
+    """The compiled call (`mpic.kernels.compiled`: dynamic shapes, one graph per mask rule and
+    call kind; past dynamo's recompile limit the eager call answers, counted and logged) with
+    the first `KERNEL_OPTIONS` entry that lowers for this input kind."""
+    call = compiled(flex_attention, backend, eager=_eager_flex)
     key = (qh.device.type, qh.dtype, qh.shape[-1])
     start = _WORKING_OPTIONS.get(key, 0)
     for i in range(start, len(KERNEL_OPTIONS)):
         try:
-            out = _compiled_flex(backend)(qh, kh, vh, kernel_options=KERNEL_OPTIONS[i], **kwargs)
-        except FailOnRecompileLimitHit as exc:
-            return _eager_fall(exc, qh, kh, vh, **kwargs)
+            out = call(qh, kh, vh, kernel_options=KERNEL_OPTIONS[i], **kwargs)
         except Exception:  # inductor lowering errors have no stable public type
             if i == len(KERNEL_OPTIONS) - 1:
                 raise
@@ -145,25 +97,6 @@ def _call_compiled(
         _WORKING_OPTIONS[key] = i
         return out
     raise AssertionError("unreachable")
-
-
-def _eager_fall(
-    exc: Exception, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any
-) -> Any:
-    """Run FlexAttention eagerly after a recompile-limit hit: counted, logged once per process."""
-    cause = exc.__cause__ or exc
-    reason = " ".join(str(cause).split())[:300] or type(exc).__name__
-    if _STATS.eager_falls == 0:
-        logger.warning(
-            "compiled FlexAttention hit dynamo's recompile limit (%s graphs); running it eagerly "
-            "from now on (slow: materialised scores; TORCH_LOGS=recompiles shows each "
-            "recompile's failing guard). Reason: %s",
-            _graph_count(),
-            reason,
-        )
-    _STATS.eager_falls += 1
-    _STATS.last_fall = reason
-    return _eager_flex(qh, kh, vh, **kwargs)
 
 
 def _eager_flex(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, **kwargs: Any) -> Any:

@@ -87,12 +87,15 @@ def run_layers(
         """Host bool mask [S] -> device int64 rows (integer gathers do not sync)."""
         return torch.nonzero(keep).flatten().to(dev)
 
+    # the active set shrinks only at layers equal to some token's depth: check there alone
+    ends = set(depth.unique().tolist())
     for layer in range(adapter.num_layers):
-        keep = depth[rows] > layer
-        if not bool(keep.all()):
-            take = rows_of(keep)
-            hidden, idx, pos = hidden[take], idx[take], pos[..., take]
-            rows = rows[keep]
+        if layer in ends:
+            keep = depth[rows] > layer
+            if not bool(keep.all()):
+                take = rows_of(keep)
+                hidden, idx, pos = hidden[take], idx[take], pos[..., take]
+                rows = rows[keep]
         if rows.numel() == 0:
             break
         q, k, v = adapter.attention_inputs(layer, hidden, pos)

@@ -18,10 +18,11 @@ Series (all prefixed `mpic_`; Ray appends `_total` to counters in the exposition
                                   the LLM worker's entry-store tiers (memory / disk / object)
   recomputed_tokens, tier_hits{tier}
                                   prompt tokens computed (not linked); entries per tier
-  flex_eager_falls, flex_graphs   the LLM worker process's compiled FlexAttention: calls run
-                                  eagerly after dynamo's recompile limit (should stay 0), and
-                                  the graphs dynamo holds (`mpic.kernels.flex.compile_stats`;
-                                  the reference engine's, whose layers run in that process)
+  flex_eager_falls, flex_graphs   the LLM worker process's compiled functions (FlexAttention,
+                                  the layer step): calls run eagerly after dynamo's recompile
+                                  limit (should stay 0), and the graphs dynamo holds
+                                  (`mpic.kernels.compiled.compile_stats`; the reference
+                                  engine's, whose layers run in that process)
 The same requests are also recorded under vLLM's names (`vllm:time_to_first_token_seconds`,
 ...; `mpic.deployments.monitoring.vllm_metrics`), shown by `/metrics` summed over replicas.
 """
@@ -166,7 +167,7 @@ class StoreMetricsExporter:
 
 
 class CompileMetricsExporter:
-    """Mirrors this process's compiled-FlexAttention figures (`mpic.kernels.flex.compile_stats`)
+    """Mirrors this process's compiled-function figures (`mpic.kernels.compiled.compile_stats`)
     into Ray Serve series: `mpic_flex_eager_falls` grows by the calls that ran eagerly since the
     last `export()` (a fall is also logged once, with its reason), `mpic_flex_graphs` is the
     graphs dynamo holds. Runs in the LLM worker after each generation."""
@@ -174,14 +175,17 @@ class CompileMetricsExporter:
     def __init__(self) -> None:
         self.falls = Counter(
             "mpic_flex_eager_falls",
-            description="FlexAttention calls run eagerly after dynamo's recompile limit.",
+            description="Compiled calls (FlexAttention, layer step) run eagerly after dynamo's "
+            "recompile limit.",
         )
-        self.graphs = Gauge("mpic_flex_graphs", description="Compiled FlexAttention graphs.")
+        self.graphs = Gauge(
+            "mpic_flex_graphs", description="Graphs of the compiled FlexAttention and layer step."
+        )
         self.seen_falls = 0
 
     def export(self) -> None:
         """Add the falls since the last call; set the graph count."""
-        from mpic.kernels.flex import compile_stats
+        from mpic.kernels.compiled import compile_stats
 
         stats = compile_stats()
         if stats["eager_falls"] > self.seen_falls:

@@ -77,13 +77,14 @@ def compute_entry(
         adapter.dtype,
         adapter.device,
     )
-    embeds = torch.cat(
-        [
-            adapter.embed_tokens(torch.tensor(context_ids, dtype=torch.int64)),
-            image_embeds.to(adapter.device, adapter.dtype),
-        ]
-    )
-    with torch.inference_mode():
+    with torch.inference_mode():  # every tensor the layers see is an inference tensor, as in
+        # a prefill (a compiled layer step would otherwise keep one more graph for the other kind)
+        embeds = torch.cat(
+            [
+                adapter.embed_tokens(torch.tensor(context_ids, dtype=torch.int64)),
+                image_embeds.to(adapter.device, adapter.dtype),
+            ]
+        )
         run_layers(
             adapter,
             kv,

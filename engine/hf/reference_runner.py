@@ -94,6 +94,8 @@ class ReferenceRunner:
         attention_backend: str | AttentionBackend | None = None,
         decode_correction: bool = True,
         link_prefix: bool = True,
+        compile_layers: bool | None = None,
+        compile_backend: str = "inductor",
     ) -> None:
         """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
         `sdpa_runs`, or a configured instance); None picks by device (`flex` on CUDA).
@@ -102,9 +104,11 @@ class ReferenceRunner:
         template/system prefix shared with the entries' canonical context exactly from a prefix
         cache instead of recomputing it (`mpic.linker.prefix`; every policy but `full` and `prefix`,
         two-step and in-pass-hook policies recompute it; on by default, as in the vLLM worker, so
-        both engines select the same tokens; False: recompute it)."""
+        both engines select the same tokens; False: recompute it). compile_layers: compile the
+        layer step (`mpic.engine.hf.adapters.HFLayerAdapter`; None: on CUDA) with dynamo's
+        `compile_backend`."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
-        self.adapter = make_adapter(self.model)
+        self.adapter = make_adapter(self.model, compile_layers, compile_backend)
         self.attention_backend = attention_backend
         self.decode_correction = decode_correction
         self.scout_scales = load_scale_table(model_dir)
