@@ -304,7 +304,10 @@ class FlexBackend(AttentionBackend):
         (out_a, lse_a), (out_b, lse_b) = self._flex_calls(
             q, keys, values, prepared.shape, masks, scale, return_lse=True
         )
-        return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
+        merge: Any = merge_groups
+        if q.is_cuda if self.compile is None else self.compile:  # one fused kernel, not ~12
+            merge = compiled(merge_groups, self.compile_backend, on_error="eager")
+        return merge(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
     def _flex_calls(
         self,

@@ -14,6 +14,7 @@ prompt's linked keys stay linked).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ class LinkCorrection:
     split_layer: int = 0
     """First layer of `late_scale`."""
     _masks: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict, repr=False)
-    _levels: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _levels: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def active(self) -> bool:
@@ -60,8 +61,8 @@ class LinkCorrection:
         # depths are <= layer, so layers with the same linked set share ONE tensor object (the
         # attention backend keeps its prepared masks while it is handed the same object)
         if "depths" not in self._levels:
-            self._levels["depths"] = torch.unique(self.depth.cpu())
-        level = int((self._levels["depths"] <= layer).sum())
+            self._levels["depths"] = torch.unique(self.depth.cpu()).tolist()
+        level = bisect.bisect_right(self._levels["depths"], layer)  # host ints: no tensor op
         key = (level, capacity, str(device))
         if key not in self._masks:
             mask = linked_mask(self.is_item.cpu(), self.depth.cpu(), layer, capacity)

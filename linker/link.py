@@ -11,6 +11,7 @@ recomputed tokens: text from the embedding table, item tokens from the entry's s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,33 +22,42 @@ from mpic.model_spec import RopeSpec
 from mpic.types import CacheEntry, LinkPlan
 
 
-def link_entries(
-    linked_kv: LinkedKV,
+@dataclass
+class LinkedItems:
+    """Item tokens' cached K/V as linked into one prompt (`linked_items`)."""
+
+    slots: torch.Tensor
+    """int64 [M]: their prompt indices (grouped by entry, ascending within one)."""
+    keys: torch.Tensor
+    """[L, M, H_kv, D]: keys rotated from the canonical positions to the prompt's."""
+    values: torch.Tensor
+    """[L, M, H_kv, D]."""
+
+
+def linked_items(
     plan: LinkPlan,
     entries: Sequence[CacheEntry],
     rope: RopeSpec,
     num_layers: int,
     every_item: bool = False,
     device: torch.device | str | None = None,
-) -> int:
-    """Write rotated cached K/V of item tokens into `linked_kv`: those with recompute_depth < L,
-    or every item token when `every_item` (a policy that drops tokens inside the pass, such as
-    CacheBlend, needs cached KV under all of them).
+) -> LinkedItems | None:
+    """Rotated cached K/V of the item tokens with recompute_depth < L (every item token when
+    `every_item`: a policy that drops tokens inside the pass, such as CacheBlend, needs cached
+    KV under all of them, and a scout reads all their keys); None when there are none.
 
-    In bulk: one gather per entry (all layers at once), ONE RoPE-delta rotation of the keys of
-    all entries ([L, S, H_kv, D]; 1-D RoPE or M-RoPE) and ONE `write_layers` call, so the work is
-    a few tensor ops whatever the number of entries and layers. The plan's tensors are host
-    tensors: the slot selection costs no device sync. device: where to rotate (default: the
-    first entry's device); the linked KV moves the result to its own device.
-
-    entries: aligned with `plan.entry_ids`. Returns the number of token slots linked.
+    In bulk: one gather per entry (all layers at once) and ONE RoPE-delta rotation of the keys of
+    all entries ([L, S, H_kv, D]; 1-D RoPE or M-RoPE), so the work is a few tensor ops whatever
+    the number of entries and layers. The plan's tensors are host tensors: the slot selection
+    costs no device sync. device: where to rotate (default: the first entry's device).
+    entries: aligned with `plan.entry_ids`.
     """
     reused = plan.recompute_depth < num_layers
     if every_item:
         reused = torch.ones_like(reused)
     chosen = reused & (plan.source_entry >= 0)
     if not bool(chosen.any()):
-        return 0
+        return None
     target = torch.device(device) if device is not None else entries[0].keys.device
     slot_parts, key_parts, value_parts, old_parts = [], [], [], []
     for e_idx, entry in enumerate(entries):
@@ -67,8 +77,28 @@ def link_entries(
         plan.positions[..., slots],
         rope,
     )
-    linked_kv.write_layers(slots, keys, torch.cat(value_parts, dim=1))
-    return int(slots.numel())
+    return LinkedItems(slots, keys, torch.cat(value_parts, dim=1))
+
+
+def link_entries(
+    linked_kv: LinkedKV,
+    plan: LinkPlan,
+    entries: Sequence[CacheEntry],
+    rope: RopeSpec,
+    num_layers: int,
+    every_item: bool = False,
+    device: torch.device | str | None = None,
+    items: LinkedItems | None = None,
+) -> int:
+    """Write rotated cached K/V of item tokens into `linked_kv` (`linked_items`, unless the
+    caller passes them) in ONE `write_layers` call; the linked KV moves them to its own device.
+    Returns the number of token slots linked."""
+    if items is None:
+        items = linked_items(plan, entries, rope, num_layers, every_item, device)
+    if items is None:
+        return 0
+    linked_kv.write_layers(items.slots, items.keys, items.values)
+    return int(items.slots.numel())
 
 
 def gather_input_embeds(

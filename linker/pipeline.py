@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.link import gather_input_embeds, link_entries, linked_items
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
@@ -62,8 +62,7 @@ def link_and_prefill(
         prefill_text_first(adapter, plan, linked_kv)
         ran |= plan.is_text
     hook = policy.layer_hook(plan, adapter.num_layers)
-    link_entries(
-        linked_kv,
+    items = linked_items(
         plan,
         entries,
         adapter.rope,
@@ -71,14 +70,16 @@ def link_and_prefill(
         every_item=hook is not None or policy.scouts,
         device=adapter.device,  # rotate where the model runs (entries may come from storage)
     )
+    if items is not None:
+        link_entries(linked_kv, plan, entries, adapter.rope, adapter.num_layers, items=items)
     prefix = planned.prefix if not policy.two_step and hook is None else None
     cached = prefix.length if prefix is not None else 0
     if prefix is not None:  # two-step and in-pass-hook policies recompute it
         prefix.write(linked_kv)
     report = None
     if policy.scouts:
-        extra = {"cached_prefix": cached} if cached else {}  # older scouts lack the keyword
-        depth, report = policy.scout(adapter, plan, entries, linked_kv, **extra)
+        # the scout scores the item keys just linked (rotated once, for both)
+        depth, report = policy.scout(adapter, plan, entries, linked_kv, cached, items)
         plan = dataclasses.replace(plan, recompute_depth=depth)
     if prefix is not None:
         plan = prefix.exclude(plan)  # linked exactly from the prefix cache

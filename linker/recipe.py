@@ -1,9 +1,13 @@
 """The one recipe from a request to a finished link plan (linker; every engine and benchmark).
 
 render (chat template) -> resolve (entry ids -> entries) -> build_plan (positions, sources) ->
-policy (recompute depths). The policy is applied here and only here: `link_and_prefill` and the
-vLLM worker take the depths as they come (the worker rebuilds the plan from the request's
-`kv_transfer_params`, depths included).
+policy (recompute depths, `Policy.apply`). For most policies these depths are final:
+`link_and_prefill` and the vLLM worker take them as they come (the worker rebuilds the plan from
+the request's `kv_transfer_params`, depths included). Scouting policies (`scout-*`, and `auto` /
+`auto-<b>`, which resolve to one; `auto` is the serving default) get only the scout's tokens
+here (text and the last token at every layer, items linked): `link_and_prefill` applies the
+policy again to the plan it is given (a plan carrying an earlier run's final depths scouts from
+scratch), runs the scout and replaces the depths with the scout's selection.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def with_policy(
     num_layers: int,
     refs: Sequence[str] = (),
 ) -> PlannedPrompt:
-    """Apply `policy` to a fresh plan from `build_plan` (the only place a policy sets depths)."""
+    """Apply `policy` to a fresh plan from `build_plan` (final depths, except for scouting
+    policies: `link_and_prefill` re-applies them and lets the scout set the final depths)."""
     rule = get_policy(policy) if isinstance(policy, str) else policy
     return PlannedPrompt(rule.apply(plan, entries, num_layers), list(entries), rule, list(refs))
 

@@ -13,9 +13,10 @@ are computed from the same q and keys, and every item token j gets
                                          + w_q * mean_{r in question rows} p_{l,h}(r, j) ]
 
 (w_q = `question_weight`; 0 by default: on SmolLM2 the last row alone scored best at 20-30%
-recomputed, and then only that row's attention is computed). The item keys come straight from
-the entries (rotated to this prompt's positions), the text keys from the pass itself, so nothing
-is read back from the linked KV (the paged CPU cache is opaque). The text K/V the scout writes
+recomputed, and then only that row's attention is computed). The item keys are the ones just
+linked (`mpic.linker.link.linked_items`: rotated once to this prompt's positions, for the linked
+KV and the scout alike), the text keys come from the pass itself, so nothing is read back from
+the linked KV (the paged CPU cache is opaque). The text K/V the scout writes
 are overwritten by the selective prefill, which recomputes text at every layer; item slots are
 not touched.
 
@@ -29,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mpic.kernels.rope import rotate_keys
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.link import gather_input_embeds
+from mpic.linker.link import LinkedItems, gather_input_embeds
 from mpic.linker.linked_kv import LinkedKV
 from mpic.types import CacheEntry, LinkPlan
 
@@ -56,48 +56,20 @@ def scoring_rows(plan: LinkPlan, index: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(index.cpu() > last_item).flatten()
 
 
-def item_keys(
-    plan: LinkPlan,
-    entries: Sequence[CacheEntry],
-    rope_layers: Sequence[int],
-    adapter: LayerAdapter,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(item prompt indices int64 [M], their linked keys [len(layers), M, H_kv, D] rotated to
-    this prompt's positions, on the adapter's device)."""
-    slots = torch.nonzero(~plan.is_text).flatten()
-    layers = torch.as_tensor(list(rope_layers), dtype=torch.int64)
-    key_parts, old_parts, order = [], [], []
-    for e_idx, entry in enumerate(entries):
-        here = torch.nonzero(plan.source_entry[slots] == e_idx).flatten()
-        if here.numel() == 0:
-            continue
-        offsets = plan.source_offset[slots[here]]
-        order.append(here)
-        old_parts.append(entry.positions.cpu()[..., offsets])
-        k = entry.keys[layers.to(entry.keys.device)][:, offsets.to(entry.keys.device)]
-        key_parts.append(k.to(adapter.device))
-    rows = torch.cat(order)
-    keys = torch.cat(key_parts, dim=1)
-    old = torch.cat(old_parts, dim=-1)
-    inverse = torch.empty_like(rows)
-    inverse[rows] = torch.arange(rows.numel())
-    keys, old = keys[:, inverse.to(keys.device)], old[..., inverse]
-    rotated = rotate_keys(keys, old, plan.positions[..., slots], adapter.rope)
-    return slots, rotated
-
-
 def scout_scores(
     adapter: LayerAdapter,
     plan: LinkPlan,
     entries: Sequence[CacheEntry],
     linked_kv: LinkedKV,
     layers: Sequence[int],
+    items: LinkedItems | None,
     question_weight: float = 0.0,
 ) -> tuple[torch.Tensor, ScoutReport]:
     """Scores float32 [N] (0 for text) of every item token, and the scout's cost.
 
     plan: the pre-scout plan (depth L for the tokens the scout runs: text and the last token);
-    linked_kv: already linked (`link_entries`) with every item token's cached KV.
+    linked_kv: already linked (`link_entries`) with every item token's cached KV; items: that
+    K/V (`mpic.linker.link.linked_items(..., every_item=True)`; None: the plan has no item).
     """
     num_layers = adapter.num_layers
     scoring = sorted({min(max(int(x), 0), num_layers - 1) for x in layers})
@@ -107,10 +79,12 @@ def scout_scores(
     rows = scoring_rows(plan, index)
     if question_weight == 0.0:
         rows = rows[-1:]  # the last prompt row only
-    if index.numel() == 0 or rows.numel() == 0 or bool(plan.is_text.all()):
+    if index.numel() == 0 or rows.numel() == 0 or items is None:
         return scores, ScoutReport(0, 0, tuple(scoring))
-    item_idx, item_k = item_keys(plan, entries, scoring, adapter)
     dev = adapter.device
+    item_idx = items.slots
+    item_dev = item_idx.to(dev)
+    item_k = items.keys[torch.as_tensor(scoring, device=items.keys.device)].to(dev)
     hidden = gather_input_embeds(adapter, plan, entries, index)
     idx, pos = index.to(dev), plan.positions[..., index].to(dev)
     weights = torch.full((rows.numel(),), question_weight / max(rows.numel() - 1, 1))
@@ -127,7 +101,7 @@ def scout_scores(
             keys = torch.zeros(
                 (plan.num_tokens, n_kv, adapter.head_dim), dtype=torch.float32, device=dev
             )
-            keys[item_idx.to(dev)] = item_k[scoring.index(layer)].float()
+            keys[item_dev] = item_k[scoring.index(layer)].float()
             keys[idx] = k.float()
             qr = q[rows_d].float().transpose(0, 1)  # [H, R, D]
             kh = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
@@ -135,7 +109,7 @@ def scout_scores(
             visible = torch.arange(plan.num_tokens, device=dev)[None, :] <= idx[rows_d][:, None]
             probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
             per_key = (probs.mean(dim=0) * weights[:, None]).sum(dim=0)  # [N]
-            total += per_key[item_idx.to(dev)]
+            total += per_key[item_dev]
         if layer + 1 < run_to:
             attn = linked_kv.attend(layer, q, idx)
             hidden = adapter.attention_output_and_mlp(layer, hidden, attn)

@@ -19,6 +19,7 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.correction import LinkCorrection
+from mpic.linker.link import LinkedItems
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.scout import ScoutReport
 from mpic.linker.selective_prefill import LayerHook
@@ -55,10 +56,13 @@ class Policy(ABC):
         entries: Sequence[CacheEntry],
         linked_kv: LinkedKV,
         cached_prefix: int = 0,
+        items: LinkedItems | None = None,
     ) -> tuple[torch.Tensor, ScoutReport]:
         """Scouting policies: run the scout over `linked_kv` (every item linked) and return the
         final int64 [N] depths and the scout's cost. cached_prefix: leading tokens linked
-        exactly (`mpic.linker.prefix`), depth 0 and outside the budget."""
+        exactly (`mpic.linker.prefix`), depth 0 and outside the budget. items: the item K/V
+        just linked (`mpic.linker.link.linked_items`, every item), whose keys the scout scores
+        (None: rotated again from the entries)."""
         raise NotImplementedError(f"{self.name} does not scout")
 
     @property

@@ -33,6 +33,7 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.correction import LinkCorrection
+from mpic.linker.link import LinkedItems, linked_items
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.policies.base import Policy, text_depths
 from mpic.linker.scout import ScoutReport, scout_scores
@@ -133,17 +134,23 @@ class ScoutPolicy(Policy):
         entries: Sequence[CacheEntry],
         linked_kv: LinkedKV,
         cached_prefix: int = 0,
+        items: LinkedItems | None = None,
     ) -> tuple[torch.Tensor, ScoutReport]:
         """Scores from `mpic.linker.scout` (optionally with the correction over every linked
         item token during the scout), then `select` (the first `cached_prefix` tokens, linked
-        exactly, are outside the budget; the scout still runs them, for exact scores)."""
+        exactly, are outside the budget; the scout still runs them, for exact scores). items:
+        every item token's linked K/V (None: `linked_items` rotates them again)."""
         num_layers = adapter.num_layers
         set_correction = getattr(linked_kv, "set_correction", None)
         if self.scout_correction and self.corrects and set_correction is not None:
             set_correction(self._correction(plan, plan.recompute_depth, num_layers))
         layers = self.scoring_layers(num_layers)
+        if items is None:
+            items = linked_items(
+                plan, entries, adapter.rope, num_layers, every_item=True, device=adapter.device
+            )
         scores, report = scout_scores(
-            adapter, plan, entries, linked_kv, layers, self.question_weight
+            adapter, plan, entries, linked_kv, layers, items, self.question_weight
         )
         if set_correction is not None:
             set_correction(None)
