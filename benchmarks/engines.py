@@ -5,7 +5,9 @@ of `mpic.engine.protocol.Engine`. `reference` is the HF reference runner; other 
 An engine caches images (entries in memory before timing starts), times one prompt's first
 token under a policy, and decodes greedily. An engine that can also time a plain forward of S
 tokens (`floor_s`) gives the benchmark its floor column: the least a selective pass over S
-recomputed tokens could cost.
+recomputed tokens could cost. An engine that runs its model in this process can also hand out
+one prefill as a callable (`prefill_fn`), which the benchmark runs untimed to count its ops and
+profile its kernels (`mpic.benchmarks.op_counts`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from mpic.linker.prompt import PromptPart
 
 
 class BenchEngine(Protocol):
-    """What `mpic bench offline` needs from an engine."""
+    """What `mpic bench offline` needs from an engine.
+
+    Optional members, read with getattr (an engine that runs its model in other processes,
+    e.g. vLLM's, leaves them out and its rows get None):
+    - `floor_s(num_tokens, repeats) -> float`: median seconds of a plain forward of that many
+      tokens (the floor column);
+    - `prefill_fn(parts, policy) -> Callable[[], object]`: a zero-argument callable running one
+      first-token prefill of `parts` under `policy` in this process (op counts, GPU profile);
+    - `num_layers: int`: the model's decoder layers (ops per layer);
+    - `device: str`: where the model runs ("cpu" when absent; "cuda" gets two warm-ups).
+    """
 
     name: str
 
@@ -68,6 +80,16 @@ class ReferenceBenchEngine:
             model_dir, device=device, dtype=DTYPES[dtype], attention_backend=attention
         )
 
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the language model."""
+        return self.runner.adapter.num_layers
+
+    @property
+    def device(self) -> str:
+        """Device type the model runs on ("cpu", "cuda")."""
+        return self.runner.model.device.type
+
     def cache_image(self, media: bytes) -> str:
         """Entry id of the cached image."""
         return self.runner.cache_image(media).entry_id
@@ -78,6 +100,10 @@ class ReferenceBenchEngine:
         return FirstToken(
             out.ttft_s, out.logits, out.plan.num_tokens, out.recomputed_tokens, out.cpu_s
         )
+
+    def prefill_fn(self, parts: Sequence[PromptPart], policy: str) -> Callable[[], object]:
+        """One first-token prefill as `first_token` runs it, to call untimed."""
+        return lambda: self.runner.prefill(parts, policy)
 
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Greedy tokens after the policy's prefill."""
