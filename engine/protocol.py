@@ -6,7 +6,9 @@ Two backends implement `Engine` once each: the HF reference runner
 (`mpic.engine.hf.reference_runner.ReferenceRunner`) and vLLM with the MPIC connector
 (`mpic.engine.vllm.frontend.VllmFrontEnd`, driven offline by `VllmEngine` and asynchronously by
 `AsyncVllmEngine`). Everything around them is a thin adapter: the Serve engines
-(`mpic.deployments.*_engine`), the offline and compression benchmarks (`mpic.benchmarks`). The
+(`mpic.deployments.engines.reference_engine`, `mpic.deployments.engines.vllm_serve_engine`), the
+offline benchmark's engines (`mpic.benchmarks.engines`, `mpic.benchmarks.vllm_engine`) and the
+compression benchmarks (`mpic.benchmarks.compress`, `mpic.benchmarks.compress_vllm`). The
 steps of a request that do not depend on the backend (parts -> plan, compressed items, tokens ->
 text with stop strings, the finish reason, the cached-token count) are written once in
 `mpic.engine.request_flow`; sampling in `mpic.engine.sampling`; detokenizing in

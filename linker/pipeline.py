@@ -1,9 +1,12 @@
 """Link and prefill one prompt under a policy (linker; reference runner, and any engine that
 brings its own LayerAdapter and LinkedKV).
 
-The plan's depths come set from `mpic.linker.recipe`. Order: run the text-first pass of two-step
-policies, link the entries' rotated KV, for a scouting policy (`scout-*`) run the scout over the
-text and let the policy set the final depths (`mpic.linker.scout`), hand the policy's linked-key
+The plan's depths come set from `mpic.linker.recipe`, final for every policy but a scouting one
+(`scout-*`, the default `auto`), which is applied again here (its scout's tokens) before its
+scout sets the final depths. Order: run the text-first pass of two-step policies, link the
+entries' rotated KV (`linked_items`, every item for a scout, which then scores those very keys),
+for a scouting policy run the scout over the text and let the policy set the final depths
+(`mpic.linker.scout`), hand the policy's linked-key
 correction to the linked KV, gather the recomputed tokens' input embeddings, run the one-pass
 selective prefill (with the policy's in-pass hook, if any). With a cached prefix
 (`mpic.linker.prefix`) its exact KV is written with the entries' and its tokens get depth 0
@@ -51,7 +54,8 @@ def link_and_prefill(
 ) -> LinkedPrefill:
     """Fill `linked_kv` for the prompt and return the last token's logits.
 
-    planned: from `mpic.linker.recipe` (the policy's depths are already set; not re-applied);
+    planned: from `mpic.linker.recipe` (the policy's depths are set; a scouting policy's are
+    applied again here and replaced by its scout's selection);
     linked_kv: zeroed, at least N slots.
     """
     plan, entries, policy = planned.plan, planned.entries, planned.policy

@@ -5,10 +5,12 @@ runs; MPIC does the same: `ServeEngine` is implemented by thin adapters over the
 `mpic.engine.protocol.Engine`, the HF reference runner
 (`mpic.deployments.engines.reference_engine`) and vLLM + the MPIC connector
 (`mpic.deployments.engines.vllm_serve_engine`), and by a model-free fake
-(`mpic.deployments.engines.fake_engine`), chosen by `EngineConfig.kind` through `build_engine`.
+(`mpic.deployments.engines.fake_engine`), chosen by the engine config's `kind` through
+`build_engine`.
 
-The linker deployment hands the worker a `LinkedPrompt`: the chat turns with every file
-reference already resolved to a content-addressed entry id in the caller's namespace. The worker
+The Resolver (`mpic.deployments.serve.resolver`) hands the worker a `LinkedPrompt`
+(`mpic.deployments.messages`): the chat turns with every file reference already resolved to a
+content-addressed entry id in the caller's namespace. The worker
 builds the link plan next to the KV (policies such as CacheBlend read the linked keys) and streams
 `TokenEvent`s followed by one `DoneEvent` from the engine's async generator: the worker holds no
 lock, so an engine that batches (vLLM's `AsyncLLM`) serves concurrent requests together.
