@@ -538,9 +538,10 @@ def command(
         0, "--first-question", help="Index of the first question (held-out sets start later)."
     ),
     decode_correction: bool = typer.Option(
-        True,
+        False,
         "--decode-correction/--no-decode-correction",
-        help="Keep scout's linked-key correction while decoding (vLLM's decode does not).",
+        help="Keep scout's linked-key correction while decoding (both engines decode plainly "
+        "by default).",
     ),
     link_prefix: bool = typer.Option(
         True,

@@ -8,8 +8,9 @@ first and the second half of the layers (`late_scale`: on SmolLM2 a gentler S in
 half, 0.9, and 0.8 in the second beat one S everywhere at 20-30% recomputed; docs/fidelity.md).
 A policy that wants it (`scout-*`) returns a `LinkCorrection` from `Policy.correction`;
 `link_and_prefill` hands it to the linked KV (`LinkedKV.set_correction`) before the selective
-prefill, and the reference runner keeps it for decoding (decode tokens are fresh keys; the
-prompt's linked keys stay linked).
+prefill. Decoding is plain attention on both engines by default (the reference runner drops
+the correction after the prefill unless `ReferenceRunner(decode_correction=True)`: then decode
+tokens are fresh keys and the prompt's linked keys stay linked).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ class LinkCorrection:
     """bool [N]: item tokens (text has no cached KV and is never linked)."""
     depth: torch.Tensor
     """int64 [N]: the recompute depths actually run (a token is linked at layers >= depth)."""
-    decode: bool = True
-    """Also apply it to decode-time queries (reference runner; vLLM decodes plain)."""
     late_scale: float | None = None
     """S of layers >= `split_layer` (None: `scale` at every layer)."""
     split_layer: int = 0

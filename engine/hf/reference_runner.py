@@ -92,20 +92,22 @@ class ReferenceRunner:
         dtype: torch.dtype = torch.float32,
         system_prompt: str | None = None,
         attention_backend: str | AttentionBackend | None = None,
-        decode_correction: bool = True,
+        decode_correction: bool = False,
         link_prefix: bool = True,
         compile_layers: bool | None = None,
         compile_backend: str = "inductor",
     ) -> None:
         """attention_backend: `mpic.kernels.attention` backend of the linked KV (`flex`,
         `sdpa_runs`, or a configured instance); None picks by device (`flex` on CUDA).
-        decode_correction: keep a policy's linked-key correction (`scout-*`) while decoding (False:
-        decode with plain attention, as vLLM's own decode does). link_prefix: link the
-        template/system prefix shared with the entries' canonical context exactly from a prefix
-        cache instead of recomputing it (`mpic.linker.prefix`; every policy but `full` and `prefix`,
-        two-step and in-pass-hook policies recompute it; on by default, as in the vLLM worker, so
-        both engines select the same tokens; False: recompute it). compile_layers: compile the
-        layer step (`mpic.engine.hf.adapters.HFLayerAdapter`; None: on CUDA) with dynamo's
+        decode_correction: keep a policy's linked-key correction (`scout-*`, `auto`) while decoding
+        (default False: decode with plain attention, as the vLLM worker does, so both engines give
+        the same tokens; plain decoding also followed the exact answer better under `auto`,
+        docs/fidelity.md). link_prefix: link the template/system prefix shared with the entries'
+        canonical context exactly from a prefix cache instead of recomputing it
+        (`mpic.linker.prefix`; every policy but `full` and `prefix`, two-step and in-pass-hook
+        policies recompute it; on by default, as in the vLLM worker, so both engines select the same
+        tokens; False: recompute it). compile_layers: compile the layer step
+        (`mpic.engine.hf.adapters.HFLayerAdapter`; None: on CUDA) with dynamo's
         `compile_backend`."""
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model, compile_layers, compile_backend)

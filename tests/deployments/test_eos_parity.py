@@ -6,7 +6,6 @@ same text, the same completion token count (the end token included) and `finish_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,18 +19,27 @@ MAX_TOKENS = 48
 ALICE = {"Authorization": "Bearer alice-key"}
 
 
+PROMPTS = ["dog blue", "red two", "blue sun"]
+"""Prompts on which the seeded tiny Qwen2-VL says <|im_end|> after 10, 20 and 42 tokens."""
+
+
 @pytest.fixture(scope="module")
-def apps(tiny_qwen2vl_dir: Path, tmp_path_factory) -> Iterator[dict[str, InProcessApp]]:
+def answers(tiny_qwen2vl_dir: Path, tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """engine -> prompt (and "ignore_eos") -> the chat's JSON. The apps are opened one after the
+    other: in-process apps share one FastAPI app, and one opened inside another takes its
+    routes over (both clients would reach the inner app's engine)."""
     store = tmp_path_factory.mktemp("eos-store")
-    out: dict[str, InProcessApp] = {}
-    ref_cfg = fake_config(store, kind="reference", model=str(tiny_qwen2vl_dir))
-    vllm_cfg = fake_config(store, kind="vllm", model=str(tiny_qwen2vl_dir), max_model_len=1024)
-    with (
-        in_process_app(ref_cfg, KEYS, [ADMIN_KEY]) as ref,
-        in_process_app(vllm_cfg, KEYS, [ADMIN_KEY]) as vllm,
-    ):
-        out["reference"], out["vllm"] = ref, vllm
-        yield out
+    out: dict[str, dict[str, dict]] = {}
+    for kind, extra in (("reference", {}), ("vllm", {"max_model_len": 1024})):
+        cfg = fake_config(store, kind=kind, model=str(tiny_qwen2vl_dir), **extra)
+        with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
+            assert app.worker.engine.__class__.__module__.endswith(f"{kind}_engine") or (
+                kind == "vllm" and "vllm" in app.worker.engine.__class__.__module__
+            )
+            got = {text: _chat(app, text) for text in PROMPTS}
+            got["ignore_eos"] = _chat(app, "Describe it.", ignore_eos=True)
+            out[kind] = got
+    return out
 
 
 def _chat(app: InProcessApp, text: str, ignore_eos: bool = False) -> dict:
@@ -54,16 +62,15 @@ def _answer(out: dict) -> tuple[str, int, str]:
     return choice["message"]["content"], out["usage"]["completion_tokens"], choice["finish_reason"]
 
 
-def test_both_engines_stop_at_the_end_token(apps: dict[str, InProcessApp]) -> None:
-    # prompts on which the seeded tiny Qwen2-VL says <|im_end|> after 10, 20 and 42 tokens
-    for text in ["dog blue", "red two", "blue sun"]:
-        ref = _answer(_chat(apps["reference"], text))
-        got = _answer(_chat(apps["vllm"], text))
+def test_both_engines_stop_at_the_end_token(answers: dict[str, dict[str, dict]]) -> None:
+    for text in PROMPTS:
+        ref = _answer(answers["reference"][text])
+        got = _answer(answers["vllm"][text])
         assert got == ref, text
         assert ref[2] == "stop" and ref[1] < MAX_TOKENS, (text, ref)
 
 
-def test_ignore_eos_runs_to_max_tokens_on_both(apps: dict[str, InProcessApp]) -> None:
+def test_ignore_eos_runs_to_max_tokens_on_both(answers: dict[str, dict[str, dict]]) -> None:
     for name in ("reference", "vllm"):
-        _, tokens, finish = _answer(_chat(apps[name], "Describe it.", ignore_eos=True))
+        _, tokens, finish = _answer(answers[name]["ignore_eos"])
         assert (tokens, finish) == (MAX_TOKENS, "length"), name

@@ -108,3 +108,20 @@ def test_mixed_sizes_every_policy_same_tokens_as_reference(setup: Setup) -> None
             images = [Image.open(io.BytesIO(setup.media[i])).convert("RGB") for i in order]
             (plain,) = setup.engine.generate([exact_request(plan, spec.image_token_id, images)], 8)
             assert plain.token_ids == expected.tokens
+
+
+def test_the_default_policy_gives_the_reference_runners_tokens(setup: Setup) -> None:
+    """Issue 32 item 4: under the default `auto` (scout + linked-key correction) both engines
+    decode the same way (plain attention after the corrected prefill: the reference runner's
+    default), so a prompt with images of every size gets the same 16 greedy tokens from both."""
+    parts, _ = _mixed(setup)
+    name = setup.engine.policy_name("auto")
+    expected = setup.ref.generate(parts, name, max_new_tokens=16)
+    plan = expected.prefilled.plan
+    items = plan.source_entry >= 0
+    chosen = plan.recompute_depth == setup.engine.spec.num_layers
+    assert bool((chosen & items).any()) and bool((~chosen & items).any())  # a real selection
+    front = setup.ref.plan(parts, name).plan  # what a front end ships: the pre-scout plan
+    (got,) = setup.engine.generate([linked_request(front, name, setup.engine.spec)], 16)
+    assert not got.fell_back
+    assert got.token_ids == expected.tokens

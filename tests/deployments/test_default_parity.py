@@ -1,0 +1,76 @@
+"""Both engines answer the default the same over HTTP (issue 32 item 4): the reference engine and
+the vLLM worker (in-process apps, no Ray, the same tiny LLaVA and store) get the same uploaded
+images and the same chat with no `mpic.policy` (the server default `auto`: scout + linked-key
+correction), and answer with the same 16 greedy tokens: both decode with plain attention after
+the corrected prefill. LLaVA's vision tower gives the same entries on both engines (Qwen2-VL's
+do not: HF's and vLLM's towers differ)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpic.samples import synthetic_png
+from tests.deployments.conftest import ADMIN_KEY, KEYS
+from tests.deployments.inprocess import InProcessApp, fake_config, in_process_app
+
+pytestmark = pytest.mark.slow
+
+ALICE = {"Authorization": "Bearer alice-key"}
+
+
+def _answers(model_dir: Path, store: Path) -> dict[str, dict]:
+    """engine -> the default chat's JSON. The apps are opened one after the other: in-process
+    apps share one FastAPI app, and one opened inside another takes its routes over."""
+    out = {}
+    for kind, extra in (("reference", {}), ("vllm", {"max_model_len": 1024})):
+        cfg = fake_config(store, kind=kind, model=str(model_dir), **extra)
+        with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
+            if kind == "reference":  # the rule under test: plain attention while decoding
+                assert app.worker.engine.runner.decode_correction is False
+            out[kind] = _answer(app)
+    return out
+
+
+def _upload(app: InProcessApp, index: int) -> str:
+    r = app.client.post(
+        "/v1/files",
+        headers=ALICE,
+        files={"file": (f"{index}.png", synthetic_png(index, size=64 + 16 * index), "image/png")},
+        data={"purpose": "vision"},
+        timeout=600,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def _answer(app: InProcessApp) -> dict:
+    ids = [_upload(app, i) for i in range(3)]
+    content: list[dict] = [{"type": "text", "text": "I took these on my trip."}]
+    for n, file_id in enumerate(ids):
+        content += [
+            {"type": "file", "file": {"file_id": file_id}},
+            {"type": "text", "text": f"That was day {n + 1}."},
+        ]
+    content.append({"type": "text", "text": "Which one shows the most red, and why?"})
+    body = {
+        "model": "mpic",
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+    }
+    r = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_both_engines_answer_the_default_with_the_same_tokens(tiny_llava_dir, tmp_path) -> None:
+    answers = _answers(tiny_llava_dir, tmp_path)
+    for out in answers.values():
+        assert out["mpic"]["policy"] == "auto"
+        assert out["usage"]["completion_tokens"] == 16
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # images linked
+    text = {kind: out["choices"][0]["message"]["content"] for kind, out in answers.items()}
+    assert text["vllm"] == text["reference"]
