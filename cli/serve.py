@@ -14,8 +14,11 @@ per-deployment options of its application's `deployments:` section (replicas, au
 resources: Serve's own schema) are applied over those of `args`.
 
 Without `--address` a Ray instance is started in this process and torn down on exit (Serve,
-every replica, Ray's own processes: none is left behind); with `--address` the application is
-deployed on that running cluster and deleted from it on exit (the cluster keeps running).
+every replica, Ray's own processes: none is left behind), and a start ends what a crashed run
+left (`mpic.deployments.local_runs`); with `--address` the application is deployed on that
+running cluster and deleted from it on exit (the cluster keeps running). SIGINT and SIGTERM stop
+it whatever dispositions and signal mask it inherited (`cmd &` in a script starts it with SIGINT
+ignored).
 """
 
 from __future__ import annotations
@@ -45,9 +48,29 @@ def serve_overrides(path: str | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _terminate(signum: int, _frame: object) -> None:
-    """SIGTERM behaves like Ctrl-C: unwind through the shutdown in `command`."""
+    """SIGINT and SIGTERM: unwind through the shutdown in `command`."""
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _handle_stop_signals() -> dict:
+    """Make SIGINT and SIGTERM stop the server whatever this process inherited: a shell script's
+    `mpic serve ... &` starts it with SIGINT ignored (Python then installs no Ctrl-C handler) and
+    a parent may leave either signal blocked. Handlers, unlike an ignored disposition, are reset
+    to the default in the processes Ray starts from here. Returns what to restore."""
+    saved = {"mask": signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)}
+    for sig in STOP_SIGNALS:
+        saved[sig] = signal.signal(sig, _terminate)
+    return saved
+
+
+def _restore_signals(saved: dict) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, saved[sig])
+    signal.pthread_sigmask(signal.SIG_SETMASK, saved["mask"])
 
 
 MPIC_PANEL, FRONTEND, MODEL_PANEL = "MPIC", "Frontend", "ModelConfig"
@@ -190,10 +213,9 @@ def command(
         raise typer.Exit(code=2) from exc
     if keys:  # passed to every replica with the environment (deployments.local)
         os.environ["MPIC_API_KEYS"] = key_env(keys, os.environ.get("MPIC_API_KEYS"))
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    saved = _handle_stop_signals()
     try:
         url = start_local(cfg, port=port, host=host, address=address, overrides=overrides)
-        signal.signal(signal.SIGTERM, _terminate)  # ray.init installs its own (it aborts)
         typer.echo(
             f"MPIC serve ready at {url}: model {cfg.engine.served_names[0]!r} "
             f"({cfg.engine.kind} engine, auth mode: {cfg.auth.mode}); Ctrl-C or SIGTERM stops it"
@@ -203,7 +225,8 @@ def command(
     except KeyboardInterrupt:
         typer.echo("stopping")
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the teardown
+        for sig in STOP_SIGNALS:  # a second signal must not cut the teardown short (SIGKILL
+            signal.signal(sig, signal.SIG_IGN)  # does; the next start ends what it left)
         stop_local(cfg.name if address else None)
-        signal.signal(signal.SIGTERM, previous)
+        _restore_signals(saved)
     typer.echo("stopped")

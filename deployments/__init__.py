@@ -1,8 +1,9 @@
 """The Ray Serve application, in rooms by process and concern:
 
 - `app.py` builds the deployment graph from ONE `ServeAppConfig` (`config.py`); `local.py` starts
-  it on a local Ray instance; `messages.py` holds the torch-free messages every deployment
-  exchanges.
+  it on a local Ray instance (`local_runs.py`: that instance's processes, recorded, ended, kept on
+  the loopback); `messages.py` holds the torch-free messages every deployment exchanges, and
+  `client_errors.py` how a client error (4xx) crosses a hop: as a value, not a replica failure.
 - `http/`: the HTTP surface (Ingress replica).
 - `serve/`: the deployments behind it (Resolver, Encoder, LLM worker, Retriever), the file catalog,
   admission and the cache-aware router.

@@ -13,6 +13,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from mpic.deployments.client_errors import answering_client_errors
 from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
 from mpic.deployments.http.ingress import Ingress
 from mpic.deployments.serve.policy_check import model_layers
@@ -33,7 +34,10 @@ def build_app(
     `overrides`: per-deployment options in the form of a Serve config's `deployments:` section
     (name -> `serve.deployment` options such as `num_replicas`, `autoscaling_config`,
     `ray_actor_options`, `max_ongoing_requests`); they win over the options derived from
-    `config`, as Serve's own config file does (`mpic serve --config` applies them this way)."""
+    `config`, as Serve's own config file does (`mpic serve --config` applies them this way).
+
+    The deployments behind the Ingress answer client errors (4xx) as values, not as exceptions
+    Serve would log as replica failures (`mpic.deployments.client_errors`)."""
 
     def opts(name: str, dep: DeploymentConfig) -> dict[str, Any]:
         out = deployment_options(name, dep)
@@ -44,14 +48,15 @@ def build_app(
             out.pop("autoscaling_config", None)
         return {**out, **override}
 
-    encoder = serve.deployment(Encoder, **opts("Encoder", config.encoder))
+    values = answering_client_errors
+    encoder = serve.deployment(values(Encoder), **opts("Encoder", config.encoder))
     worker = serve.deployment(
-        LLMWorker,
+        values(LLMWorker),
         **opts("LLMWorker", config.llm_worker),
         **router_options(config.llm_router),
     )
-    retriever = serve.deployment(Retriever, **opts("Retriever", config.retriever))
-    resolver = serve.deployment(Resolver, **opts("Resolver", config.resolver))
+    retriever = serve.deployment(values(Retriever), **opts("Retriever", config.retriever))
+    resolver = serve.deployment(values(Resolver), **opts("Resolver", config.resolver))
     ingress_cfg = config.ingress
     if config.limits.ttft_target_s:  # the app sheds (JSON 429), not Serve's proxy (plain 503)
         ongoing = max(ingress_cfg.max_ongoing_requests, config.limits.max_pending_requests)

@@ -5,6 +5,10 @@
 `param` naming the offending field), and unexpected exceptions to 500, always as
 `{"error": {"message", "type", "param", "code"}}`. `error_body` gives the same body for an error
 raised after a stream started (sent as an SSE `data:` event before the stream closes).
+
+A 4xx answer is logged as one INFO line with the request id (`log_client_error`), never with a
+traceback; the replicas behind the Ingress hand theirs back as values, not as failures Serve
+would log (`mpic.deployments.client_errors`). Tracebacks are for 5xx.
 """
 
 from __future__ import annotations
@@ -105,11 +109,34 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
 
 
-def mpic_error_response(exc: MPICError) -> JSONResponse:
-    """The response for a typed error (429/503 ones carry `Retry-After`)."""
+LOGGED_MESSAGE_CHARS = 300
+"""A client error's message is logged up to this length (it may quote what the client sent)."""
+
+
+def log_client_error(request: Request | None, status: int, code: str | None, message: str) -> None:
+    """One INFO line for a client error (4xx) answered: request id, status, code, message (no
+    traceback: the client's doing, not the server's)."""
+    rid = getattr(getattr(request, "state", None), "request_id", None) or "-"
+    if len(message) > LOGGED_MESSAGE_CHARS:
+        message = message[:LOGGED_MESSAGE_CHARS] + "..."
+    logger.info(
+        "request %s answered %d %s: %s",
+        rid,
+        status,
+        code or "-",
+        message,
+        extra={"request_id": rid},
+    )
+
+
+def mpic_error_response(exc: MPICError, request: Request | None = None) -> JSONResponse:
+    """The response for a typed error (429/503 ones carry `Retry-After`); a 5xx is logged as a
+    WARNING, a 4xx as one INFO line (`log_client_error`)."""
     message, retry = public_message(exc)  # no internals; Retry-After on every 503
     if exc.status >= 500:
         logger.warning("answering %d: %s", exc.status, exc.message)
+    else:
+        log_client_error(request, exc.status, exc.code, message)
     return error_response(exc.status, message, exc.type, exc.code, exc.param, retry)
 
 
@@ -151,41 +178,41 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers on `app`."""
 
     @app.exception_handler(MPICError)
-    async def _typed(_: Request, exc: MPICError) -> JSONResponse:
-        return mpic_error_response(exc)
+    async def _typed(request: Request, exc: MPICError) -> JSONResponse:
+        return mpic_error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
         first = _best_error(errors)
         if first.get("type") == "json_invalid":  # loc is (body, char position): no field
             why = (first.get("ctx") or {}).get("error", "malformed JSON")
-            return error_response(
-                400,
-                f"the request body is not valid JSON ({why})",
-                "invalid_request_error",
-                "invalid_json",
-            )
+            message = f"the request body is not valid JSON ({why})"
+            log_client_error(request, 400, "invalid_json", message)
+            return error_response(400, message, "invalid_request_error", "invalid_json")
         param = validation_param(first, exc.body)
         if first.get("type") == "extra_forbidden":
             message = f"unrecognized request field: {param}"
         else:
             where = f"{param}: " if param else ""
             message = f"invalid request: {where}{first.get('msg', 'invalid body')}"
+        log_client_error(request, 400, "invalid_request", message)
         return error_response(400, message, "invalid_request_error", "invalid_request", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code < 500:
+            log_client_error(request, exc.status_code, "http_error", str(exc.detail))
         return error_response(
             exc.status_code, str(exc.detail), "invalid_request_error", "http_error"
         )
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         inner = _unwrap(exc)
         if isinstance(inner, MPICError):  # a replica's typed error, wrapped by Ray
-            return mpic_error_response(inner)
+            return mpic_error_response(inner, request)
         if (busy := as_backpressure(exc)) is not None:  # Serve's queue bound: 503 Retry-After
-            return mpic_error_response(busy)
+            return mpic_error_response(busy, request)
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None)

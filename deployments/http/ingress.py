@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from mpic.deployments.client_errors import raising
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.http.auth import KeyRing, Principal
 from mpic.deployments.http.chat_limits import check_chat_shape
@@ -65,6 +66,7 @@ from mpic.deployments.http.shedding import SheddingGuard, configure_shedding
 from mpic.deployments.http.vllm_routes import VllmRoutes, router
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.monitoring.metrics import ServeMetrics, metrics_page
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.serve.files import FileCatalog, document_media_type
 from mpic.deployments.serve.inline import encode_inline
 from mpic.errors import PayloadTooLargeError
@@ -231,6 +233,7 @@ class Ingress(VllmRoutes):
         worker: DeploymentHandle,
         retriever: DeploymentHandle,
     ) -> None:
+        use_serve_logging()  # this module's lines in Serve's replica log, with request ids
         self.cfg = config
         self.keys = KeyRing.from_config(config.auth)
         configure_guard(self.keys, config.limits)
@@ -238,8 +241,9 @@ class Ingress(VllmRoutes):
         if not len(self.keys):
             logger.warning("no API keys configured: every request will get 401")
         self.files = FileCatalog(config.store)
-        self.encoder, self.resolver = encoder, resolver
-        self.worker, self.retriever = worker, retriever
+        # a replica's client error (a value, `mpic.deployments.client_errors`) raises here
+        self.encoder, self.resolver = raising(encoder), raising(resolver)
+        self.worker, self.retriever = raising(worker), raising(retriever)
         self.started = int(time.time())
         self.max_model_len: int | None = None  # asked of the LLM worker on first use
         _metrics().model_name = config.engine.served_names[0]

@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from mpic.deployments.client_errors import ClientError, raise_client_error
 from mpic.deployments.messages import EncodedImage, LinkedPrompt, Segment
 from mpic.deployments.serve.admission import EngineUnavailableError
 
@@ -54,14 +55,16 @@ async def resolve_inline(
     `EncodedImage`. A value lost in transit (`ray.exceptions.ObjectLostError` and its kinds:
     reference counting, owner died, freed) is re-encoded here by `encode` from the segment's
     bytes (run on a thread); without bytes, `EngineUnavailableError` (503, Retry-After). The
-    Encoder's own errors (415, 413, 400) pass through. Returns the number re-encoded here."""
+    Encoder's own errors (415, 413, 400: its `ClientError` values) are raised. Returns the
+    number re-encoded here."""
     recomputed = 0
     for seg in inline_segments(prompt):
         if isinstance(seg.embeds, EncodedImage):
             continue
         if seg.embeds is not None:
             try:
-                seg.embeds = await seg.embeds
+                got = seg.embeds if isinstance(seg.embeds, ClientError) else await seg.embeds
+                seg.embeds = raise_client_error(got)  # the Encoder's 4xx: raised here
                 continue
             except ray.exceptions.ObjectLostError as exc:
                 if not seg.media:

@@ -20,6 +20,7 @@ import re
 
 from ray.serve.handle import DeploymentHandle
 
+from mpic.deployments.client_errors import raising
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.http.schemas import (
     ChatCompletionRequest,
@@ -30,6 +31,7 @@ from mpic.deployments.http.schemas import (
     TextPart,
 )
 from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.serve.files import FileCatalog
 from mpic.deployments.serve.policy_check import check_policy
 from mpic.errors import InvalidRequestError, PayloadTooLargeError
@@ -49,9 +51,10 @@ class Resolver:
     ) -> None:
         """`num_layers`: the served model's layer count (`policy_check.model_layers`, read by the
         app builder), which per-layer policies are checked against; None: unchecked."""
+        use_serve_logging()
         self.cfg = config
         self.files = FileCatalog(config.store)
-        self.retriever = retriever
+        self.retriever = raising(retriever)
         self.num_layers = num_layers
 
     async def resolve(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:

@@ -16,7 +16,9 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from mpic.addressing import library_fingerprint
+from mpic.deployments.client_errors import raising
 from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.retriever.query import retrieve
 from mpic.retriever.service import RetrievalService
 from mpic.retriever.sources import open_source, read_captions
@@ -30,12 +32,13 @@ class Retriever:
     """Search and admin routes of the dynamic library."""
 
     def __init__(self, config: ServeAppConfig, worker: DeploymentHandle) -> None:
+        use_serve_logging()
         entries = EntryStore.from_config(
             config.store.model_copy(update={"memory_bytes": 0, "disk_cache_dir": None})
         )
         self.service = RetrievalService(entries.objects, entries)
         self.system_prompt = config.engine.system_prompt
-        self.worker = worker
+        self.worker = raising(worker)
 
     def search(
         self,

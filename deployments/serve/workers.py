@@ -26,6 +26,7 @@ from mpic.deployments.http.schemas import FileObject
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.monitoring.fidelity_monitor import FidelityMonitor
 from mpic.deployments.monitoring.metrics import CompileMetricsExporter, StoreMetricsExporter
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.monitoring.vllm_metrics import RunningGauge
 from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engine_death
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
@@ -48,6 +49,7 @@ class Encoder:
     """Vision tower + projector behind `POST /v1/files` and inline images."""
 
     def __init__(self, config: ServeAppConfig) -> None:
+        use_serve_logging()
         self.engine = build_engine(config.engine, config.store, "encoder")
         self.limits = config.limits
 
@@ -74,6 +76,7 @@ class LLMWorker:
         """`check_policy_layers`: the app builder could not read the model's layer count (its
         folder is on the GPU nodes only), so the Resolver left per-layer policy ratios unchecked
         and `generate` checks them against this replica's own read of it."""
+        use_serve_logging()
         self.cfg = config
         self.engine = build_engine(config.engine, config.store, "worker")
         self.policy_layers = model_layers(config.engine) if check_policy_layers else None

@@ -110,6 +110,7 @@ def in_process_app(
     """Build every deployment in this process and serve the ingress app with a TestClient."""
     from fastapi.testclient import TestClient
 
+    from mpic.deployments.client_errors import answering_client_errors as values
     from mpic.deployments.http.ingress import app
     from mpic.deployments.serve.policy_check import model_layers
     from mpic.deployments.serve.resolver import Resolver
@@ -122,11 +123,12 @@ def in_process_app(
     )
     calls: list[tuple[str, str]] = []
     try:
-        enc = LocalHandle(Encoder(config), calls)
-        worker = LLMWorker(config)
+        # the classes as build_app deploys them: client errors (4xx) answered as values
+        enc = LocalHandle(values(Encoder)(config), calls)
+        worker = values(LLMWorker)(config)
         wrk = LocalHandle(worker, calls)
-        ret = LocalHandle(Retriever(config, wrk), calls)
-        resolver = Resolver(config, ret, model_layers(config.engine))  # as build_app
+        ret = LocalHandle(values(Retriever)(config, wrk), calls)
+        resolver = values(Resolver)(config, ret, model_layers(config.engine))  # as build_app
         res = LocalHandle(resolver, calls)
         cls = ingress_class()
         ingress = cls.__new__(cls)
