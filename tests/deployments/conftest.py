@@ -31,10 +31,35 @@ class ServeApp:
         return {"Authorization": f"Bearer {key}"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+DEPLOYMENTS = ("Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker")
+
+
+def serve_config_file(tmp_path: Path, args: dict, replicas: dict[str, int] | None = None) -> Path:
+    """A Serve config YAML for `mpic serve --config` in `tmp_path`: the app built from `args`
+    (the `ServeAppConfig` fields), every deployment small (0.05 CPU, one replica unless
+    `replicas` says)."""
+    import yaml
+
+    small = {"ray_actor_options": {"num_cpus": 0.05}}
+    deployments = [
+        {"name": n, **small, "num_replicas": (replicas or {}).get(n, 1)} for n in DEPLOYMENTS
+    ]
+    app = {
+        "name": "mpic",
+        "import_path": "mpic.deployments.app:app_builder",
+        "args": args,
+        "deployments": deployments,
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": [app]}))
+    return path
 
 
 def serve_config(model_dir: Path, store_dir: Path):
@@ -88,7 +113,7 @@ def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     # admin refreshes may read the session's temp folders only
     cfg = cfg.model_copy(update={"admin_sources": [str(tmp_path_factory.getbasetemp())]})
     try:
-        url = start_local(cfg, port=_free_port(), num_cpus=2, log_to_driver=False)
+        url = start_local(cfg, port=free_port(), num_cpus=2, log_to_driver=False)
         yield ServeApp(url=url, config=cfg)
     finally:
         stop_local()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,22 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.deployments.conftest import png
+from tests.deployments.conftest import free_port, png, serve_config_file
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tmp_path: Path, model: Path) -> Path:
-    path = tmp_path / "serve.yaml"
-    small = {"ray_actor_options": {"num_cpus": 0.05}, "num_replicas": 1}
     args = {
         "engine": {"kind": "reference", "model": str(model), "max_tokens_default": 3},
         "store": {"url": (tmp_path / "store").as_uri(), "fsync": False},
@@ -42,15 +32,7 @@ def _config(tmp_path: Path, model: Path) -> Path:
         "sweep_interval_s": 0,
         "fidelity": {"sample_rate": 1.0},
     }
-    names = ("Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker")
-    app = {
-        "name": "mpic",
-        "import_path": "mpic.deployments.app:app_builder",
-        "args": args,
-        "deployments": [{"name": n, **small} for n in names],
-    }
-    path.write_text(yaml.safe_dump({"applications": [app]}))
-    return path
+    return serve_config_file(tmp_path, args)
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -64,7 +46,7 @@ def _value(text: str, name: str, **labels: str) -> float:
 
 
 def test_fidelity_histograms_on_metrics(tmp_path: Path, tiny_llava_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS")}
     env |= {"OMP_NUM_THREADS": "1", "MPIC_HOME": str(tmp_path / "home")}
     mpic = Path(sys.executable).parent / "mpic"

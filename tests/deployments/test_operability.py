@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,49 +17,23 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 
-from tests.deployments.conftest import png
+from tests.deployments.conftest import free_port, png, serve_config_file
 
 pytestmark = pytest.mark.slow
 
 N_REQUESTS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tmp_path: Path) -> Path:
-    path = tmp_path / "serve.yaml"
-    small = {"ray_actor_options": {"num_cpus": 0.05}, "num_replicas": 1}
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "applications": [
-                    {
-                        "name": "mpic",
-                        "import_path": "mpic.deployments.app:app_builder",
-                        "args": {
-                            "engine": {"kind": "fake", "model": "fake"},
-                            "store": {"url": (tmp_path / "store").as_uri(), "fsync": False},
-                            "auth": {"mode": "dev"},
-                            "sweep_interval_s": 0,
-                            "llm_router": "power-of-two",
-                        },
-                        "deployments": [
-                            {"name": "Ingress", **small, "num_replicas": 2},
-                            *({"name": n, **small} for n in ("Encoder", "Retriever", "Resolver")),
-                            {"name": "LLMWorker", **small},
-                        ],
-                    }
-                ]
-            }
-        )
-    )
-    return path
+    args = {
+        "engine": {"kind": "fake", "model": "fake"},
+        "store": {"url": (tmp_path / "store").as_uri(), "fsync": False},
+        "auth": {"mode": "dev"},
+        "sweep_interval_s": 0,
+        "llm_router": "power-of-two",
+    }
+    return serve_config_file(tmp_path, args, replicas={"Ingress": 2})
 
 
 def _series(text: str, name: str) -> dict[tuple, float]:
@@ -75,7 +48,7 @@ def _series(text: str, name: str) -> dict[tuple, float]:
 
 
 def test_two_ingress_replicas_metrics_and_sigterm(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     # The subprocess runs with the dev keys: drop keys another test's fixture may have configured.
     env = {k: v for k, v in os.environ.items() if k not in ("MPIC_API_KEYS", "MPIC_ADMIN_KEYS")}
     env |= {"OMP_NUM_THREADS": "1", "MPIC_HOME": str(tmp_path / "home")}

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +21,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 
+from tests.deployments.conftest import free_port, serve_config_file
 from tests.deployments.test_client_errors import MAX_UPLOAD, bad_requests, check_answer
 
 pytestmark = pytest.mark.slow
@@ -33,15 +32,7 @@ STOP_S = 10
 N_BAD = 150
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tmp_path: Path) -> Path:
-    path = tmp_path / "serve.yaml"
-    small = {"ray_actor_options": {"num_cpus": 0.05}, "num_replicas": 1}
     args = {
         "engine": {"kind": "fake", "model": "fake"},
         "store": {"url": (tmp_path / "store").as_uri(), "fsync": False},
@@ -50,15 +41,7 @@ def _config(tmp_path: Path) -> Path:
         "sweep_interval_s": 0,
         "llm_router": "power-of-two",
     }
-    names = ("Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker")
-    app = {
-        "name": "mpic",
-        "import_path": "mpic.deployments.app:app_builder",
-        "args": args,
-        "deployments": [{"name": n, **small} for n in names],
-    }
-    path.write_text(yaml.safe_dump({"applications": [app]}))
-    return path
+    return serve_config_file(tmp_path, args)
 
 
 class Run:
@@ -161,7 +144,7 @@ def _non_loopback_listeners(run: Run) -> dict[str, int]:
 
 
 def test_sigint_ignored_at_spawn_stops_and_bad_inputs_log_no_error(tmp_path: Path) -> None:
-    run = Run(tmp_path, _free_port(), "sigint", preexec=_ignore_and_block_sigint)
+    run = Run(tmp_path, free_port(), "sigint", preexec=_ignore_and_block_sigint)
     try:
         run.wait_ready()
         wide = _non_loopback_listeners(run)
@@ -199,7 +182,7 @@ def test_sigint_ignored_at_spawn_stops_and_bad_inputs_log_no_error(tmp_path: Pat
 
 
 def test_restart_after_sigkill_ends_the_leftovers_then_sigterm(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     first = Run(tmp_path, port, "killed")
     second = None
     try:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,19 +27,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deployments.conftest import png
+from tests.deployments.conftest import free_port, png
 
 pytestmark = pytest.mark.slow
 
 KEY = "k"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BENCH_PROMPTS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_4096(src: Path, dst: Path) -> Path:
@@ -71,7 +64,7 @@ def _series(text: str) -> dict[str, float]:
 def server(tiny_qwen2vl_dir: Path, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-user")
     model = _model_4096(tiny_qwen2vl_dir, base / "tiny-qwen2-vl")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "MPIC_HOME": str(base / "home"),
@@ -165,12 +158,16 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _settled(url: str, want_success: float, timeout_s: float = 60) -> dict[str, float]:
-    """/metrics once vllm:request_success_total (summed over reasons) reaches `want_success`."""
+    """/metrics once vllm:request_success_total (summed over reasons) reaches `want_success`
+    and no request is running or waiting: each replica's series reach Ray's agent every 2 s,
+    the counter and the in-flight gauge in separate exports, so one scrape can see the last
+    successes before the gauge's drop."""
     deadline = time.monotonic() + timeout_s
     while True:
         got = _metrics(url)
         done = sum(v for k, v in got.items() if k.startswith("vllm:request_success_total"))
-        if done >= want_success or time.monotonic() > deadline:
+        idle = not got.get("vllm:num_requests_running") and not got.get("vllm:num_requests_waiting")
+        if (done >= want_success and idle) or time.monotonic() > deadline:
             return got
         time.sleep(2)
 

@@ -122,3 +122,36 @@ def test_a_recompile_limit_hit_is_counted_logged_and_answered(fresh_dynamo, capl
     assert "recompile limit" in stats["last_fall"].lower()
     falls = [r for r in caplog.records if "recompile limit" in r.getMessage()]
     assert len(falls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family_dir", ["tiny_llava_dir", "tiny_qwen2vl_dir"])
+def test_on_cuda_the_inductor_compiled_pass_stays_bounded(family_dir, request, fresh_dynamo):
+    """As on a served GPU: the CUDA defaults (compiled FlexAttention, fused correction and
+    compiled layer step, all by inductor) over 60 varied prompts under every policy family:
+    no eager fall, no failed compile, a few graphs, and the CPU oracle's logits (float32, TF32
+    off)."""
+    model_dir = request.getfixturevalue(family_dir)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runner = ReferenceRunner(str(model_dir), device="cuda")
+    oracle = ReferenceRunner(str(model_dir), attention_backend="sdpa_runs")
+    assert runner.adapter.compiled
+    ids = []
+    for i in range(16):
+        entry = oracle.cache_image(synthetic_png(i, size=48 + 8 * (i % 5)))
+        runner.add_entry(entry)  # linking moves its K/V to the runner's device
+        ids.append(entry.entry_id)
+    rng = random.Random(1)
+    with torch.inference_mode():
+        for n in range(60):
+            policy = POLICIES[n % len(POLICIES)]
+            chosen = rng.sample(ids, rng.randint(1, 16))
+            parts = ["word " * rng.randint(0, 60), *interleaved_prompt(chosen)]
+            got = runner.prefill(parts, policy, 2)
+            if n % 10 == 0:
+                want = oracle.prefill(parts, policy, 2)
+                torch.testing.assert_close(got.logits.cpu(), want.logits, atol=2e-3, rtol=2e-3)
+    stats = compile_stats()
+    assert stats["eager_falls"] == 0, stats["last_fall"]
+    assert stats["failed"] == {}, stats["failed"]
+    assert stats["by_function"]["flex_attention"]["graphs"] <= 6, stats["by_function"]
