@@ -23,7 +23,9 @@ recomputed = the plain prefill) on the same prompt:
 
 Writes a table, JSON `{"model", "results": [{"policy", "documents", "recomputed_fraction",
 "kl_first", "agreement_32", "exact_prefix", "rouge_l", "ttft_ms", "prompt_tokens"}]}` and a PNG of
-fidelity against recomputed fraction. `--calibrate-vlcache R` first runs VLCache's per-layer
+fidelity against recomputed fraction. `--task needle` adds task accuracy (a planted secret code
+in one cached document: `mpic.benchmarks.fidelity_task`), each policy's and its ratio to full's,
+as JSON `"task"`. `--calibrate-vlcache R` first runs VLCache's per-layer
 calibration (`mpic.linker.vlcache_calibration`) on proxy prompts built from OTHER passages and
 adds the calibrated schedule to the policies. docs/fidelity.md has measured results.
 """
@@ -549,6 +551,13 @@ def command(
         help="Link the template/system prefix shared with the entries' context from a prefix "
         "cache (not recomputed; every policy but full and prefix; the engines' default).",
     ),
+    task: str = typer.Option(
+        "none",
+        "--task",
+        help="Also score task accuracy: needle (a planted secret code in one cached document; "
+        "accuracy and its ratio to full per policy), or none.",
+    ),
+    trials: int = typer.Option(12, "--trials", help="Task trials per document count."),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
     json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
@@ -571,6 +580,9 @@ def command(
         raise typer.Exit(code=2)
     if items not in ("documents", "images") or first_question < 0:
         typer.echo("error: --items takes documents or images; --first-question >= 0", err=True)
+        raise typer.Exit(code=2)
+    if task not in ("none", "needle") or trials < 1:
+        typer.echo("error: --task takes needle or none; --trials must be >= 1", err=True)
         raise typer.Exit(code=2)
     if questions < 1 or chars < 100:
         typer.echo("error: --questions must be >= 1 and --chars >= 100", err=True)
@@ -615,12 +627,21 @@ def command(
                 items=items,
                 first_question=first_question,
             )
+        task_rows = None
+        if task == "needle":
+            from mpic.benchmarks.fidelity_task import run_task
+
+            task_rows = run_task(runner, counts, names, trials, chars, progress=progress)
     print_table(rows, model)
+    doc: dict[str, Any] = {"model": str(Path(model).resolve()), "results": rows}
+    if task_rows is not None:
+        from mpic.benchmarks.fidelity_task import print_task_table
+
+        print_task_table(task_rows)
+        doc["task"] = {"name": task, "results": task_rows}
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(
-            json.dumps({"model": str(Path(model).resolve()), "results": rows}, indent=1)
-        )
+        Path(json_out).write_text(json.dumps(doc, indent=1))
     if plot_out:
         Path(plot_out).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, plot_out)

@@ -322,7 +322,14 @@ def test_fidelity_bench_small(smollm2_runner, smollm2_dir, tmp_path) -> None:
     assert set(data) == {"model", "results"}
     assert [r["policy"] for r in data["results"]] == ["full", "mpic-16"]
     assert data["results"][0]["kl_first"] == 0.0 and png.stat().st_size > 0
-    for bad in (["--documents", "1"], ["--policies", "nope"], ["--questions", "0"]):
+    bad_args = (
+        ["--documents", "1"],
+        ["--policies", "nope"],
+        ["--questions", "0"],
+        ["--task", "quiz"],
+        ["--task", "needle", "--trials", "0"],
+    )
+    for bad in bad_args:
         res = CliRunner().invoke(app, ["bench", "fidelity", "--model", str(smollm2_dir), *bad])
         assert res.exit_code == 2, res.output
 

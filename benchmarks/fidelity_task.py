@@ -1,0 +1,149 @@
+"""`mpic bench fidelity --task needle` (CLI process): does the model still get the answer right
+under a policy? Task accuracy on the cached documents, beside the fidelity figures.
+
+The task is built offline from the same standard-library passages (`passages`), so it needs no
+download: in every trial ONE document carries a planted fact, "The secret code is NNNN." (a fresh
+four-digit code), at a depth inside that document (its start, its middle paragraph boundary, or
+its end), and that document sits at another position among n (trial t plants in document
+t mod n, depths cycle). The planted document is cached like any upload; the others are the plain
+passages. The question: "What is the secret code? Answer with the number only." An answer is
+right when its first 12 greedy tokens contain the code (exact match of the four digits).
+
+The prompt without the documents cannot know the code (a check of the items' effect: its
+accuracy is reported as `no_items`). Accuracy is reported per policy and document count with
+its ratio to full prefill's on the same trials (ProphetKV and InfoFlow KV report task accuracy
+relative to full at a fixed recompute budget), beside the first-token KL against full on the
+same prompts and the recomputed fraction. Chosen because the trained SmolLM2-135M answers it
+(full prefill 100% at 4 documents, 88% at 8 in a first try) where it cannot name which document
+holds which code (a per-document code asked by document name: 12%).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.prompt_parts import PromptPart
+
+ANSWER_TOKENS = 12
+DEPTHS = ("end", "start", "middle")
+QUESTION = "\n\nQuestion: What is the secret code? Answer with the number only."
+
+
+def plant(text: str, code: int, depth: str) -> str:
+    """`text` with "The secret code is `code`." at `depth` (`DEPTHS`): before it, after it, or
+    at the paragraph boundary nearest its middle (its end when it has one paragraph)."""
+    fact = f"The secret code is {code}."
+    if depth == "start":
+        return f"{fact}\n\n{text}"
+    if depth == "middle":
+        breaks = [i for i in range(len(text)) if text.startswith("\n\n", i)]
+        if breaks:
+            cut = min(breaks, key=lambda i: abs(i - len(text) // 2))
+            return f"{text[:cut]}\n\n{fact}{text[cut:]}"
+    if depth in ("middle", "end"):
+        return f"{text}\n\n{fact}"
+    raise ValueError(f"unknown depth {depth!r}; valid: {', '.join(DEPTHS)}")
+
+
+def needle_parts(names: list[str], entry_ids: list[str]) -> list[PromptPart]:
+    """An introduction, "Document i (module):" before each cached document, the question."""
+    from mpic.prompt_parts import DocumentRef
+
+    parts: list[PromptPart] = ["Read the following documents, then answer the question."]
+    for i, (name, entry_id) in enumerate(zip(names, entry_ids, strict=True), start=1):
+        parts += [f"\n\nDocument {i} ({name}):\n", DocumentRef(entry_id)]
+    return [*parts, QUESTION]
+
+
+def run_task(
+    runner: ReferenceRunner,
+    document_counts: list[int],
+    policies: list[str],
+    trials: int,
+    chars: int = 700,
+    progress: Progress | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per policy and document count: `accuracy` (share of `trials` answered right),
+    `accuracy_vs_full`, `no_items` (the prompt without its documents), `kl_first` (mean, vs
+    full), `recomputed_fraction` (mean)."""
+    from mpic.benchmarks.fidelity import passages, without_items
+    from mpic.benchmarks.offline import kl_divergence
+
+    docs = passages(max(document_counts), chars)
+    plain = [runner.cache_document(d.text).entry_id for d in docs]
+    tok = getattr(runner.processor, "tokenizer", runner.processor)
+    order = ["full"] + [p for p in policies if p != "full"]
+    total = len(document_counts) * trials * (len(order) + 1)
+    job = progress.add_task("task trials", total=total) if progress is not None else None
+    rng = random.Random(seed)
+    rows = []
+    for n in document_counts:
+        right = {p: 0 for p in [*order, "no_items"]}
+        kl: dict[str, list[float]] = {p: [] for p in order}
+        share: dict[str, list[float]] = {p: [] for p in order}
+        for t in range(trials):
+            code, target = rng.randint(1000, 9999), t % n
+            ids = plain[:n]
+            ids[target] = runner.cache_document(
+                plant(docs[target].text, code, DEPTHS[(t // n) % len(DEPTHS)])
+            ).entry_id
+            parts = needle_parts([d.name for d in docs[:n]], ids)
+            ref = None
+            for policy in [*order, "no_items"]:
+                asked = without_items(parts) if policy == "no_items" else parts
+                gen = runner.generate(
+                    asked, "full" if policy == "no_items" else policy, ANSWER_TOKENS
+                )
+                right[policy] += str(code) in tok.decode(gen.tokens, skip_special_tokens=True)
+                if policy != "no_items":
+                    pre = gen.prefilled
+                    ref = pre.logits if ref is None else ref
+                    kl[policy].append(kl_divergence(ref, pre.logits))
+                    share[policy].append(pre.recomputed_tokens / pre.plan.num_tokens)
+                if progress is not None:
+                    progress.advance(job)
+        full = right["full"] / trials
+        for policy in order:
+            accuracy = right[policy] / trials
+            rows.append(
+                {
+                    "policy": policy,
+                    "documents": n,
+                    "trials": trials,
+                    "accuracy": accuracy,
+                    "accuracy_vs_full": accuracy / full if full else None,
+                    "no_items": right["no_items"] / trials,
+                    "kl_first": statistics.fmean(kl[policy]),
+                    "recomputed_fraction": statistics.fmean(share[policy]),
+                }
+            )
+    return rows
+
+
+def print_task_table(rows: list[dict[str, Any]]) -> None:
+    """The task rows as a rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Task: the planted secret code (needle in the cached documents)")
+    for col in ("docs", "policy", "recomputed", "accuracy", "vs full", "no docs", "KL first"):
+        table.add_column(col, justify="right", no_wrap=col == "policy")
+    for r in rows:
+        vs = "-" if r["accuracy_vs_full"] is None else f"{r['accuracy_vs_full']:.0%}"
+        table.add_row(
+            str(r["documents"]),
+            r["policy"],
+            f"{r['recomputed_fraction']:.1%}",
+            f"{r['accuracy']:.0%} of {r['trials']}",
+            vs,
+            f"{r['no_items']:.0%}",
+            f"{r['kl_first']:.4f}",
+        )
+    Console(width=max(100, Console().width)).print(table)
