@@ -243,13 +243,6 @@ def image_parts(entry_ids: list[str], question: int) -> list[PromptPart]:
     return parts
 
 
-def without_items(parts: list[PromptPart]) -> list[PromptPart]:
-    """The same prompt with every item part removed (what the items themselves change)."""
-    from mpic.prompt_parts import DocumentRef, ImageRef
-
-    return [p for p in parts if not isinstance(p, DocumentRef | ImageRef)]
-
-
 def rouge_l_f1(candidate: str, reference: str) -> float:
     """ROUGE-L F1 (beta 1) of two texts over lower-cased word tokens: LCS / len gives recall and
     precision (Lin 2004). 1.0 for two empty texts, 0.0 if exactly one is empty."""
@@ -321,6 +314,7 @@ def run_fidelity(
     `effect_kept` = 1 - mean KL(full || policy) / mean KL(full || no items).
     """
     from mpic.benchmarks.offline import kl_divergence
+    from mpic.prompt_parts import without_items
 
     count = max(document_counts)
     if items == "images":
@@ -631,7 +625,8 @@ def command(
         if task == "needle":
             from mpic.benchmarks.fidelity_task import run_task
 
-            task_rows = run_task(runner, counts, names, trials, chars, progress=progress)
+            docs = passages(max(counts), chars)
+            task_rows = run_task(runner, docs, counts, names, trials, progress=progress)
     print_table(rows, model)
     doc: dict[str, Any] = {"model": str(Path(model).resolve()), "results": rows}
     if task_rows is not None:

@@ -1,13 +1,13 @@
 """`mpic bench fidelity --task needle` (CLI process): does the model still get the answer right
 under a policy? Task accuracy on the cached documents, beside the fidelity figures.
 
-The task is built offline from the same standard-library passages (`passages`), so it needs no
-download: in every trial ONE document carries a planted fact, "The secret code is NNNN." (a fresh
-four-digit code), at a depth inside that document (its start, its middle paragraph boundary, or
-its end), and that document sits at another position among n (trial t plants in document
-t mod n, depths cycle). The planted document is cached like any upload; the others are the plain
-passages. The question: "What is the secret code? Answer with the number only." An answer is
-right when its first 12 greedy tokens contain the code (exact match of the four digits).
+The task is built offline from the same standard-library passages (`fidelity.passages`), so it needs
+no download: in every trial ONE document carries a planted fact, "The secret code is NNNN." (a fresh
+four-digit code), at a depth inside that document (its start, its middle paragraph boundary, or its
+end), and that document sits at another position among n (trial t plants in document t mod n, depths
+cycle). The planted document is cached like any upload; the others are the plain passages. The
+question: "What is the secret code? Answer with the number only." An answer is right when its first
+12 greedy tokens contain the code (exact match of the four digits).
 
 The prompt without the documents cannot know the code (a check of the items' effect: its
 accuracy is reported as `no_items`). Accuracy is reported per policy and document count with
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,20 +64,20 @@ def needle_parts(names: list[str], entry_ids: list[str]) -> list[PromptPart]:
 
 def run_task(
     runner: ReferenceRunner,
+    docs: Sequence[Any],
     document_counts: list[int],
     policies: list[str],
     trials: int,
-    chars: int = 700,
     progress: Progress | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per policy and document count: `accuracy` (share of `trials` answered right),
     `accuracy_vs_full`, `no_items` (the prompt without its documents), `kl_first` (mean, vs
-    full), `recomputed_fraction` (mean)."""
-    from mpic.benchmarks.fidelity import passages, without_items
+    full), `recomputed_fraction` (mean). docs: at least max(document_counts) passages with
+    `name` and `text` (`mpic.benchmarks.fidelity.passages`)."""
     from mpic.benchmarks.offline import kl_divergence
+    from mpic.prompt_parts import without_items
 
-    docs = passages(max(document_counts), chars)
     plain = [runner.cache_document(d.text).entry_id for d in docs]
     tok = getattr(runner.processor, "tokenizer", runner.processor)
     order = ["full"] + [p for p in policies if p != "full"]

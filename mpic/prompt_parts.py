@@ -43,3 +43,8 @@ PromptPart = str | ImageRef | DocumentRef | Turn
 def item_refs(parts: list[PromptPart] | tuple[PromptPart, ...]) -> list[str]:
     """The entry ids the parts reference (images and documents), in order, repeats kept."""
     return [p.entry_id for p in parts if isinstance(p, ImageRef | DocumentRef)]
+
+
+def without_items(parts: list[PromptPart]) -> list[PromptPart]:
+    """The same prompt with every item part removed (what the items themselves change)."""
+    return [p for p in parts if not isinstance(p, ImageRef | DocumentRef)]
