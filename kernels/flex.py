@@ -198,6 +198,10 @@ class FlexBackend(AttentionBackend):
         shape = self._shape(q_index, kv_len)
         return FlexState(self._block_mask(q_index, None, shape), kv_len, shape=shape)
 
+    def _compiled_for(self, q: torch.Tensor) -> bool:
+        """Whether calls on q's device run compiled (`compile`; None: on CUDA)."""
+        return q.is_cuda if self.compile is None else self.compile
+
     def _on_host(self, q_index: torch.Tensor) -> bool:
         """Whether the indices may be read (host tensors, unless `read_indices` says)."""
         return q_index.device.type == "cpu" if self.read_indices is None else self.read_indices
@@ -305,7 +309,7 @@ class FlexBackend(AttentionBackend):
             q, keys, values, prepared.shape, masks, scale, return_lse=True
         )
         merge: Any = merge_groups
-        if q.is_cuda if self.compile is None else self.compile:  # one fused kernel, not ~12
+        if self._compiled_for(q):  # one fused kernel, not ~12
             merge = compiled(merge_groups, self.compile_backend, on_error="eager")
         return merge(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
@@ -336,7 +340,7 @@ class FlexBackend(AttentionBackend):
         qh = q.transpose(0, 1)[None]  # [1, H, S, D]
         kh = keys[: shape.padded_kv].transpose(0, 1)[None]  # [1, H_kv, <= padded_kv, D]
         vh = values[: shape.padded_kv].transpose(0, 1)[None]
-        compiled = q.is_cuda if self.compile is None else self.compile
+        compiled = self._compiled_for(q)
         head_pad = (1 << (head_dim - 1).bit_length()) - head_dim if compiled else 0
         row_pad, key_pad = shape.padded_rows - shape.rows, shape.padded_kv - kh.shape[2]
         if head_pad or row_pad:

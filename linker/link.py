@@ -33,6 +33,12 @@ class LinkedItems:
     values: torch.Tensor
     """[L, M, H_kv, D]."""
 
+    def write_to(self, linked_kv: LinkedKV) -> int:
+        """Write every layer of them into `linked_kv` in ONE `write_layers` call (the linked KV
+        moves them to its own device); returns the number of token slots linked."""
+        linked_kv.write_layers(self.slots, self.keys, self.values)
+        return int(self.slots.numel())
+
 
 def linked_items(
     plan: LinkPlan,
@@ -88,17 +94,11 @@ def link_entries(
     num_layers: int,
     every_item: bool = False,
     device: torch.device | str | None = None,
-    items: LinkedItems | None = None,
 ) -> int:
-    """Write rotated cached K/V of item tokens into `linked_kv` (`linked_items`, unless the
-    caller passes them) in ONE `write_layers` call; the linked KV moves them to its own device.
-    Returns the number of token slots linked."""
-    if items is None:
-        items = linked_items(plan, entries, rope, num_layers, every_item, device)
-    if items is None:
-        return 0
-    linked_kv.write_layers(items.slots, items.keys, items.values)
-    return int(items.slots.numel())
+    """Write rotated cached K/V of item tokens into `linked_kv` (`linked_items`, then
+    `LinkedItems.write_to`). Returns the number of token slots linked."""
+    items = linked_items(plan, entries, rope, num_layers, every_item, device)
+    return items.write_to(linked_kv) if items is not None else 0
 
 
 def gather_input_embeds(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.link import gather_input_embeds, link_entries, linked_items
+from mpic.linker.link import gather_input_embeds, linked_items
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
@@ -75,7 +75,7 @@ def link_and_prefill(
         device=adapter.device,  # rotate where the model runs (entries may come from storage)
     )
     if items is not None:
-        link_entries(linked_kv, plan, entries, adapter.rope, adapter.num_layers, items=items)
+        items.write_to(linked_kv)
     prefix = planned.prefix if not policy.two_step and hook is None else None
     cached = prefix.length if prefix is not None else 0
     if prefix is not None:  # two-step and in-pass-hook policies recompute it

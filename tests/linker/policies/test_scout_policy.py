@@ -121,11 +121,11 @@ def test_scout_scores_equal_attention_recomputed_from_an_mpic0_pass():
     want[plan.is_text] = 0
     adapter.attention_inputs = real
     kv2 = DenseLinkedKV(L, plan.num_tokens, 2, 8)
-    from mpic.linker.link import link_entries, linked_items
+    from mpic.linker.link import linked_items
 
     pre = ScoutPolicy(0.5).apply(plan, entries, L)
     items = linked_items(pre, entries, adapter.rope, L, every_item=True)
-    link_entries(kv2, pre, entries, adapter.rope, L, items=items)
+    items.write_to(kv2)
     got, report = scout_scores(adapter, pre, entries, kv2, layers, items, 0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert report.layers_run == 3 and report.tokens == int(plan.is_text.sum())
