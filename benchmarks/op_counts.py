@@ -215,7 +215,7 @@ def profile_gpu(fn: Callable[[], Any], top: int = 0) -> GpuProfile:
     kernels = [
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.activity_type == "kernel"
+        if e.device_type == torch.autograd.DeviceType.CUDA
     ]
     table = None
     if top > 0:

@@ -105,16 +105,20 @@ def gather_input_embeds(
     adapter: LayerAdapter, plan: LinkPlan, entries: Sequence[CacheEntry], index: torch.Tensor
 ) -> torch.Tensor:
     """Input embeddings [S, hidden] of the tokens at prompt indices `index` (int64 [S])."""
+    # Row positions are found on the host and written with integer indices: a boolean index on
+    # the device would read its positions back (a sync per entry).
+    index = index.cpu()  # the plan's tensors live on the host
     src = plan.source_entry[index]
     text = src < 0
+    text_rows = text.nonzero().squeeze(1)
     text_embeds = adapter.embed_tokens(plan.token_ids[index][text].to(adapter.device))
     out = torch.empty(
         (index.shape[0], text_embeds.shape[-1]), dtype=adapter.dtype, device=adapter.device
     )
-    out[text.to(adapter.device)] = text_embeds.to(adapter.dtype)
+    out[text_rows.to(adapter.device)] = text_embeds.to(adapter.dtype)
+    offsets_all = plan.source_offset[index]
     for e_idx in torch.unique(src[~text]).tolist():
-        rows = src == e_idx
-        offsets = plan.source_offset[index][rows]
-        embeds = entries[e_idx].input_embeds[offsets].to(adapter.device, adapter.dtype)
+        rows = (src == e_idx).nonzero().squeeze(1)
+        embeds = entries[e_idx].input_embeds[offsets_all[rows]].to(adapter.device, adapter.dtype)
         out[rows.to(adapter.device)] = embeds
     return out

@@ -11,6 +11,8 @@
 # capped by what is left, and is skipped, with a message, when too little is left.
 # Results in $OUT: summary.txt (the two tables, recompile counts, test results), <step>.out
 # (each step's full output), llava7b.json/.png, qwen2vl7b.json/.png.
+# Overrides: IMAGES (1,8,16), REPEATS (3), RESERVE_LLAVA (seconds kept for Qwen2-VL and the tests
+# when LLaVA's bench starts, 200), TESTS=0 (no tests): a short second call.
 # DRY=1: the same on this CPU machine (no wheel install; PY_DRY, default .venv/bin/python; tiny
 # models, cpu float32, images 1,2, 1 repeat; the gpu tests skip without CUDA): about 2 minutes.
 set -u -o pipefail
@@ -46,7 +48,7 @@ if [ -n "${DRY:-}" ]; then
   W=$(mktemp -d /tmp/mpic-gpu.XXXXXX)
   trap 'rm -rf "$W"' EXIT
 else
-  MODE="GPU" SIZE=7b DEV=cuda DT=bfloat16 IMAGES=1,8,16 REPEATS=3
+  MODE="GPU" SIZE=7b DEV=cuda DT=bfloat16 IMAGES=${IMAGES:-1,8,16} REPEATS=${REPEATS:-3}
   PY=$(command -v "${PY:-python3}") || { echo "no python3"; exit 3; }  # absolute: a shebang
   W=/tmp/mpic-gpu; rm -rf "$W"; mkdir -p "$W"
 fi
@@ -165,12 +167,12 @@ EOF
   } | tee -a "$SUM"
 }
 
-bench llava7b llava 200        # Qwen2-VL's model and bench, and some tests, still to come
+bench llava7b llava ${RESERVE_LLAVA:-200}        # Qwen2-VL's model and bench, and some tests, still to come
 bench qwen2vl7b qwen2-vl 70    # the kernel tests, at least
 
 # The gpu-marked tests, against the installed wheel, in priority order.
 PROJ=$G/proj
-if [ -d "$PROJ/tests" ]; then
+if [ -d "$PROJ/tests" ] && [ "${TESTS:-1}" = 1 ]; then
   cd "$PROJ" || exit 2
   # the fused corrected attention and the CUDA reference runner lead their groups
   mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | LC_ALL=C sort |
