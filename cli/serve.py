@@ -13,6 +13,10 @@ filesystem store under .mpic/store, dev API keys, see docs/serving.md). A config
 per-deployment options of its application's `deployments:` section (replicas, autoscaling,
 resources: Serve's own schema) are applied over those of `args`.
 
+Serve's HTTP proxy answers JSON 503 `not_ready` from its first connection until it can route to
+the Ingress (`mpic.deployments.http.startup_gate`, installed by `start_local` through the
+environment of the Ray instance it starts); then the Ingress does until every deployment can serve.
+
 Without `--address` a Ray instance is started in this process and torn down on exit (Serve,
 every replica, Ray's own processes: none is left behind), and a start ends what a crashed run
 left (`mpic.deployments.local_runs`); with `--address` the application is deployed on that

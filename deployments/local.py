@@ -127,6 +127,7 @@ def start_local(
     from ray import serve
 
     from mpic.deployments.app import build_app
+    from mpic.deployments.http.startup_gate import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     cfg = prepare_local(cfg)
     env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
@@ -140,6 +141,9 @@ def start_local(
                     log_to_driver=log_to_driver,
                 )
         else:
+            # Serve's proxy (a process of the Ray instance started here, which inherits this
+            # environment) answers JSON 503 not_ready until it can route to the Ingress
+            os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
             node_ip = ray_node_ip(host)
             with loopback_node(node_ip == "127.0.0.1"), _callers_sigterm():
                 ctx = ray.init(

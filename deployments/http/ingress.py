@@ -36,7 +36,7 @@ from mpic.deployments.http.http_errors import (
     status_of,
 )
 from mpic.deployments.http.openapi_errors import install_openapi_errors
-from mpic.deployments.http.readiness import AppReadiness, replica_probe
+from mpic.deployments.http.readiness import AppReadiness, NotReadyError, replica_probe
 from mpic.deployments.http.request_guard import RequestGuard, configure_guard
 from mpic.deployments.http.schemas import (
     AssistantMessage,
@@ -82,6 +82,9 @@ install_openapi_errors(app, ErrorBody)  # the real error answers, no 422
 app.include_router(router)  # vLLM's other routes: /v1/completions, /tokenize, ... (VllmRoutes)
 
 _METRICS: list[ServeMetrics] = []
+
+MODEL_INFO_WAIT_S = 1.0
+"""The longest a request waits for the LLM worker's first answer of its context length."""
 
 
 # Helpers must be defined above the class: `serve.ingress` serializes the class when it is
@@ -129,6 +132,12 @@ async def _count(request: Request, call_next):
 
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _seen(task: asyncio.Task) -> None:
+    """Mark a background task's outcome as retrieved (no "never retrieved" log line)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _ended(body, end) -> AsyncIterator:
@@ -245,9 +254,11 @@ class Ingress(VllmRoutes):
         self.encoder, self.resolver = raising(encoder), raising(resolver)
         self.worker, self.retriever = raising(worker), raising(retriever)
         self.started = int(time.time())
-        self.max_model_len: int | None = None  # asked of the LLM worker on first use
+        self.max_model_len: int | None = None  # asked of the LLM worker once it can serve
+        self._length_task: asyncio.Task | None = None
         _metrics().model_name = config.engine.served_names[0]
-        self.readiness = AppReadiness(replica_probe())
+        # the context length is asked of the LLM worker as soon as the app is ready
+        self.readiness = AppReadiness(replica_probe(), on_ready=self._length_pending)
 
     def _auth(self, authorization: str | None) -> Principal:
         return self.keys.authenticate(authorization)
@@ -274,7 +285,8 @@ class Ingress(VllmRoutes):
 
     @app.get("/v1/models")
     async def list_models(self, authorization: Annotated[str | None, Header()] = None) -> ModelList:
-        """The served model (one per deployment)."""
+        """The served model (one per deployment); 503 `not_ready` until a chat would be served
+        (vLLM answers only once it can serve: scripts poll this route before they chat)."""
         self._auth(authorization)
         length = await self._model_info()
         return ModelList(data=[self._model(n, length) for n in self.cfg.engine.served_names])
@@ -283,7 +295,7 @@ class Ingress(VllmRoutes):
     async def get_model(
         self, model_id: str, authorization: Annotated[str | None, Header()] = None
     ) -> Model:
-        """The served model, or 404 `model_not_found`."""
+        """The served model, or 404 `model_not_found` (503 `not_ready` as `/v1/models`)."""
         self._auth(authorization)
         self._check_model(model_id)
         return self._model(model_id, await self._model_info())
@@ -294,9 +306,33 @@ class Ingress(VllmRoutes):
         )
 
     async def _model_info(self) -> int:
-        """The served context length (`max_model_len`), asked of the LLM worker once."""
-        if self.max_model_len is None:
-            self.max_model_len = await self.worker.context_length.remote()
+        """The served context length (`max_model_len`) once the application is ready (503
+        `not_ready` before: a starting worker would hold the call until its engine is loaded).
+        It is asked of the LLM worker once, in a task of its own: a request waits for the answer
+        at most `MODEL_INFO_WAIT_S`, then gets 503 `not_ready` while it is on its way."""
+        await self.readiness.require()
+        if self.max_model_len is not None:
+            return self.max_model_len
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._length_pending()), MODEL_INFO_WAIT_S)
+        except TimeoutError:
+            raise NotReadyError(
+                "the service is starting (the LLM worker has not told its context length "
+                "yet); retry shortly",
+                retry_after=1,
+            ) from None
+
+    def _length_pending(self) -> asyncio.Task:
+        """The task asking the LLM worker its context length (a new one if none ran or the
+        last failed); readiness starts it as soon as the app is ready."""
+        task = self._length_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._length_task = asyncio.ensure_future(self._ask_context_length())
+            task.add_done_callback(_seen)  # a failure nobody awaited: asked again next time
+        return task
+
+    async def _ask_context_length(self) -> int:
+        self.max_model_len = await self.worker.context_length.remote()
         return self.max_model_len
 
     def _record(self, policy: str, done: DoneEvent, ttft_s: float, decode_s: float) -> None:
@@ -518,12 +554,14 @@ class Ingress(VllmRoutes):
         """Admin: run the file sweeper now (expire, release, delete unreferenced blobs older
         than `grace_s`, default the server's)."""
         KeyRing.require_admin(self._auth(authorization))
+        await self.readiness.require()  # the worker / retriever may still be starting
         return await self.worker.sweep.remote(body.grace_s if body else None)
 
     @app.get("/v1/admin/collections")
     async def admin_collections(self, authorization: Annotated[str | None, Header()] = None):
         """Admin: dynamic-library collections and their current versions."""
         KeyRing.require_admin(self._auth(authorization))
+        await self.readiness.require()  # the worker / retriever may still be starting
         return await self.retriever.collections.remote()
 
     @app.get("/v1/admin/collections/{name}/versions")
@@ -532,6 +570,7 @@ class Ingress(VllmRoutes):
     ):
         """Admin: the versions of one collection, newest last."""
         KeyRing.require_admin(self._auth(authorization))
+        await self.readiness.require()  # the worker / retriever may still be starting
         return await self.retriever.versions.remote(name)
 
     @app.post("/v1/admin/collections/{name}/refresh")
@@ -543,6 +582,7 @@ class Ingress(VllmRoutes):
     ):
         """Admin: build a new version from a source folder/prefix and swap it in atomically."""
         KeyRing.require_admin(self._auth(authorization))
+        await self.readiness.require()  # the worker / retriever may still be starting
         roots = self.cfg.admin_sources
         source = allowed_source(body.source, roots)
         captions = allowed_source(body.captions, roots, "captions") if body.captions else None
@@ -557,4 +597,5 @@ class Ingress(VllmRoutes):
     ):
         """Admin: make an earlier version current again."""
         KeyRing.require_admin(self._auth(authorization))
+        await self.readiness.require()  # the worker / retriever may still be starting
         return await self.retriever.rollback.remote(name, body.version)

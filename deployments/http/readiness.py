@@ -4,7 +4,9 @@
 application has a RUNNING replica, i.e. its constructor (for the LLM worker: loading the engine,
 30-50 s for vLLM on CPU) has finished. Until then a chat routed to the worker would wait in
 Serve's queue for minutes; instead it gets a fast 503 `not_ready` with `Retry-After`, and
-`GET /readyz` answers 503 (the KubeRay manifests' readiness probes, k8s/rayservice.yaml).
+`GET /readyz` answers 503 (the KubeRay manifests' readiness probes, k8s/rayservice.yaml), as do
+`/health`, `/v1/models` and every route that calls a deployment. (Before the Ingress itself runs,
+Serve's proxy gives the same answer: `mpic.deployments.http.startup_gate`.)
 
 Serve's controller knows the replica states (`serve.status()`); `AppReadiness` polls them on a
 background task, every `period_s` (0.5 s) while the application starts and every
@@ -83,7 +85,8 @@ class AppReadiness:
     noticed); retry_after_s: the `Retry-After` of the 503s; probe_timeout_s: the longest a
     first request waits for the first answer (a request never waits longer, hence the fast 503);
     poll_timeout_s: how long one poll may take (a poll that fails or times out after the app was
-    ready keeps the ready answer)."""
+    ready keeps the ready answer); on_ready: called (in the event loop) each time readiness turns
+    on, e.g. to ask a deployment what the routes need of it before the first request does."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class AppReadiness:
         retry_after_s: int = 5,
         probe_timeout_s: float = 0.5,
         poll_timeout_s: float = 10.0,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self._probe = probe
         self.period_s = period_s
@@ -100,6 +104,7 @@ class AppReadiness:
         self.retry_after_s = retry_after_s
         self.probe_timeout_s = probe_timeout_s
         self.poll_timeout_s = poll_timeout_s
+        self.on_ready = on_ready
         self.deployments: dict[str, bool] = {}
         self._ready = probe is None
         self._checked = 0.0
@@ -117,7 +122,16 @@ class AppReadiness:
         self._served_at = time.monotonic()
         if not self._ready:
             logger.info("application ready (a chat was served)")
-            self._ready = True
+            self._set_ready(True)
+
+    def _set_ready(self, ready: bool) -> None:
+        turned_on = ready and not self._ready
+        self._ready = ready
+        if turned_on and self.on_ready is not None:
+            try:
+                self.on_ready()
+            except Exception:  # noqa: BLE001 - a hook's failure must not stop the polls
+                logger.exception("readiness on_ready hook failed")
 
     async def _poll_once(self) -> None:
         assert self._probe is not None
@@ -141,7 +155,8 @@ class AppReadiness:
             return
         if ready != self._ready:
             logger.info("application %s (%s)", "ready" if ready else "not ready", states)
-        self.deployments, self._ready, self._checked = states, ready, time.monotonic()
+        self.deployments, self._checked = states, time.monotonic()
+        self._set_ready(ready)
 
     async def _loop(self) -> None:
         while True:

@@ -126,12 +126,18 @@ class VllmRoutes:
     async def health(self) -> Response:
         """vLLM's health check (no auth): 200 with an empty body once the application can
         serve (every deployment ready), else 503 with Retry-After."""
-        readiness = getattr(self, "readiness", None)
-        if readiness is not None:
-            await readiness.require()
+        if getattr(self, "readiness", None) is not None:
+            await self._require_ready()
         else:
             await self.worker.check_health.remote()
         return Response(status_code=200)
+
+    async def _require_ready(self) -> None:
+        """503 `not_ready` (Retry-After) while a deployment is still starting: a call to it
+        would wait in Serve's queue until its replica has started."""
+        readiness = getattr(self, "readiness", None)
+        if readiness is not None:
+            await readiness.require()
 
     @router.get("/version")
     async def version(self) -> VersionResponse:
@@ -148,6 +154,7 @@ class VllmRoutes:
         self._auth(authorization)
         if body.model is not None:
             self._check_model(body.model)
+        await self._require_ready()
         tokens, strs = await self.worker.tokenize.remote(
             body.prompt,
             body.messages,
@@ -168,6 +175,7 @@ class VllmRoutes:
         self._auth(authorization)
         if body.model is not None:
             self._check_model(body.model)
+        await self._require_ready()
         return DetokenizeResponse(prompt=await self.worker.detokenize.remote(body.tokens))
 
     @router.post("/v1/completions")
@@ -184,9 +192,7 @@ class VllmRoutes:
         limit = self.cfg.limits.max_text_chars
         if sum(len(p) for p in body.prompts) > limit:
             raise InvalidRequestError(f"prompt over {limit} characters", param="prompt")
-        readiness = getattr(self, "readiness", None)
-        if readiness is not None:
-            await readiness.require()
+        await self._require_ready()
         t0 = time.perf_counter()
         rid = request.state.request_id
         prompts: list[LinkedPrompt] = []

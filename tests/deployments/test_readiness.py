@@ -97,6 +97,30 @@ def test_polls_slow_down_once_ready() -> None:
     asyncio.run(run())
 
 
+def test_on_ready_is_called_each_time_readiness_turns_on() -> None:
+    """The Ingress asks the LLM worker its context length from this hook, before the first
+    `/v1/models` does."""
+    states = {"Ingress": True, "LLMWorker": False}
+    calls: list[bool] = []
+    ready = AppReadiness(
+        lambda: dict(states), period_s=0.02, ready_period_s=0.02, on_ready=lambda: calls.append(1)
+    )
+
+    async def run() -> None:
+        assert not await ready.check()
+        await asyncio.sleep(0.1)
+        assert calls == []
+        states["LLMWorker"] = True
+        await asyncio.sleep(0.1)
+        assert await ready.check() and calls == [1]  # once, not at every poll
+        states["LLMWorker"] = False
+        await asyncio.sleep(0.1)
+        ready.served()  # a served chat turns it on again
+        assert calls == [1, 1]
+
+    asyncio.run(run())
+
+
 def test_a_hanging_probe_answers_not_ready_fast() -> None:
     ready = AppReadiness(lambda: time.sleep(30) or {}, period_s=0.1, probe_timeout_s=0.3)
 
