@@ -238,15 +238,21 @@ class Batching:
     """Every request's time from the scheduler's resume to its first token, over the waves."""
     ttft_p50_ms: float
     stats: dict[str, int]
+    policy: str = "mpic-32"
 
 
 def batching(
-    model: str, requests: int = 8, images: int = 3, batch_links: bool = True, waves: int = 3
+    model: str,
+    requests: int = 8,
+    images: int = 3,
+    batch_links: bool = True,
+    waves: int = 3,
+    policy: str = "mpic-32",
 ) -> Batching:
-    """B linked requests arriving together, their entries in the worker's memory tier: vLLM's
-    scheduler is paused (`pause_generation(mode="keep")`: new requests queue, nothing steps)
-    while the B are submitted, then resumed, so its next step sees all of them; TTFT from the
-    resume. `waves` timed waves after a warm one."""
+    """B linked requests under `policy` arriving together, their entries in the worker's
+    memory tier: vLLM's scheduler is paused (`pause_generation(mode="keep")`: new requests
+    queue, nothing steps) while the B are submitted, then resumed, so its next step sees all of
+    them; TTFT from the resume. `waves` timed waves after a warm one."""
     import tempfile
 
     from mpic.storage.config import StorageConfig
@@ -257,7 +263,7 @@ def batching(
         entries = [engine.cache_image(png(200 + i)) for i in range(requests * images)]
 
         async def wave(tag: str) -> list[float]:
-            reqs = [_linked(engine, entries[i * images : (i + 1) * images], f"{tag} {i}")
+            reqs = [_linked(engine, entries[i * images : (i + 1) * images], f"{tag} {i}", policy)
                     for i in range(requests)]  # fmt: skip
             await asyncio.to_thread(
                 engine._call, engine.llm.pause_generation(mode="keep", clear_cache=False)
@@ -279,7 +285,7 @@ def batching(
         engine.close()
     stats = {k: after[k] - before.get(k, 0) for k in ("link_passes", "linked_requests")}
     stats["largest_pass"] = after["largest_pass"]
-    return Batching(batch_links, requests, ttfts, float(np.median(ttfts)), stats)
+    return Batching(batch_links, requests, ttfts, float(np.median(ttfts)), stats, policy)
 
 
 def mode_name(async_loads: bool | str, exact: bool = False) -> str:
@@ -335,7 +341,7 @@ def write_outputs(hol: list[HeadOfLine], bat: list[Batching], out: Path) -> None
         for b in bat:
             xs = np.sort(b.ttft_ms)
             label = (
-                f"{'one pass' if b.batch_links else 'one pass per request'} "
+                f"{b.policy}, {'one pass' if b.batch_links else 'one pass per request'} "
                 f"(p50 {b.ttft_p50_ms:.0f} ms, largest pass {b.stats['largest_pass']})"
             )
             ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), "o-", label=label)
@@ -382,7 +388,11 @@ def command(
         )  # fmt: skip
         for m in chosen
     ]
-    bat = [batching(model, requests, batch_links=b) for b in (True, False)]
+    bat = [
+        batching(model, requests, batch_links=b, policy=p)
+        for p in ("mpic-32", "auto")  # the default joins the batched pass too
+        for b in (True, False)
+    ]
     table = Table(title="Linking on the vLLM worker")
     for col in ["run", "figure"]:
         table.add_column(col)
@@ -397,7 +407,7 @@ def command(
         )
     for b in bat:
         table.add_row(
-            "one pass" if b.batch_links else "one pass per request",
+            f"{b.policy}: {'one pass' if b.batch_links else 'one pass per request'}",
             f"TTFT p50 {b.ttft_p50_ms:.0f} ms; {b.stats}",
         )
     Console().print(table)

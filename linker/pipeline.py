@@ -26,7 +26,7 @@ from mpic.linker.link import gather_input_embeds, linked_items
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
-from mpic.linker.selective_prefill import PrefillResult, selective_prefill
+from mpic.linker.selective_prefill import LayerHook, PrefillResult, selective_prefill
 from mpic.linker.two_step import prefill_text_first
 from mpic.types import LinkPlan
 
@@ -49,15 +49,33 @@ class LinkedPrefill:
     depth 0, not recomputed, counted as cached."""
 
 
-def link_and_prefill(
-    adapter: LayerAdapter, planned: PlannedPrompt, linked_kv: LinkedKV
-) -> LinkedPrefill:
-    """Fill `linked_kv` for the prompt and return the last token's logits.
+@dataclass
+class PreparedPass:
+    """A prompt ready for its selective pass (`prepare_pass`): its linked KV written, its final
+    depths set, the recomputed tokens' inputs gathered. `link_and_prefill` runs it alone; the
+    vLLM worker's `link_batch` runs several requests' together."""
 
-    planned: from `mpic.linker.recipe` (the policy's depths are set; a scouting policy's are
-    applied again here and replaced by its scout's selection);
-    linked_kv: zeroed, at least N slots.
-    """
+    plan: LinkPlan
+    """The plan with the final depths (the scout's, the cached prefix excluded)."""
+    index: torch.Tensor
+    """int64 [S] (host): prompt indices of the recomputed tokens, ascending."""
+    embeds: torch.Tensor
+    """[S, hidden]: their input embeddings."""
+    hook: LayerHook | None
+    """The policy's in-pass selection (CacheBlend), or None."""
+    ran: torch.Tensor
+    """bool [N]: tokens a text-first pass already ran (two-step policies)."""
+    scout: ScoutReport | None = None
+    cached_prefix: int = 0
+
+
+def prepare_pass(
+    adapter: LayerAdapter, planned: PlannedPrompt, linked_kv: LinkedKV
+) -> PreparedPass:
+    """Everything before the selective pass, in the order of the module docstring: the
+    text-first pass (two-step policies), the entries' rotated KV and the cached prefix written
+    into `linked_kv` (zeroed, at least N slots), the scout's depths (scouting policies), the
+    linked-key correction handed to `linked_kv`, the recomputed tokens' input embeddings."""
     plan, entries, policy = planned.plan, planned.entries, planned.policy
     if policy.scouts:  # a plan carrying an earlier run's final depths scouts from scratch
         plan = policy.apply(plan, entries, adapter.num_layers)
@@ -96,12 +114,27 @@ def link_and_prefill(
             set_correction(correction)
     index = torch.nonzero(plan.recompute_depth > 0).flatten()
     embeds = gather_input_embeds(adapter, plan, entries, index)
-    result = selective_prefill(adapter, plan, linked_kv, embeds, hook=hook)
-    ran |= result.recompute_depth > 0
+    return PreparedPass(plan, index, embeds, hook, ran, report, cached)
+
+
+def link_and_prefill(
+    adapter: LayerAdapter, planned: PlannedPrompt, linked_kv: LinkedKV
+) -> LinkedPrefill:
+    """Fill `linked_kv` for the prompt and return the last token's logits (`prepare_pass`, then
+    the selective pass).
+
+    planned: from `mpic.linker.recipe` (the policy's depths are set; a scouting policy's are
+    applied again here and replaced by its scout's selection);
+    linked_kv: zeroed, at least N slots.
+    """
+    prepared = prepare_pass(adapter, planned, linked_kv)
+    result = selective_prefill(
+        adapter, prepared.plan, linked_kv, prepared.embeds, hook=prepared.hook
+    )
     return LinkedPrefill(
-        plan=plan,
+        plan=prepared.plan,
         result=result,
-        recomputed_tokens=int(ran.sum()),
-        scout=report,
-        cached_prefix=cached,
+        recomputed_tokens=int((prepared.ran | (result.recompute_depth > 0)).sum()),
+        scout=prepared.scout,
+        cached_prefix=prepared.cached_prefix,
     )

@@ -14,12 +14,15 @@ code as one prompt) runs each layer's norms, projections and MLP once over all o
   so each query sees exactly its own request's keys up to its own prompt index (a per-request
   causal mask over its own blocks, the exact mask of the one-request pass).
 
-On other devices (CUDA) the two operations loop over the requests' `PagedLinkedKV`s (one call
-each); the layer compute is still shared.
+On other devices (CUDA), and when a request of the batch carries the linked-key correction
+(its corrected attention reads its own K/V mirrors), the two operations loop over the requests'
+`PagedLinkedKV`s (one call each); the layer compute is still shared.
 
-Only plain policies batch (`link_job.batchable`: no text-first pass, no in-pass hook, no
-scouting, no correction): their pass is exactly `run_layers` over the plan's depths. The others,
-and compression requests, keep the one-request path (`link_and_prefill`).
+Each request is prepared alone by the linker's `prepare_pass` (the same code as the one-request
+`link_and_prefill`: its entries and cached prefix linked, a scouting policy's scout run over its
+own text, its correction set), then the recomputed tokens of all of them run the layers
+together. Policies whose pass needs the whole prompt to itself stay on the one-request path
+(`link_job.joins_batch`: two-step policies, in-pass hooks), as do compression requests.
 """
 
 from __future__ import annotations
@@ -32,23 +35,27 @@ from torch import nn
 
 from mpic.engine.vllm.paged_kv import CpuPagedOps, PagedLinkedKV, cpu_attend_sequences
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.link import gather_input_embeds, link_entries
+from mpic.linker.pipeline import prepare_pass
+from mpic.linker.policies import Policy
 from mpic.linker.prefix import CachedPrefix
+from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.selective_prefill import run_layers
 from mpic.types import CacheEntry, LinkPlan
 
 
 @dataclass
 class BatchItem:
-    """One request of a batch: its plan (depths set), entries and paged KV."""
+    """One request of a batch: its plan (the front end's depths), entries, policy and paged
+    KV (with K/V mirrors when the policy corrects: `PagedLinkedKV.set_correction`)."""
 
     plan: LinkPlan
     entries: Sequence[CacheEntry]
     kv: PagedLinkedKV
     block_ids: list[int]
+    policy: Policy
     prefix: CachedPrefix | None = None
-    """The template/system prefix linked exactly (`mpic.linker.prefix`; the plan gives its
-    tokens depth 0), or None."""
+    """The template/system prefix linked exactly (`mpic.linker.prefix`: `prepare_pass` writes
+    it and gives its tokens depth 0), or None."""
 
 
 class BatchedPagedKV:
@@ -77,7 +84,9 @@ class BatchedPagedKV:
             slots.append(blocks[p // block_size] * block_size + p % block_size)
         device = caches[0].device
         self._slots = torch.cat(slots).to(device)
-        self._cpu = device.type == "cpu"
+        # one CPU op call per layer for all requests, unless a request attends through its own
+        # mirrors (the correction): then, as on CUDA, each request's KV serves its rows
+        self._cpu = device.type == "cpu" and not any(it.kv.mirrored for it in self._items)
         if self._cpu:
             width = max(len(it.block_ids) for it in self._items)
             table = torch.zeros(len(self._items), width, dtype=torch.int32)
@@ -108,7 +117,7 @@ class BatchedPagedKV:
             self._items[r].kv.write(layer, local, k[a:b], v[a:b])
 
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("batched linking serves policies that read no linked keys")
+        raise NotImplementedError("the batched pass runs no in-pass hook (`joins_batch`)")
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending global indices -> [S, H, D], each row over its own
@@ -142,33 +151,34 @@ def link_batch(
     layers: list[nn.Module],
     caches: list[torch.Tensor],
     block_size: int,
-) -> None:
-    """Link every request of `items` (plain policies) in one selective pass: each request's
-    blocks are zeroed and its entries' rotated KV (and its cached prefix's exact KV) linked,
-    then the recomputed tokens of all of them run the layers together. No logits (vLLM's
+) -> list[LinkPlan]:
+    """Link every request of `items` in one selective pass: each request's blocks are zeroed
+    and prepared alone (`prepare_pass`), then the recomputed tokens of all of them run the
+    layers together. Returns each request's plan with its final depths. No logits (vLLM's
     forward computes the last token)."""
-    embeds, index, positions, depth = [], [], [], []
-    batched = BatchedPagedKV(items, layers, caches, block_size)
-    for r, it in enumerate(items):
+    embeds, index, positions, depth, plans = [], [], [], [], []
+    prepared = []
+    for it in items:
         it.kv.clear()
-        link_entries(it.kv, it.plan, it.entries, adapter.rope, adapter.num_layers,
-                     device=adapter.device)  # fmt: skip
-        if it.prefix is not None:
-            it.prefix.write(it.kv)
-        local = torch.nonzero(it.plan.recompute_depth > 0).flatten()
-        if local.numel() == 0:
+        planned = PlannedPrompt(it.plan, it.entries, it.policy, refs=[], prefix=it.prefix)
+        prepared.append(prepare_pass(adapter, planned, it.kv))
+    batched = BatchedPagedKV(items, layers, caches, block_size)
+    for r, p in enumerate(prepared):
+        plans.append(p.plan)
+        assert p.hook is None, "in-pass hooks do not join a batch (`joins_batch`)"
+        if p.index.numel() == 0:
             continue
-        embeds.append(gather_input_embeds(adapter, it.plan, it.entries, local))
-        index.append(local + int(batched.offsets[r]))
-        positions.append(it.plan.positions[..., local])
-        depth.append(it.plan.recompute_depth[local])
-    if not index:
-        return
-    run_layers(
-        adapter,
-        batched,
-        torch.cat(embeds),
-        torch.cat(index),
-        torch.cat(positions, dim=-1),
-        torch.cat(depth),
-    )
+        embeds.append(p.embeds)
+        index.append(p.index + int(batched.offsets[r]))
+        positions.append(p.plan.positions[..., p.index])
+        depth.append(p.plan.recompute_depth[p.index])
+    if index:
+        run_layers(
+            adapter,
+            batched,
+            torch.cat(embeds),
+            torch.cat(index),
+            torch.cat(positions, dim=-1),
+            torch.cat(depth),
+        )
+    return plans

@@ -17,12 +17,14 @@ Each step it receives the scheduler half's `MPICConnectorMetadata` (`mpic.engine
 - sync jobs (compression requests, second phases, load mode `step`): entries read (or taken
   from those read ahead) and the request linked in `start_load_kv`, before the forward.
 
-Linking: the jobs ready in one step whose policy is plain (`link_job.batchable`) go through ONE
-selective pass together (`mpic.engine.vllm.batched_link`); the others, one at a time, through the
-linker's `link_and_prefill` (text-first pass, in-pass hooks, scouting, corrections) with vLLM's
-modules (`VllmLayerAdapter`) into their paged blocks (`PagedLinkedKV`). A request whose params
-carry `mpic_press` is an item's canonical prompt: its prefill is observed and the item's
-compressed entry written to the store (`mpic.engine.vllm.presses`).
+Linking: the jobs ready together whose policy joins a batch (`link_job.joins_batch`: plain
+policies, and scouting and corrected ones such as the default `auto`, each prepared alone by the
+linker's `prepare_pass`) go through ONE selective pass together (`mpic.engine.vllm.batched_link`);
+the others (two-step policies, in-pass hooks), one at a time, through the linker's
+`link_and_prefill`; both with vLLM's modules (`VllmLayerAdapter`) into their paged blocks
+(`PagedLinkedKV`, with dense K/V mirrors where the pass reads them on the CPU layout). A request
+whose params carry `mpic_press` is an item's canonical prompt: its prefill is observed and the
+item's compressed entry written to the store (`mpic.engine.vllm.presses`).
 
 The template/system prefix (`mpic.linker.prefix`, `link_prefix`, on by default): before a
 request is linked, the worker finds, from the plan and the entries it has just read, the longest
@@ -59,7 +61,7 @@ from mpic.engine.item_press import press_item_entry
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.adapter import VllmLayerAdapter
 from mpic.engine.vllm.batched_link import BatchItem, link_batch
-from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, batchable, load_mode
+from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, joins_batch, load_mode
 from mpic.engine.vllm.link_pacing import LinkPacer
 from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter, guard_runner
 from mpic.engine.vllm.paged_kv import PagedLinkedKV
@@ -414,12 +416,11 @@ class MPICWorker:
                 plan = job.plan()
                 policy = get_policy(job.policy)
                 prefix = self._prefix(job, policy, plan, entries)
-                if job.press is None and batchable(policy):
+                if job.press is None and joins_batch(policy):
                     plan = self._fit(job, plan)
-                    if prefix is not None:  # linked exactly, not in the pass
-                        plan = prefix.exclude(plan)
-                    kv = PagedLinkedKV(layers, caches, job.block_ids, self.block_size)
-                    batch.append((job, BatchItem(plan, entries, kv, job.block_ids, prefix)))
+                    kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
+                    item = BatchItem(plan, entries, kv, job.block_ids, policy, prefix)
+                    batch.append((job, item))
                     continue
                 self._link_one(job, plan, entries, layers, caches, adapter, prefix)
             except LOAD_ERRORS as exc:
@@ -430,7 +431,10 @@ class MPICWorker:
         for group in groups if batch else []:
             began = time.perf_counter()
             try:
-                link_batch(adapter, [item for _, item in group], layers, caches, self.block_size)
+                items = [item for _, item in group]
+                plans = link_batch(adapter, items, layers, caches, self.block_size)
+                for (job, item), plan in zip(group, plans, strict=True):
+                    self._shift_last_query(job, item.kv, plan)
             except LOAD_ERRORS as exc:
                 for job, _ in group:
                     self._fail(job, exc)
@@ -500,23 +504,41 @@ class MPICWorker:
         (linked in the background) in the step that schedules it (`bind`)."""
         policy = get_policy(job.policy)
         planned = PlannedPrompt(plan, entries, policy, refs=[], prefix=prefix)
-        mirror = values = None
-        shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
-        if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:
-            # CacheBlend and the presses read linked keys
-            mirror = torch.zeros(shape, dtype=adapter.dtype)
-        if policy.corrects:  # the linked-key correction attends over K/V mirrors (CPU cache)
-            mirror = torch.zeros(shape, dtype=adapter.dtype)
-            values = torch.zeros(shape, dtype=adapter.dtype)
-        kv = PagedLinkedKV(
-            layers, caches, job.block_ids, self.block_size, keys=mirror, values=values
-        )
+        kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
         if job.press is not None:  # the item's canonical prefill, observed; compressed entry
             entry = press_item_entry(adapter, planned, kv, job.press.press, job.press.budget)
             self.store().put(entry)
             return
         link_and_prefill(adapter, planned, kv)
+        self._shift_last_query(job, kv, plan)
+
+    def _paged_kv(
+        self,
+        job: LinkJob,
+        policy: Policy,
+        plan: LinkPlan,
+        layers: list,
+        caches: list[torch.Tensor],
+        adapter: Any,
+    ) -> PagedLinkedKV:
+        """The request's blocks as linked KV, with the dense mirrors its pass reads on a layout
+        that cannot be read (CPU): keys for CacheBlend's hook and the presses, keys and values
+        for the linked-key correction."""
+        mirror = values = None
+        shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
+        if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:
+            mirror = torch.zeros(shape, dtype=adapter.dtype)
+        if policy.corrects:
+            mirror = torch.zeros(shape, dtype=adapter.dtype)
+            values = torch.zeros(shape, dtype=adapter.dtype)
+        return PagedLinkedKV(
+            layers, caches, job.block_ids, self.block_size, keys=mirror, values=values
+        )
+
+    def _shift_last_query(self, job: LinkJob, kv: PagedLinkedKV, plan: LinkPlan) -> None:
+        """A corrected request's keys shifted for vLLM's forward of token N-1 (`_link_one`):
+        now when that forward is this step's, else in the step that schedules it."""
         if job.phase2 == "shift":
             with self._lock:
                 self._to_shift[job.req_id] = (kv, plan.num_tokens - 1)

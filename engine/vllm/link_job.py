@@ -128,6 +128,14 @@ def batchable(policy: Policy) -> bool:
     )
 
 
+def joins_batch(policy: Policy) -> bool:
+    """True when a policy's requests can share the worker's one batched selective pass
+    (`mpic.engine.vllm.batched_link`): each is prepared alone (scout, correction, prefix), then
+    their recomputed tokens run the layers together. Not two-step policies (their text-first
+    pass) nor in-pass hooks (CacheBlend's selection reads the request's own tokens mid-pass)."""
+    return not policy.two_step and type(policy).layer_hook is Policy.layer_hook
+
+
 def links_in_its_forward_step(policy_name: str) -> bool:
     """True for policies with a linked-key correction (`scout-*`): the worker shifts the linked
     keys so that vLLM's plain attention of the last prompt token equals the corrected one and

@@ -343,6 +343,11 @@ class PagedLinkedKV:
         self._shifted: list[tuple[int, torch.Tensor]] = []
         """(layer, slots) whose keys `shift_for_last_query` moved (undone by `restore`)."""
 
+    @property
+    def mirrored(self) -> bool:
+        """True when writes also go to dense mirrors (the correction or a hook reads them)."""
+        return self._keys is not None or self._values is not None
+
     def slots(self, index: torch.Tensor) -> torch.Tensor:
         """Prompt indices int64 [S] -> cache slots int64 [S] (on the caches' device)."""
         bs = self._block_size

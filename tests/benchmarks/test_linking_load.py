@@ -42,9 +42,11 @@ def test_entry_reads_do_not_stall_decoding(tiny_llava_dir: Path) -> None:
     assert run.itl_max_loading_ms * 4 < sync.itl_max_loading_ms
 
 
-def test_eight_arriving_together_are_linked_in_one_pass(tiny_llava_dir: Path) -> None:
-    together = batching(str(tiny_llava_dir), requests=8, batch_links=True)
-    apart = batching(str(tiny_llava_dir), requests=8, batch_links=False)
+@pytest.mark.parametrize("policy", ["mpic-32", "auto"])
+def test_eight_arriving_together_are_linked_in_one_pass(tiny_llava_dir: Path, policy: str) -> None:
+    # the default `auto` (scout + correction) joins the batched pass too (issue 33 item 1)
+    together = batching(str(tiny_llava_dir), requests=8, batch_links=True, policy=policy)
+    apart = batching(str(tiny_llava_dir), requests=8, batch_links=False, policy=policy)
     print(together.ttft_ms, together.stats, apart.ttft_ms, apart.stats)
     waves = len(together.ttft_ms) // 8
     assert together.stats["largest_pass"] == 8 and together.stats["link_passes"] == waves

@@ -13,7 +13,7 @@ from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm.batched_link import BatchedPagedKV, BatchItem
 from mpic.engine.vllm.connector_scheduler import MPICScheduler
-from mpic.engine.vllm.link_job import LinkJob, batchable, needs_last_token
+from mpic.engine.vllm.link_job import LinkJob, batchable, joins_batch, needs_last_token
 from mpic.linker.policies import get_policy
 from mpic.types import LinkPlan
 
@@ -64,6 +64,10 @@ def test_policies_that_batch() -> None:
     assert batchable(get_policy("mpic-32")) and batchable(get_policy("full"))
     assert not batchable(get_policy("cacheblend-15"))  # in-pass hook
     assert not needs_last_token("mpic-4") and needs_last_token("cacheblend-15")
+    # the batched pass also takes scouting and corrected policies (the default), not hooks or
+    # two-step policies
+    assert joins_batch(get_policy("auto")) and joins_batch(get_policy("mpic-32"))
+    assert not joins_batch(get_policy("cacheblend-15"))
 
 
 def test_linked_claims_are_async_and_ship_their_blocks() -> None:
@@ -171,10 +175,14 @@ def test_a_request_ending_while_loading_keeps_its_blocks_until_dropped() -> None
     assert s.build_connector_meta(_output()).finished == {"late"}
 
 
+MPIC32 = get_policy("mpic-32")
+_UNMIRRORED = SimpleNamespace(mirrored=False)  # a request's paged KV without dense mirrors
+
+
 def test_batch_splits_queries_by_request_and_maps_slots() -> None:
     items = [
-        BatchItem(_plan(40), [], None, [7, 3]),  # request 0: global 0..39
-        BatchItem(_plan(5), [], None, [9]),  # request 1: global 40..44
+        BatchItem(_plan(40), [], _UNMIRRORED, [7, 3], MPIC32),  # request 0: global 0..39
+        BatchItem(_plan(5), [], _UNMIRRORED, [9], MPIC32),  # request 1: global 40..44
     ]
     layer = torch.zeros(12, 1, BS, 4)
     kv = BatchedPagedKV(items, [None], [layer], BS)

@@ -155,6 +155,35 @@ def test_eight_in_flight_with_preemption_equal_one_at_a_time(setup: Setup) -> No
     assert [r.token_ids for r in together] == alone
 
 
+def test_the_default_in_flight_together_equals_one_at_a_time(setup: Setup) -> None:
+    # Issue 33 item 1: requests under the default `auto` (scout + linked-key correction) join
+    # the worker's one batched selective pass (each prepared alone: scout, correction, prefix);
+    # their greedy tokens equal those of the same requests linked one at a time, which equal
+    # the reference runner's (test_vllm_families.py).
+    name = setup.engine.policy_name("auto")
+    pairs = [
+        _parts(setup, [j % NUM_IMAGES, (j + 1) % NUM_IMAGES], f"default {j}") for j in range(4)
+    ]
+    requests = [
+        linked_request(setup.ref.plan(parts, name).plan, name, setup.engine.spec)
+        for parts, _ in pairs
+    ]
+    alone = [setup.engine.generate([r], 12)[0] for r in requests]
+    before = setup.engine.connector_stats()
+    together = setup.engine.generate(requests, 12)
+    after = setup.engine.connector_stats()
+    assert not any(r.fell_back for r in [*alone, *together])
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert after["linked_requests"] - before["linked_requests"] >= 4
+    # at least two of them shared a pass (how many reach one step is vLLM's scheduling)
+    assert (
+        after["link_passes"] - before["link_passes"]
+        < after["linked_requests"] - before["linked_requests"]
+    )
+    expected = setup.ref.generate(pairs[0][0], name, max_new_tokens=12)
+    assert together[0].token_ids == expected.tokens
+
+
 @pytest.mark.parametrize("damage", ["deleted", "corrupt"])
 def test_unloadable_entry_is_recomputed_exactly(setup: Setup, damage: str) -> None:
     # An entry the worker has never loaded (put by this process), then damaged in the store.
