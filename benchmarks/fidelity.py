@@ -27,7 +27,12 @@ fidelity against recomputed fraction. `--task needle` adds task accuracy (a plan
 in one cached document: `mpic.benchmarks.fidelity_task`), each policy's and its ratio to full's,
 as JSON `"task"`. `--calibrate-vlcache R` first runs VLCache's per-layer
 calibration (`mpic.linker.vlcache_calibration`) on proxy prompts built from OTHER passages and
-adds the calibrated schedule to the policies. docs/fidelity.md has measured results.
+adds the calibrated schedule to the policies. `--noise-floor bf16,flex` adds the noise floor of
+every metric (`mpic.benchmarks.noise_floor`): a row per floor after `full`'s, the same prompts
+(and task trials) under full prefill computed another way (the model in bfloat16, the other
+attention backend) scored against `full` like a policy, and `kl_over_floor` on every policy row
+(its KL over the first floor's: how far beyond numerical noise). docs/fidelity.md has measured
+results.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import logging
 import math
 import re
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +53,7 @@ import typer
 if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
     from rich.progress import Progress
 
+    from mpic.benchmarks.noise_floor import NoiseFloor
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import PromptPart
 
@@ -71,6 +78,8 @@ ROW_KEYS = (
     "layout",
     "scout_layers",
     "scout_tokens",
+    "noise_floor",
+    "kl_over_floor",
 )
 """The keys every JSON result row has (plus `prompt_tokens`)."""
 
@@ -304,6 +313,7 @@ def run_fidelity(
     layout: str = "user",
     items: str = "documents",
     first_question: int = 0,
+    floors: Sequence[NoiseFloor] = (),
 ) -> list[dict[str, Any]]:
     """The result rows (one per policy and item count, means over questions `first_question`,
     ..., `first_question + questions - 1`); each generation is counted on `progress` when given.
@@ -312,6 +322,12 @@ def run_fidelity(
     (synthetic pictures; one user turn). Besides each policy's KL, every prompt's exact answer is
     compared with the exact answer to the same prompt without its items: `kl_no_items`, and
     `effect_kept` = 1 - mean KL(full || policy) / mean KL(full || no items).
+
+    floors (`mpic.benchmarks.noise_floor.make_floor`): each adds a row right after `full`'s, its
+    `policy` the floor's label and `noise_floor` its name (None on policy rows): the same prompts
+    under full prefill computed the floor's way, scored against the reference's `full` like a
+    policy. Every row's `kl_over_floor` is its KL over the first floor's (None without a floor,
+    on floor rows, or where that floor's KL is 0).
     """
     from mpic.benchmarks.offline import kl_divergence
     from mpic.prompt_parts import without_items
@@ -320,14 +336,22 @@ def run_fidelity(
     if items == "images":
         from mpic.samples import synthetic_png
 
-        ids = [runner.cache_image(synthetic_png(i, size=336)).entry_id for i in range(count)]
+        media = [synthetic_png(i, size=336) for i in range(count)]
+        ids = [runner.cache_image(m).entry_id for m in media]
+        for floor in floors:
+            for entry_id, m in zip(ids, media, strict=True):
+                floor.cache_image(entry_id, m)
         docs: list[Passage] = []
     else:
         docs = passages(count, chars)
         ids = [runner.cache_document(d.text).entry_id for d in docs]
+        for floor in floors:
+            for entry_id, d in zip(ids, docs, strict=True):
+                floor.cache_document(entry_id, d.text)
     eos = runner.spec.eos_token_id
     tok = getattr(runner.processor, "tokenizer", runner.processor)
-    order = ["full"] + [p for p in policies if p != "full"]
+    by_label = {f.label: f for f in floors}
+    order = ["full", *by_label] + [p for p in policies if p != "full"]
     total = len(document_counts) * questions * len(order)
     task = progress.add_task("generations", total=total) if progress is not None else None
     rows = []
@@ -341,9 +365,18 @@ def run_fidelity(
             else:
                 parts = question_parts(docs[:n], ids[:n], q, layout)
             runner.prefill(parts, "full")  # warm-up (allocator, first-call costs)
+            if q == first_question:
+                for floor in floors:
+                    floor.runner.prefill(floor.parts(parts), "full")  # its warm-up
             ref = None
             for policy in order:
-                gen = runner.generate(parts, policy, max_new_tokens=GREEDY_TOKENS)
+                floor = by_label.get(policy)
+                if floor is None:
+                    gen = runner.generate(parts, policy, max_new_tokens=GREEDY_TOKENS)
+                else:
+                    gen = floor.runner.generate(
+                        floor.parts(parts), "full", max_new_tokens=GREEDY_TOKENS
+                    )
                 pre = gen.prefilled
                 text = tok.decode(gen.tokens, skip_special_tokens=True)
                 if ref is None:
@@ -389,8 +422,16 @@ def run_fidelity(
             row["scout_tokens"] = statistics.fmean(s["scout_tokens"] for s in samples)
             row["prompt_tokens"] = prompt_tokens
             row["kl_per_question"] = [s["kl_first"] for s in samples]
+            row["agreement_per_question"] = [s["agreement_32"] for s in samples]
             row["kl_no_items_per_question"] = list(no_items)
+            floor = by_label.get(policy)
+            row["noise_floor"] = None if floor is None else floor.name
             rows.append(row)
+        group = rows[len(rows) - len(order) :]
+        base = group[1]["kl_first"] if floors else 0.0  # the first floor's row follows full's
+        for row in group:
+            over = base > 0 and row["noise_floor"] is None
+            row["kl_over_floor"] = row["kl_first"] / base if over else None
     return rows
 
 
@@ -431,24 +472,43 @@ def calibrate_vlcache_on_documents(
     return cal.policy
 
 
+def kl_text(kl: float) -> str:
+    """A KL for the table: 4 decimals, or 2 significant digits below 1e-4 (a noise floor)."""
+    return f"{kl:.4f}" if kl >= 1e-4 or kl == 0 else f"{kl:.1e}"
+
+
+def over_text(ratio: float | None) -> str:
+    """A KL as a multiple of the noise floor's ("-" where there is none)."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:,.0f}x"
+
+
 def print_table(rows: list[dict[str, Any]], model: str) -> None:
-    """The result table on stdout."""
+    """The result table on stdout (with a `KL / floor` column when a noise floor was measured:
+    each row's KL over the first floor's)."""
     from rich.console import Console
     from rich.table import Table
 
+    floored = any(r.get("noise_floor") for r in rows)
     table = Table(title=f"Fidelity vs full recomputation ({model})")
-    cols = ("layout", "items", "policy", "prompt", "recomputed", "KL first", "KL no items")
-    for col in cols + ("effect kept", "agree@32", "exact prefix", "ROUGE-L", "TTFT ms", "scout"):
+    cols = ["layout", "items", "policy", "prompt", "recomputed", "KL first"]
+    cols += ["KL / floor"] if floored else []
+    cols += ["KL no items", "effect kept", "agree@32", "exact prefix", "ROUGE-L", "TTFT ms"]
+    for col in [*cols, "scout"]:
         table.add_column(col, justify="left" if col in ("policy", "layout") else "right")
     for r in rows:
         kept = r.get("effect_kept")
-        table.add_row(
+        cells = [
             r.get("layout", "user"),
             str(r["documents"]),
             r["policy"],
             str(r["prompt_tokens"]),
             f"{r['recomputed_fraction']:.1%}",
-            f"{r['kl_first']:.4f}",
+            kl_text(r["kl_first"]),
+        ]
+        cells += [over_text(r.get("kl_over_floor"))] if floored else []
+        cells += [
             f"{r['kl_no_items']:.3f}",
             "-" if kept is None else f"{kept:.1%}",
             f"{r['agreement_32']:.2f}",
@@ -456,7 +516,8 @@ def print_table(rows: list[dict[str, Any]], model: str) -> None:
             f"{r['rouge_l']:.3f}",
             f"{r['ttft_ms']:.0f}",
             f"{r['scout_tokens']:.0f} x {r['scout_layers']}" if r["scout_layers"] else "-",
-        )
+        ]
+        table.add_row(*cells)
     Console(width=200).print(table)
 
 
@@ -464,10 +525,17 @@ def _group(row: dict[str, Any]) -> tuple[str, int]:
     return (row.get("layout", "user"), row["documents"])
 
 
+FLOOR_COLORS = ("crimson", "darkorange", "purple", "teal")
+FLOOR_SPAN = 1e3
+"""A noise floor's KL more than this factor below every policy's is named under the KL axis, not
+drawn (a float32 floor near 1e-11 would squash the policies into a corner of the log axis)."""
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """KL of the first token (log scale; exact rows left out) and ROUGE-L against recomputed
     fraction: colour = policy, marker = document count; the mpic-k and boundary-k families are
-    joined by a line per document count."""
+    joined by a line per document count. Noise-floor rows are horizontal lines across both
+    panels (colour = floor, line style = document count): how far beyond noise a policy lies."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -476,6 +544,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, (ax_k, ax_r) = plt.subplots(1, 2, figsize=(14, 5.5))
     counts = sorted({(r.get("layout", "user"), r["documents"]) for r in rows})
     markers = dict(zip(counts, "osD^v<>p*", strict=False))
+    floor_rows = [r for r in rows if r.get("noise_floor")]
+    rows = [r for r in rows if not r.get("noise_floor")]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     cmap = plt.get_cmap("tab20")
     colors = {p: cmap(i % 20) for i, p in enumerate(policies)}
@@ -500,18 +570,52 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         plt.Line2D([], [], color="grey", marker=markers[n], ls="", label=f"{n[0]}, {n[1]} items")
         for n in counts
     ]
+    floor_handles, notes = _plot_floors(ax_k, ax_r, floor_rows, rows, counts, plt)
+    handles += floor_handles
     ax_k.set_yscale("log")
-    ax_k.set_xlabel("recomputed fraction of prompt tokens")
+    ax_k.set_xlabel("\n".join(["recomputed fraction of prompt tokens", *notes]))
     ax_k.set_ylabel("first-token KL vs full (nats; exact policies not shown)")
     ax_r.set_xlabel("recomputed fraction of prompt tokens")
     ax_r.set_ylabel("ROUGE-L F1 vs the exact 32-token answer")
     ax_r.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(
-        "Fidelity against recomputed tokens (lines: mpic-k solid, boundary-k dashed, scout dotted)"
+        "Fidelity against recomputed tokens (lines: mpic-k solid, boundary-k dashed, scout dotted"
+        + ("; horizontal: noise floors)" if floor_rows else ")")
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_floors(
+    ax_k: Any,
+    ax_r: Any,
+    floor_rows: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    counts: list[tuple[str, int]],
+    plt: Any,
+) -> tuple[list[Any], list[str]]:
+    """Draw the noise floors as horizontal lines; their legend handles and notes for the floors
+    whose KL is not drawn (far below every policy's, or 0)."""
+    names = list(dict.fromkeys(r["policy"] for r in floor_rows))
+    color = {p: FLOOR_COLORS[i % len(FLOOR_COLORS)] for i, p in enumerate(names)}
+    style = {n: ("-", "--", "-.", ":")[i % 4] for i, n in enumerate(counts)}
+    policy_kls = [r["kl_first"] for r in rows if r["kl_first"] > 0]
+    lowest = min(policy_kls) / FLOOR_SPAN if policy_kls else 0.0
+    notes = []
+    handles = []
+    for r in floor_rows:
+        kw = {"color": color[r["policy"]], "ls": style[_group(r)], "lw": 1.0}
+        label = f"{r['policy']}, {r.get('layout', 'user')} {r['documents']}"
+        if r["kl_first"] > lowest:
+            ax_k.axhline(r["kl_first"], **kw)
+        elif r["kl_first"] > 0:
+            notes.append(f"{label}: KL {r['kl_first']:.1e} (below the axis)")
+        else:
+            notes.append(f"{label}: KL 0 (bit-identical)")
+        ax_r.axhline(r["rouge_l"], **kw)
+        handles.append(plt.Line2D([], [], label=label, **kw))
+    return handles, notes
 
 
 def command(
@@ -552,16 +656,26 @@ def command(
         "accuracy and its ratio to full per policy), or none.",
     ),
     trials: int = typer.Option(12, "--trials", help="Task trials per document count."),
+    noise_floor: str = typer.Option(
+        "none",
+        "--noise-floor",
+        help="Also measure the noise floor of every metric: the same prompts under full prefill "
+        "computed another way, scored against full like a policy (a row each; comma-separated): "
+        "bf16 or fp16 (the model in that dtype), flex or sdpa_runs (the other attention "
+        "backend), or none.",
+    ),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
     json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),
     plot_out: str = typer.Option(None, "--plot", help="Write the PNG plot here."),
 ) -> None:
     """Answer fidelity per policy on a trained model with cached text documents."""
+    from mpic.benchmarks.noise_floor import make_floor, parse_floors
     from mpic.linker.policies import policy_names
 
     try:
         counts = [int(x) for x in documents.split(",") if x.strip()]
         names = policy_names(policies)
+        floor_names = parse_floors(noise_floor)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -594,6 +708,7 @@ def command(
         runner = ReferenceRunner(
             model, decode_correction=decode_correction, link_prefix=link_prefix
         )
+        floors = [make_floor(runner, model, name) for name in floor_names]
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -620,13 +735,16 @@ def command(
                 layout=layout,
                 items=items,
                 first_question=first_question,
+                floors=floors,
             )
         task_rows = None
         if task == "needle":
             from mpic.benchmarks.fidelity_task import run_task
 
             docs = passages(max(counts), chars)
-            task_rows = run_task(runner, docs, counts, names, trials, progress=progress)
+            task_rows = run_task(
+                runner, docs, counts, names, trials, progress=progress, floors=floors
+            )
     print_table(rows, model)
     doc: dict[str, Any] = {"model": str(Path(model).resolve()), "results": rows}
     if task_rows is not None:

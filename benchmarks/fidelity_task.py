@@ -15,7 +15,9 @@ its ratio to full prefill's on the same trials (ProphetKV and InfoFlow KV report
 relative to full at a fixed recompute budget), beside the first-token KL against full on the
 same prompts and the recomputed fraction. Chosen because the trained SmolLM2-135M answers it
 (full prefill 100% at 4 documents, 88% at 8 in a first try) where it cannot name which document
-holds which code (a per-document code asked by document name: 12%).
+holds which code (a per-document code asked by document name: 12%). With noise floors
+(`mpic.benchmarks.noise_floor`) the same trials also run under full prefill computed another way
+(e.g. in bfloat16): a row each, so an accuracy gap reads against full's own numerical noise.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+    from mpic.benchmarks.noise_floor import NoiseFloor
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import PromptPart
 
@@ -70,17 +73,24 @@ def run_task(
     trials: int,
     progress: Progress | None = None,
     seed: int = 0,
+    floors: Sequence[NoiseFloor] = (),
 ) -> list[dict[str, Any]]:
     """One row per policy and document count: `accuracy` (share of `trials` answered right),
     `accuracy_vs_full`, `no_items` (the prompt without its documents), `kl_first` (mean, vs
-    full), `recomputed_fraction` (mean). docs: at least max(document_counts) passages with
-    `name` and `text` (`mpic.benchmarks.fidelity.passages`)."""
+    full), `recomputed_fraction` (mean), `noise_floor` (None). docs: at least
+    max(document_counts) passages with `name` and `text` (`mpic.benchmarks.fidelity.passages`).
+    floors (`mpic.benchmarks.noise_floor`): a row each after full's, the same trials under full
+    prefill computed the floor's way (`policy` its label, `noise_floor` its name)."""
     from mpic.benchmarks.offline import kl_divergence
     from mpic.prompt_parts import without_items
 
     plain = [runner.cache_document(d.text).entry_id for d in docs]
+    for floor in floors:
+        for entry_id, d in zip(plain, docs, strict=True):
+            floor.cache_document(entry_id, d.text)
     tok = getattr(runner.processor, "tokenizer", runner.processor)
-    order = ["full"] + [p for p in policies if p != "full"]
+    by_label = {f.label: f for f in floors}
+    order = ["full", *by_label] + [p for p in policies if p != "full"]
     total = len(document_counts) * trials * (len(order) + 1)
     job = progress.add_task("task trials", total=total) if progress is not None else None
     rng = random.Random(seed)
@@ -92,16 +102,21 @@ def run_task(
         for t in range(trials):
             code, target = rng.randint(1000, 9999), t % n
             ids = plain[:n]
-            ids[target] = runner.cache_document(
-                plant(docs[target].text, code, DEPTHS[(t // n) % len(DEPTHS)])
-            ).entry_id
+            planted = plant(docs[target].text, code, DEPTHS[(t // n) % len(DEPTHS)])
+            ids[target] = runner.cache_document(planted).entry_id
+            for floor in floors:
+                floor.cache_document(ids[target], planted)
             parts = needle_parts([d.name for d in docs[:n]], ids)
             ref = None
             for policy in [*order, "no_items"]:
                 asked = without_items(parts) if policy == "no_items" else parts
-                gen = runner.generate(
-                    asked, "full" if policy == "no_items" else policy, ANSWER_TOKENS
-                )
+                floor = by_label.get(policy)
+                if floor is not None:
+                    gen = floor.runner.generate(floor.parts(parts), "full", ANSWER_TOKENS)
+                else:
+                    gen = runner.generate(
+                        asked, "full" if policy == "no_items" else policy, ANSWER_TOKENS
+                    )
                 right[policy] += str(code) in tok.decode(gen.tokens, skip_special_tokens=True)
                 if policy != "no_items":
                     pre = gen.prefilled
@@ -123,6 +138,7 @@ def run_task(
                     "no_items": right["no_items"] / trials,
                     "kl_first": statistics.fmean(kl[policy]),
                     "recomputed_fraction": statistics.fmean(share[policy]),
+                    "noise_floor": by_label[policy].name if policy in by_label else None,
                 }
             )
     return rows
@@ -132,6 +148,8 @@ def print_task_table(rows: list[dict[str, Any]]) -> None:
     """The task rows as a rich table on stdout."""
     from rich.console import Console
     from rich.table import Table
+
+    from mpic.benchmarks.fidelity import kl_text
 
     table = Table(title="Task: the planted secret code (needle in the cached documents)")
     for col in ("docs", "policy", "recomputed", "accuracy", "vs full", "no docs", "KL first"):
@@ -145,6 +163,6 @@ def print_task_table(rows: list[dict[str, Any]]) -> None:
             f"{r['accuracy']:.0%} of {r['trials']}",
             vs,
             f"{r['no_items']:.0%}",
-            f"{r['kl_first']:.4f}",
+            kl_text(r["kl_first"]),
         )
     Console(width=max(100, Console().width)).print(table)
