@@ -1,13 +1,21 @@
 """The HTTP demo (CLI process): `mpic demo` / `python -m mpic.cli.demo_http`.
 
-Starts the embedded server in this process if none answers at the URL (the vLLM worker on the
-small random model), uploads the offline demo's three images, asks its interleaved question (text
-before, between and after the images) with every policy over streaming HTTP and prints each
-answer with the TTFT the client saw and the linked tokens. Then it sends the same question with
-`mpic-32` from 1, 2, 4 and 8 clients at once (each with its own closing sentence) and prints, per
-concurrency, the TTFT p50/max, the output tokens per second over the whole wave and the wall time
-against running the wave's requests one after another (`vs serial` = wave wall time /
-(concurrency x the single request's wall time); below 1 means the requests were batched).
+Starts the embedded server in this process if none answers at the URL (the vLLM worker, on the
+model `mpic demo` picks: LLaVA with the trained SmolLM2 by default), then:
+
+1. the answer table (`mpic.cli.demo_answers`): uploads four text documents, one holding a planted
+   secret code, asks for the code with `full`, `auto`, `mpic-32` and `full-reuse` over streaming
+   HTTP and prints each answer with the TTFT the client saw (median of 3 requests), the speed-up
+   over `full`, whether it equals full's answer and the cached share of the prompt;
+2. if the model takes images: uploads the offline demo's three images, asks its interleaved
+   question (text before, between and after the images) with every policy and prints each
+   answer with the TTFT and the linked tokens. Then it sends the same question with `mpic-32`
+   from 1, 2, 4 and 8 clients at once (each with its own closing sentence) and prints, per
+   concurrency, the TTFT p50/max, the output tokens per second over the whole wave and the wall
+   time against running the wave's requests one after another (`vs serial` = wave wall time /
+   (concurrency x the single request's wall time); below 1 means the requests were batched).
+   Skipped when the model takes no images (read from its config.json when the demo starts the
+   server; a running server's model: when it answers the image upload with 400).
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import typer
 
+from mpic.cli.demo_answers import ANSWER_POLICIES
 from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
 
 DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1,auto"
@@ -157,14 +167,15 @@ def run_demo(
     return (rows, waves) if concurrency else rows
 
 
-def print_rows(rows: list[DemoRow], engine: str = "") -> None:
+def print_rows(rows: list[DemoRow], engine: str = "", model: str = "") -> None:
     """A rich table: policy, TTFT, speed-up over `full`, linked tokens, answer."""
     from rich.console import Console
     from rich.table import Table
 
     base = next((r.ttft_s for r in rows if r.policy == "full"), None)
     title = "MPIC demo over HTTP (one interleaved question, three cached images)"
-    table = Table(title=title + (f", engine: {engine}" if engine else ""))
+    title += f", engine: {engine}" if engine else ""
+    table = Table(title=title + (f", model: {model}" if model else ""))
     for col in ["policy", "TTFT ms", "vs full", "cached/prompt tokens", "answer"]:
         table.add_column(col)
     for r in rows:
@@ -207,27 +218,57 @@ def http_demo(
     policies: str = DEFAULT_POLICIES,
     max_tokens: int = 8,
     concurrency: str = DEFAULT_CONCURRENCY,
+    answer_policies: str = ANSWER_POLICIES,
+    model: Path | None = None,
+    label: str = "",
+    repeats: int = 3,
 ) -> None:
-    """Start the embedded server if none answers at `url`, run the demo, print the tables."""
+    """Start the embedded server if none answers at `url` (on `model`, default: the embedded
+    default's), run the demo, print the tables. `label` names the model in the titles;
+    `repeats`: timed requests per policy of the answer table (median TTFT)."""
+    from mpic.cli.demo_answers import http_answers, print_answers
     from mpic.deployments.config import load_config
     from mpic.deployments.local import is_serving, start_local, stop_local
+    from mpic.model_spec import ModelSpec
 
     started = not is_serving(url)
     engine = ""
     if started:
         port = httpx.URL(url).port or 8000
         cfg = load_config(None)
+        if model is not None:
+            cfg = cfg.model_copy(
+                update={"engine": cfg.engine.model_copy(update={"model": str(model)})}
+            )
         engine = cfg.engine.kind
         typer.echo(
-            f"no server at {url}: starting the embedded default ({engine} worker; "
-            "first start ~1-2 min)"
+            f"no server at {url}: starting the embedded default ({engine} worker, model "
+            f"{cfg.engine.model}; first start ~1-2 min)"
         )
-        url = start_local(cfg, port=port, log_to_driver=False)
+    label = label or ("the running server's model" if not started else "")
     try:
+        if started:  # inside the try: a failed start (a replica that fails) is shut down too
+            url = start_local(cfg, port=port, log_to_driver=False)
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600
+        ) as http:
+            answers = http_answers(
+                http, [p for p in answer_policies.split(",") if p], repeats=repeats
+            )
+        print_answers(answers, label + (f", {engine} engine over HTTP" if engine else ""))
+        if model is not None and not ModelSpec.from_pretrained(Path(model)).takes_images:
+            typer.echo("no image table: the model takes no images")
+            return
         levels = [int(c) for c in concurrency.split(",") if c]
         names = [p for p in policies.split(",") if p]
-        rows, waves = asyncio.run(_run(url, key, names, max_tokens, levels))
-        print_rows(rows, engine)
+        try:
+            rows, waves = asyncio.run(_run(url, key, names, max_tokens, levels))
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 400:
+                raise
+            typer.echo(f"no image table: the model takes no images ({exc.response.text})")
+            return
+        print_rows(rows, engine, label)
         if waves:
             print_waves(waves)
     finally:
@@ -241,10 +282,12 @@ def command(
     policies: str = typer.Option(DEFAULT_POLICIES, "--policies"),
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, max=256),
     concurrency: str = typer.Option(DEFAULT_CONCURRENCY, "--concurrency"),
+    answer_policies: str = typer.Option(ANSWER_POLICIES, "--answer-policies"),
 ) -> None:
-    """Start the server if none runs, upload three images, ask, print answer + TTFT per policy,
-    then the concurrency waves."""
-    http_demo(url, key, policies, max_tokens, concurrency)
+    """Start the server if none runs (the embedded default), ask for the code planted in four
+    uploaded documents, then upload three images, ask, print answer + TTFT per policy, then the
+    concurrency waves."""
+    http_demo(url, key, policies, max_tokens, concurrency, answer_policies)
 
 
 if __name__ == "__main__":

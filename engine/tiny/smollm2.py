@@ -157,6 +157,8 @@ def _write_llava_smollm2(lm_dir: Path, stage: Path, seed: int) -> None:
         LlavaProcessor,
     )
 
+    from mpic.engine.tiny.models import _write_weights
+
     tokenizer = AutoTokenizer.from_pretrained(lm_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -208,7 +210,10 @@ def _write_llava_smollm2(lm_dir: Path, stage: Path, seed: int) -> None:
         num_additional_image_tokens=1,
         chat_template=LLAVA_SMOLLM2_TEMPLATE,
     )
-    model.save_pretrained(stage)
+    stage.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(stage)
+    model.generation_config.save_pretrained(stage)
+    _write_weights(model, "llava", stage)  # CLIP names vLLM loads (save_pretrained's it cannot)
     processor.save_pretrained(stage)
 
 
