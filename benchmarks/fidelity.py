@@ -50,6 +50,9 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from mpic.benchmarks.noise_floor import kl_text
+from mpic.linker.prompt import tokenizer_of
+
 if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
     from rich.progress import Progress
 
@@ -349,7 +352,7 @@ def run_fidelity(
             for entry_id, d in zip(ids, docs, strict=True):
                 floor.cache_document(entry_id, d.text)
     eos = runner.spec.eos_token_id
-    tok = getattr(runner.processor, "tokenizer", runner.processor)
+    tok = tokenizer_of(runner.processor)
     by_label = {f.label: f for f in floors}
     order = ["full", *by_label] + [p for p in policies if p != "full"]
     total = len(document_counts) * questions * len(order)
@@ -470,11 +473,6 @@ def calibrate_vlcache_on_documents(
         cal = calibrate_with_progress(runner.adapter, proxies, target, levels, progress)
     logger.info("calibrated %s: proxy %s", cal.policy, cal.proxy)
     return cal.policy
-
-
-def kl_text(kl: float) -> str:
-    """A KL for the table: 4 decimals, or 2 significant digits below 1e-4 (a noise floor)."""
-    return f"{kl:.4f}" if kl >= 1e-4 or kl == 0 else f"{kl:.1e}"
 
 
 def over_text(ratio: float | None) -> str:

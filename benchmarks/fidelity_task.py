@@ -27,6 +27,8 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from mpic.linker.prompt import tokenizer_of
+
 if TYPE_CHECKING:
     from rich.progress import Progress
 
@@ -88,7 +90,7 @@ def run_task(
     for floor in floors:
         for entry_id, d in zip(plain, docs, strict=True):
             floor.cache_document(entry_id, d.text)
-    tok = getattr(runner.processor, "tokenizer", runner.processor)
+    tok = tokenizer_of(runner.processor)
     by_label = {f.label: f for f in floors}
     order = ["full", *by_label] + [p for p in policies if p != "full"]
     total = len(document_counts) * trials * (len(order) + 1)
@@ -149,7 +151,7 @@ def print_task_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from mpic.benchmarks.fidelity import kl_text
+    from mpic.benchmarks.noise_floor import kl_text
 
     table = Table(title="Task: the planted secret code (needle in the cached documents)")
     for col in ("docs", "policy", "recomputed", "accuracy", "vs full", "no docs", "KL first"):

@@ -134,3 +134,8 @@ def make_floor(runner: ReferenceRunner, model_dir: str, name: str) -> NoiseFloor
         other.attention_backend = name
         return NoiseFloor(name, other)
     raise ValueError(f"unknown noise floor {name!r}; valid: {', '.join(NOISE_FLOORS)}")
+
+
+def kl_text(kl: float) -> str:
+    """A KL for the table: 4 decimals, or 2 significant digits below 1e-4 (a noise floor)."""
+    return f"{kl:.4f}" if kl >= 1e-4 or kl == 0 else f"{kl:.1e}"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
+from mpic.linker.prompt import tokenizer_of
 
 if TYPE_CHECKING:
     import httpx
@@ -179,7 +180,7 @@ def offline_answers(
 
     ids = [runner.cache_document(text).entry_id for _, text in documents()]
     parts = question(ids)
-    tokenizer = getattr(runner.processor, "tokenizer", runner.processor)
+    tokenizer = tokenizer_of(runner.processor)
     runner.prefill(parts, policies[0])
     rows = []
     for policy in policies:

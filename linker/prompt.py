@@ -46,6 +46,12 @@ class ChatTokenizer(Protocol):
     def __call__(self, text: str, **kwargs: Any) -> Any: ...
 
 
+def tokenizer_of(processor: Any) -> Any:
+    """The text tokenizer of an engine's `processor`: a multimodal model's HF processor holds
+    it as `.tokenizer`; a text-only model's processor is the tokenizer itself."""
+    return getattr(processor, "tokenizer", processor)
+
+
 def takes_typed_content(tokenizer: Any) -> bool:
     """True when the chat template renders typed content parts (a list of {"type": ...}); False
     for templates that concatenate a string content (text-only models)."""

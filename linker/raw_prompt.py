@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpic.linker.prompt import tokenizer_of
+
 RAW_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] != 'system' %}"
     "{% if m['content'] is string %}{{ m['content'] }}"
@@ -45,4 +47,4 @@ class RawPrompt:
     """A processor (or tokenizer) whose `tokenizer` renders prompts without a chat template."""
 
     def __init__(self, processor: Any) -> None:
-        self.tokenizer = _RawTokenizer(getattr(processor, "tokenizer", processor))
+        self.tokenizer = _RawTokenizer(tokenizer_of(processor))

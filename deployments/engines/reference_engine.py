@@ -37,7 +37,7 @@ from mpic.engine.items import load_image
 from mpic.engine.request_flow import TextStream, done_event, finish_reason
 from mpic.engine.sampling import Sampler
 from mpic.engine.token_bytes import TokenBytes
-from mpic.linker.prompt import canonical_context_ids
+from mpic.linker.prompt import canonical_context_ids, tokenizer_of
 from mpic.prompt_parts import PromptPart
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
@@ -66,7 +66,7 @@ class ReferenceServeEngine(ServeEngine):
             else []
         )
         self._lock = threading.Lock()
-        self.token_bytes = TokenBytes(self.runner.processor.tokenizer)  # logprob bytes
+        self.token_bytes = TokenBytes(tokenizer_of(self.runner.processor))  # logprob bytes
 
     @property
     def fingerprint(self) -> str:
@@ -76,7 +76,7 @@ class ReferenceServeEngine(ServeEngine):
     @property
     def text_tokenizer(self) -> Any:
         """The model's HF text tokenizer."""
-        return self.runner.processor.tokenizer
+        return tokenizer_of(self.runner.processor)
 
     def context_length(self) -> int:
         """The configured `max_model_len`, else the model's position limit."""
@@ -178,7 +178,7 @@ class ReferenceServeEngine(ServeEngine):
         args = (prompt, entries, gone, put)
         threading.Thread(target=self._decode, args=args, name="mpic-decode", daemon=True).start()
         logger.debug("request %s: decoding", prompt.request_id)
-        text = TextStream(self.runner.processor.tokenizer, prompt.sampling.stop)
+        text = TextStream(tokenizer_of(self.runner.processor), prompt.sampling.stop)
         prefilled: Prefilled | None = None
         try:
             while (item := await events.get()) is not None:
@@ -231,7 +231,7 @@ class ReferenceServeEngine(ServeEngine):
         Stops at once when `gone` is set (before the prefill when still waiting)."""
         try:
             system, parts, table = self._parts(prompt, entries)
-            tokenizer = self.runner.processor.tokenizer
+            tokenizer = tokenizer_of(self.runner.processor)
             sampler = Sampler(prompt.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
             with self._runner_for(gone.is_set) as held:
                 if not held or gone.is_set():  # abandoned while queued: no prefill at all

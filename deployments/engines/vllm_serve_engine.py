@@ -40,7 +40,7 @@ from mpic.engine.vllm.presses import check_press
 from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
 from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
 from mpic.errors import InvalidRequestError
-from mpic.linker.prompt import canonical_context_ids
+from mpic.linker.prompt import canonical_context_ids, tokenizer_of
 from mpic.model_spec import ModelSpec
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
 from mpic.storage.config import StorageConfig
@@ -121,7 +121,7 @@ class VllmServeEngine(ServeEngine):
     @property
     def text_tokenizer(self) -> Any:
         """The model's HF text tokenizer."""
-        return getattr(self.processor, "tokenizer", self.processor)
+        return tokenizer_of(self.processor)
 
     def context_length(self) -> int:
         """vLLM's `max_model_len` (the configured one, else the model's)."""

@@ -31,6 +31,7 @@ from mpic.engine.tiny.configs import (
     qwen2vl_config,
     qwen25vl_config,
 )
+from mpic.engine.tiny.weights import write_weights
 from mpic.types import ModelFamily
 
 logger = logging.getLogger(__name__)
@@ -61,22 +62,6 @@ def _init_weights(model, seed: int, std: float) -> None:
                 param.copy_(draw * (std * gain))
             else:
                 param.fill_(1.0)
-
-
-def _write_weights(model, family: str, out: Path) -> None:
-    """model.safetensors with the checkpoint names both transformers and vLLM load.
-
-    transformers 5 names CLIP's modules `vision_tower.embeddings...`; vLLM (and older checkpoints)
-    expect `vision_tower.vision_model.embeddings...`, which transformers maps back on load.
-    """
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if family in ("llava", "llava-next") and name.startswith("model.vision_tower."):
-            name = "model.vision_tower.vision_model." + name[len("model.vision_tower.") :]
-        tensors[name] = tensor.contiguous().cpu()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def default_device(size: str) -> str:
@@ -147,7 +132,7 @@ def make_tiny(
             model = model_cls(config).to(getattr(torch, dtype)).eval()
         _init_weights(model, seed, std=shape.hidden**-0.5)
         config.save_pretrained(stage)
-        _write_weights(model, family, stage)
+        write_weights(model, family, stage)
         processor(family, shape, tokenizer, size).save_pretrained(stage)
         (stage / "mpic_tiny.json").write_text(
             json.dumps(

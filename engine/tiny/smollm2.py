@@ -157,7 +157,7 @@ def _write_llava_smollm2(lm_dir: Path, stage: Path, seed: int) -> None:
         LlavaProcessor,
     )
 
-    from mpic.engine.tiny.models import _write_weights
+    from mpic.engine.tiny.weights import write_weights
 
     tokenizer = AutoTokenizer.from_pretrained(lm_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
@@ -213,7 +213,7 @@ def _write_llava_smollm2(lm_dir: Path, stage: Path, seed: int) -> None:
     stage.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(stage)
     model.generation_config.save_pretrained(stage)
-    _write_weights(model, "llava", stage)  # CLIP names vLLM loads (save_pretrained's it cannot)
+    write_weights(model, "llava", stage)  # CLIP names vLLM loads (save_pretrained's it cannot)
     processor.save_pretrained(stage)
 
 

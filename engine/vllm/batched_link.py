@@ -107,12 +107,24 @@ class BatchedPagedKV:
         edges = [0, *breaks.tolist(), int(host.shape[0])]
         return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
+    def _requests(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Rows [a, b) of `index` (ascending global indices) that belong to request r, one
+        range per request present: [(a, b, r)] (a request's rows are contiguous, requests being
+        laid out in order)."""
+        host = index.cpu()
+        if host.numel() == 0:
+            return []
+        req = self._req[host]
+        breaks = torch.nonzero(req[1:] != req[:-1]).flatten() + 1
+        edges = [0, *breaks.tolist(), int(host.shape[0])]
+        return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
+
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite global indices `index` [S] of `layer` with k, v [S, H_kv, D]."""
         if self._cpu:
             self._writer.write(layer, self._slots[index.to(self._slots.device)], k, v)
             return
-        for a, b, r in self._pieces(index):
+        for a, b, r in self._requests(index):
             local = index[a:b] - int(self.offsets[r])
             self._items[r].kv.write(layer, local, k[a:b], v[a:b])
 
@@ -122,14 +134,13 @@ class BatchedPagedKV:
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending global indices -> [S, H, D], each row over its own
         request's keys [0, p]."""
-        pieces = self._pieces(index)
-        if not self._cpu:
+        if not self._cpu:  # one call per request over all its rows
             out = torch.empty_like(q)
-            for a, b, r in pieces:
+            for a, b, r in self._requests(index):
                 local = index[a:b] - int(self.offsets[r])
                 out[a:b] = self._items[r].kv.attend(layer, q[a:b], local)
             return out
-        return self._cpu_attend(layer, q, index, pieces)
+        return self._cpu_attend(layer, q, index, self._pieces(index))
 
     def _cpu_attend(
         self, layer: int, q: torch.Tensor, index: torch.Tensor, pieces: list[tuple[int, int, int]]

@@ -103,6 +103,7 @@ FOREIGN: dict[str, set[str]] = {
         "vision_model",
     },
     "LMCache": {"StorageBackendInterface"},
+    "torch (profiler, aten ops)": {"FunctionEvent", "activity_type", "index_put_"},
     "OpenAI's API": {"json_schema"},
     "nginx": {"client_max_body_size"},
     "docker build": {"--build-arg"},

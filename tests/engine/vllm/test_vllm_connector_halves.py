@@ -188,6 +188,7 @@ def test_batch_splits_queries_by_request_and_maps_slots() -> None:
     kv = BatchedPagedKV(items, [None], [layer], BS)
     index = torch.tensor([0, 1, 2, 38, 39, 40, 41, 44])
     assert kv._pieces(index) == [(0, 3, 0), (3, 5, 0), (5, 7, 1), (7, 8, 1)]
+    assert kv._requests(index) == [(0, 5, 0), (5, 8, 1)]  # one range per request
     assert kv._slots[[0, 33, 39, 40, 44]].tolist() == [
         7 * BS,
         3 * BS + 1,
