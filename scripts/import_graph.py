@@ -118,21 +118,43 @@ def violations() -> list[str]:
 
 
 def graph(*, module_level_only: bool = False) -> dict[str, set[str]]:
-    """module -> project modules it imports when run (module and function level unless asked
-    otherwise; `if TYPE_CHECKING:` imports left out)."""
+    """module -> project modules it imports (module and function level unless asked otherwise;
+    `if TYPE_CHECKING:` imports included: a type-only circle is still a circle to a reader)."""
     names = dict(modules())
     edges: dict[str, set[str]] = {m: set() for m in names}
     for module, path in names.items():
-        for target, top_level in imports(path, typing_only=False):
+        for target, top_level in imports(path):
             if target in names and target != module and (top_level or not module_level_only):
                 edges[module].add(target)
     return edges
 
 
 def circles() -> list[list[str]]:
-    """The import circles counting executed imports at every depth, one per strongly connected
-    component of more than one module (its modules, sorted)."""
+    """The import circles counting imports at every depth (TYPE_CHECKING ones too), one per
+    strongly connected component of more than one module (its modules, sorted)."""
     return _cycles(graph())
+
+
+def package_of_module(module: str, path: Path) -> str:
+    """The package (folder) a module lives in: itself for a package's `__init__`."""
+    return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def package_circles() -> list[list[str]]:
+    """Circles between packages at any depth (`mpic.deployments.http` <-> `.serve`): the
+    module graph collapsed to folders, an import between a package and its own parent or child
+    left out (a room may use its building's shared modules and vice versa)."""
+    names = dict(modules())
+    edges: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        a = package_of_module(module, names[module])
+        edges.setdefault(a, set())
+        for target in targets:
+            b = package_of_module(target, names[target])
+            edges.setdefault(b, set())
+            if a != b and not a.startswith(b + ".") and not b.startswith(a + "."):
+                edges[a].add(b)
+    return _cycles(edges)
 
 
 def _sub(module: str) -> str | None:
@@ -177,12 +199,18 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     found = violations()
     rings = circles()
+    rooms = package_circles()
     for line in found:
         print(line)
     for ring in rings:
         print(f"import circle: {' <-> '.join(ring)}")
-    print(f"{len(found)} violation(s), {len(rings)} circle(s) (function-level imports counted)")
-    return 1 if found or rings else 0
+    for ring in rooms:
+        print(f"package circle: {' <-> '.join(ring)}")
+    print(
+        f"{len(found)} violation(s), {len(rings)} circle(s), {len(rooms)} package circle(s) "
+        "(function-level and TYPE_CHECKING imports counted)"
+    )
+    return 1 if found or rings or rooms else 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
 if TYPE_CHECKING:
-    from mpic.deployments.monitoring.fidelity_monitor import FirstToken
+    from mpic.deployments.engines.first_token import FirstToken
 
 
 class ServeEngine(ABC):

@@ -27,9 +27,9 @@ import torch
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engines.engine import Role, ServeEngine
+from mpic.deployments.engines.first_token import FirstToken
 from mpic.deployments.engines.prompting import INLINE_PREFIX, identify_image, prompt_parts
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
-from mpic.deployments.monitoring.fidelity_monitor import FirstToken
 from mpic.engine.hf.entries import cache_document, compute_entry
 from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
 from mpic.engine.hf.vision import encode

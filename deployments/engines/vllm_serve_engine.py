@@ -31,9 +31,9 @@ from typing import Any
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engines.engine import Role, ServeEngine
+from mpic.deployments.engines.first_token import TOP_K, FirstToken
 from mpic.deployments.engines.prompting import identify_image, prompt_parts
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
-from mpic.deployments.monitoring.fidelity_monitor import TOP_K, FirstToken
 from mpic.engine.request_flow import TextStream, done_event, finish_reason, pressed_parts
 from mpic.engine.token_bytes import TokenBytes
 from mpic.engine.vllm.presses import check_press

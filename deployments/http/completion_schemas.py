@@ -9,13 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mpic.deployments.http.schemas import (
+from mpic.deployments.messages import Sampling
+from mpic.deployments.schemas import (
     MPICOptions,
     StreamOptions,
     Usage,
     check_n_and_logit_bias,
 )
-from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
 
 

@@ -38,7 +38,12 @@ from mpic.deployments.http.http_errors import (
 from mpic.deployments.http.openapi_errors import install_openapi_errors
 from mpic.deployments.http.readiness import AppReadiness, NotReadyError, replica_probe
 from mpic.deployments.http.request_guard import RequestGuard, configure_guard
-from mpic.deployments.http.schemas import (
+from mpic.deployments.http.shedding import SheddingGuard, configure_shedding
+from mpic.deployments.http.vllm_routes import VllmRoutes, router
+from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
+from mpic.deployments.monitoring.metrics import ServeMetrics, metrics_page
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
+from mpic.deployments.schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -62,11 +67,6 @@ from mpic.deployments.http.schemas import (
     TopLogprob,
     Usage,
 )
-from mpic.deployments.http.shedding import SheddingGuard, configure_shedding
-from mpic.deployments.http.vllm_routes import VllmRoutes, router
-from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
-from mpic.deployments.monitoring.metrics import ServeMetrics, metrics_page
-from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.serve.files import FileCatalog, document_media_type
 from mpic.deployments.serve.inline import encode_inline
 from mpic.errors import PayloadTooLargeError

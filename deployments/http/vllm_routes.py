@@ -38,7 +38,8 @@ from mpic.deployments.http.completion_schemas import (
     VersionResponse,
 )
 from mpic.deployments.http.http_errors import error_body, status_of
-from mpic.deployments.http.schemas import (
+from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
+from mpic.deployments.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FilePart,
@@ -48,7 +49,6 @@ from mpic.deployments.http.schemas import (
     TextPart,
     Usage,
 )
-from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

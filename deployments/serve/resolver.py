@@ -22,7 +22,9 @@ from ray.serve.handle import DeploymentHandle
 
 from mpic.deployments.client_errors import raising
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.http.schemas import (
+from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
+from mpic.deployments.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FilePart,
@@ -30,8 +32,6 @@ from mpic.deployments.http.schemas import (
     MPICOptions,
     TextPart,
 )
-from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
-from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.serve.files import FileCatalog
 from mpic.deployments.serve.policy_check import check_policy
 from mpic.errors import InvalidRequestError, PayloadTooLargeError

@@ -1,5 +1,6 @@
-"""The package floors hold: no upward import, no import circle at any depth (function-level
-imports counted), vllm only under engine/vllm/."""
+"""The package floors hold: no upward import, no import circle at any depth (function-level and
+TYPE_CHECKING imports counted), between modules or between packages at any depth (rooms such as
+deployments/http and deployments/serve), vllm only under engine/vllm/."""
 
 from __future__ import annotations
 
@@ -22,6 +23,31 @@ def test_no_upward_imports_cycles_or_stray_vllm() -> None:
 
 def test_no_import_circles_at_any_depth() -> None:
     assert _checker().circles() == []
+
+
+def test_no_circles_between_packages_at_any_depth() -> None:
+    assert _checker().package_circles() == []
+
+
+def test_package_circles_are_found(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # two rooms of one building importing each other (one import type-only) form a circle; a
+    # room importing its building's module does not
+    checker = _checker()
+    root = tmp_path / "pkg"
+    for room in ("http", "serve"):
+        (root / room).mkdir(parents=True)
+        (root / room / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "messages.py").write_text("")
+    (root / "http" / "ingress.py").write_text(
+        "import mpic.pkg.serve.files\nimport mpic.pkg.messages\n"
+    )
+    (root / "serve" / "files.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mpic.pkg.http.ingress\n"
+    )
+    monkeypatch.setattr(checker, "PACKAGES", {"mpic.pkg": ("pkg", 0)})
+    monkeypatch.setattr(checker, "ROOT", tmp_path)
+    assert checker.package_circles() == [["mpic.pkg.http", "mpic.pkg.serve"]]
 
 
 def test_function_level_imports_are_read(tmp_path) -> None:  # noqa: ANN001

@@ -10,7 +10,7 @@ import sys
 def test_messages_and_http_schemas_are_torch_free() -> None:
     code = (
         "import sys\n"
-        "import mpic.deployments.messages, mpic.deployments.http.schemas\n"
+        "import mpic.deployments.messages, mpic.deployments.schemas\n"
         "import mpic.deployments.http.auth\n"
         "import mpic.deployments.http.http_errors, mpic.prompt_parts, mpic.retriever.spec\n"
         "import mpic.deployments.http.ingress, mpic.deployments.serve.files\n"

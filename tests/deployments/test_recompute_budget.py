@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.http.schemas import ChatCompletionRequest
+from mpic.deployments.schemas import ChatCompletionRequest
 from mpic.deployments.serve.resolver import budgeted_policy
 from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy

@@ -1,6 +1,8 @@
-"""HTTP API bodies (Ingress replica): OpenAI's models, files and chat-completions shapes plus the
-`mpic` extension object. Requests are strict (`extra="forbid"`): an OpenAI field is honoured or
-rejected with a 400 naming it, never silently ignored; and strictly typed (`strict=True`): no
+"""HTTP API bodies (Ingress replica; the Resolver and the file deployments read them too, so they
+sit below both `deployments/http/` and `deployments/serve/`): OpenAI's models, files and
+chat-completions shapes plus the `mpic` extension object. Requests are strict
+(`extra="forbid"`): an OpenAI field is honoured or rejected with a 400 naming it, never silently
+ignored; and strictly typed (`strict=True`): no
 bool for an int (`max_tokens: true`), no string for a bool (`stream: "yes"`), no float for an
 int (an int is accepted for a float, as JSON has one number type).
 """
