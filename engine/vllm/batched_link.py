@@ -95,6 +95,8 @@ class BatchedPagedKV:
             self._tables = table
             unused = torch.zeros(1, dtype=torch.int64)  # writes take slots, not blocks
             self._writer = CpuPagedOps(layers, caches, unused, block_size)
+        self._split: tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]] | None = None
+        """(the global index object last split, [(a, b, r, request r's local index)])."""
 
     def _pieces(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
         """Rows [a, b) of `index` (ascending global indices) that are contiguous and in one
@@ -119,13 +121,23 @@ class BatchedPagedKV:
         edges = [0, *breaks.tolist(), int(host.shape[0])]
         return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
+    def _by_request(self, index: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
+        """`_requests(index)` with each request's local index, computed once per index object:
+        `run_layers` hands the same object to every layer until the active set changes, and a
+        request's attention keeps its prepared masks while it gets the same local object."""
+        if self._split is None or self._split[0] is not index:
+            split = [
+                (a, b, r, index[a:b] - int(self.offsets[r])) for a, b, r in self._requests(index)
+            ]
+            self._split = (index, split)
+        return self._split[1]
+
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite global indices `index` [S] of `layer` with k, v [S, H_kv, D]."""
         if self._cpu:
             self._writer.write(layer, self._slots[index.to(self._slots.device)], k, v)
             return
-        for a, b, r in self._requests(index):
-            local = index[a:b] - int(self.offsets[r])
+        for a, b, r, local in self._by_request(index):
             self._items[r].kv.write(layer, local, k[a:b], v[a:b])
 
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
@@ -136,8 +148,7 @@ class BatchedPagedKV:
         request's keys [0, p]."""
         if not self._cpu:  # one call per request over all its rows
             out = torch.empty_like(q)
-            for a, b, r in self._requests(index):
-                local = index[a:b] - int(self.offsets[r])
+            for a, b, r, local in self._by_request(index):
                 out[a:b] = self._items[r].kv.attend(layer, q[a:b], local)
             return out
         return self._cpu_attend(layer, q, index, self._pieces(index))
