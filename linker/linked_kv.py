@@ -2,7 +2,8 @@
 
 Two implementations share this protocol: a dense one over [L, N, H_kv, D] tensors (reference
 runner, `mpic.linker.dense_kv`) and a paged one writing into vLLM's KV blocks (vLLM worker,
-`mpic.engine.vllm.paged_kv`). Indices are prompt indices 0..N-1; causality is by prompt index.
+`mpic.engine.vllm.connector.paged_kv`). Indices are prompt indices 0..N-1; causality is by
+prompt index.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ are text, not linked item keys). Only text before the first item qualifies.
 
 Both engines link it, on by default (`ReferenceRunner(link_prefix=True)`; the vLLM worker,
 `VllmEngineConfig.link_prefix`): the reference runner at planning time, the vLLM worker in its own
-process over its own layer adapter (`mpic.engine.vllm.connector_worker`), from the entries it
+process over its own layer adapter (`mpic.engine.vllm.connector.worker`), from the entries it
 has just read, with its own `PrefixCache` (a context it has never seen is prefilled there on first
 use). Both decide P with `prefix_length` from the same plan and entries, so they select the same
 tokens under the same budget. vLLM's own prefix caching cannot hold those blocks: linked requests

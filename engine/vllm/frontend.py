@@ -1,8 +1,9 @@
 """What the offline and the async vLLM engines share (process that owns the engine: CLI,
 benchmark, Serve replica): `VllmEngineConfig`, the CPU set-up, vLLM's engine arguments with the
 MPIC connector, and `VllmFrontEnd` (request forms, upload prompt, failed-link fallback). vLLM
-starts its engine core and worker in child processes, which load `mpic.engine.vllm.connector`
-and the `mpic` general plugin (`mpic.engine.vllm.plugin`) themselves.
+starts its engine core and worker in child processes, which load
+`mpic.engine.vllm.connector.kv_connector` and the `mpic` general plugin
+(`mpic.engine.vllm.plugin`) themselves.
 
 Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_environment`:
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
@@ -58,7 +59,7 @@ Media = Mapping[str, bytes | Callable[[], bytes]]
 logger = logging.getLogger(__name__)
 
 CONNECTOR = "MPICConnector"
-CONNECTOR_MODULE = "mpic.engine.vllm.connector"
+CONNECTOR_MODULE = "mpic.engine.vllm.connector.kv_connector"
 
 __all__ = ["CONNECTOR", "CONNECTOR_MODULE", "VllmEngineConfig", "VllmFrontEnd", "engine_kwargs"]
 

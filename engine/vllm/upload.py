@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpic.engine.vllm.adapter import VllmLayerAdapter, language_model
+from mpic.engine.vllm.connector.adapter import VllmLayerAdapter, language_model
 from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ def test_every_name_the_docs_give_in_backticks_exists() -> None:
         "ReferenceRunner.press_entry(entry, press, budget)",
         "DEFAULT_BUDGET",
         "link_job.batchable",
-        "connector_worker._link_one",
+        "worker._link_one",
         "engine.kind",
         "get_policy(name)",
         "plan_prompt",

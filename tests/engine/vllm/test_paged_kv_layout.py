@@ -7,7 +7,8 @@ compiled kernel are checked on a GPU (marked gpu)."""
 import pytest
 import torch
 
-from mpic.engine.vllm.paged_kv import FlashPagedOps, PagedLinkedKV, flash_views
+from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps, flash_views
+from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries

@@ -11,9 +11,9 @@ import torch
 
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
-from mpic.engine.vllm.batched_link import BatchedPagedKV, BatchItem
-from mpic.engine.vllm.connector_scheduler import MPICScheduler
-from mpic.engine.vllm.link_job import LinkJob, batchable, joins_batch, needs_last_token
+from mpic.engine.vllm.connector.batched_link import BatchedPagedKV, BatchItem
+from mpic.engine.vllm.connector.link_job import LinkJob, batchable, joins_batch, needs_last_token
+from mpic.engine.vllm.connector.scheduler import MPICScheduler
 from mpic.linker.policies import get_policy
 from mpic.types import LinkPlan
 

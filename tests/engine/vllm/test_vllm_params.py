@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm.engine import VllmEngineConfig
-from mpic.engine.vllm.paged_kv import contiguous_runs
 from mpic.engine.vllm.requests import collapse_placeholders
 from mpic.errors import InvalidRequestError
+from mpic.kernels.sdpa_runs import query_runs as contiguous_runs
 from mpic.types import LinkPlan
 
 

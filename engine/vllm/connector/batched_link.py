@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpic.engine.vllm.paged_kv import CpuPagedOps, PagedLinkedKV, cpu_attend_sequences
+from mpic.engine.vllm.connector.paged_cpu import CpuPagedOps, cpu_attend_sequences
+from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.pipeline import prepare_pass
 from mpic.linker.policies import Policy

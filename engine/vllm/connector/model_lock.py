@@ -5,7 +5,7 @@ input and output pointers and the row count of its layer's primitive handler bef
 executes, so two threads in one layer swap each other's buffers; every oneDNN matmul and
 `cpu_attention_with_kv_cache` use one process-wide scratchpad (`cpu_utils::ScratchPadManager`)
 that a larger call frees and reallocates. The linking thread (load mode `background`,
-`mpic.engine.vllm.connector_worker`) runs vLLM's layers and attention ops while vLLM's forward
+`mpic.engine.vllm.connector.worker`) runs vLLM's layers and attention ops while vLLM's forward
 runs them: it gave nondeterministic wrong tokens in the exactness tests and once killed the
 engine core (a scratchpad freed under a running kernel).
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mpic.engine.vllm.link_pacing import LinkPacer
+from mpic.engine.vllm.connector.link_pacing import LinkPacer
 
 
 class ModelLock:

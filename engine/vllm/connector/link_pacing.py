@@ -1,13 +1,13 @@
 """Pacing of the background linking thread (vLLM worker process): a share of the CPU while
 vLLM's forwards run.
 
-The worker half links requests on its own thread (`mpic.engine.vllm.connector_worker`), on the
+The worker half links requests on its own thread (`mpic.engine.vllm.connector.worker`), on the
 cores vLLM's forward does not use. Where those cores are not independent (2 vCPUs sharing one
 physical core, a busy host) or the GIL is contended, linking at full speed slows the decoding
 requests' forwards: measured on the 2-vCPU development hosts, a compute thread on the other
 vCPU halves the forward's core's speed. `LinkPacer` lets the linking thread run at most
 `share` of the wall time while a forward ran in the last `idle_s` seconds: after each layer
-call (`mpic.engine.vllm.model_lock.YieldingAdapter`, with the model free) it sleeps
+call (`mpic.engine.vllm.connector.model_lock.YieldingAdapter`, with the model free) it sleeps
 `worked * (1 / share - 1)`; with no forward (nothing decoding) it runs at full speed. share 1.0
 (default) never sleeps. The cost is the linked requests' time to first token (their link takes
 up to 1 / share times longer while others decode).

@@ -2,13 +2,14 @@
 worker half (each in its own module, as vLLM's own connectors are laid out).
 
 Loaded by vLLM through `KVTransferConfig(kv_connector="MPICConnector",
-kv_connector_module_path="mpic.engine.vllm.connector")` (see `mpic.engine.vllm.frontend`).
+kv_connector_module_path="mpic.engine.vllm.connector.kv_connector")` (see
+`mpic.engine.vllm.frontend`).
 vLLM builds one instance per role, in different processes:
 
-- SCHEDULER (engine core): `mpic.engine.vllm.connector_scheduler.MPICScheduler` claims a linked
+- SCHEDULER (engine core): `mpic.engine.vllm.connector.scheduler.MPICScheduler` claims a linked
   request's prompt tokens but the last, asynchronously where it can (vLLM's
-  `WAITING_FOR_REMOTE_KVS`), and ships typed link jobs (`mpic.engine.vllm.link_job`).
-- WORKER: `mpic.engine.vllm.connector_worker.MPICWorker` reads the jobs' entries from the tiered
+  `WAITING_FOR_REMOTE_KVS`), and ships typed link jobs (`mpic.engine.vllm.connector.link_job`).
+- WORKER: `mpic.engine.vllm.connector.worker.MPICWorker` reads the jobs' entries from the tiered
   store in the background, links the requests whose entries are in memory on its linking thread
   (one batched selective pass for plain policies) into their paged blocks with vLLM's own
   modules while vLLM's forwards go on, and reports them finished receiving; vLLM then
@@ -29,9 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context
 
-from mpic.engine.vllm.connector_scheduler import MPICScheduler
-from mpic.engine.vllm.connector_worker import MPICWorker
-from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata
+from mpic.engine.vllm.connector.link_job import LinkJob, MPICConnectorMetadata
+from mpic.engine.vllm.connector.scheduler import MPICScheduler
+from mpic.engine.vllm.connector.worker import MPICWorker
 from mpic.storage.config import StorageConfig
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class MPICConnector(KVConnectorBase_V1):
     `async_loads` (the load mode, `link_job.load_mode`: "reads" (default) = entry reads off
     the step, linking in it; true = both off the step (experimental); false = in the step),
     `batch_links` (default true), `fetch_threads` (default 8), `link_share` (the linking
-    thread's share of the wall time while requests decode, `mpic.engine.vllm.link_pacing`;
+    thread's share of the wall time while requests decode, `mpic.engine.vllm.connector.link_pacing`;
     default 1.0), `link_prefix` (link the template/system prefix exactly, `mpic.linker.prefix`;
     default true)."""
 

@@ -1,6 +1,7 @@
 """The worker half of the MPIC KV connector (vLLM worker process).
 
-Each step it receives the scheduler half's `MPICConnectorMetadata` (`mpic.engine.vllm.link_job`):
+Each step it receives the scheduler half's `MPICConnectorMetadata`
+(`mpic.engine.vllm.connector.link_job`):
 
 - async jobs (`LinkJob.load_async`): their entries are read from the tiered entry store
   (memory -> disk -> object store, `mpic.storage.entry_store.EntryStore`) on a thread pool, one
@@ -19,12 +20,13 @@ Each step it receives the scheduler half's `MPICConnectorMetadata` (`mpic.engine
 
 Linking: the jobs ready together whose policy joins a batch (`link_job.joins_batch`: plain
 policies, and scouting and corrected ones such as the default `auto`, each prepared alone by the
-linker's `prepare_pass`) go through ONE selective pass together (`mpic.engine.vllm.batched_link`);
-the others (two-step policies, in-pass hooks), one at a time, through the linker's
-`link_and_prefill`; both with vLLM's modules (`VllmLayerAdapter`) into their paged blocks
-(`PagedLinkedKV`, with dense K/V mirrors where the pass reads them on the CPU layout). A request
-whose params carry `mpic_press` is an item's canonical prompt: its prefill is observed and the
-item's compressed entry written to the store (`mpic.engine.vllm.presses`).
+linker's `prepare_pass`) go through ONE selective pass together
+(`mpic.engine.vllm.connector.batched_link`); the others (two-step policies, in-pass hooks),
+one at a time, through the linker's `link_and_prefill`; both with vLLM's modules
+(`VllmLayerAdapter`) into their paged blocks (`PagedLinkedKV`, with dense K/V mirrors where the
+pass reads them on the CPU layout). A request whose params carry `mpic_press` is an item's
+canonical prompt: its prefill is observed and the item's compressed entry written to the store
+(`mpic.engine.vllm.presses`).
 
 The template/system prefix (`mpic.linker.prefix`, `link_prefix`, on by default): before a
 request is linked, the worker finds, from the plan and the entries it has just read, the longest
@@ -59,12 +61,17 @@ import torch
 
 from mpic.engine.item_press import press_item_entry
 from mpic.engine.vllm import upload as vllm_upload
-from mpic.engine.vllm.adapter import VllmLayerAdapter
-from mpic.engine.vllm.batched_link import BatchItem, link_batch
-from mpic.engine.vllm.link_job import LinkJob, MPICConnectorMetadata, joins_batch, load_mode
-from mpic.engine.vllm.link_pacing import LinkPacer
-from mpic.engine.vllm.model_lock import ModelLock, YieldingAdapter, guard_runner
-from mpic.engine.vllm.paged_kv import PagedLinkedKV
+from mpic.engine.vllm.connector.adapter import VllmLayerAdapter
+from mpic.engine.vllm.connector.batched_link import BatchItem, link_batch
+from mpic.engine.vllm.connector.link_job import (
+    LinkJob,
+    MPICConnectorMetadata,
+    joins_batch,
+    load_mode,
+)
+from mpic.engine.vllm.connector.link_pacing import LinkPacer
+from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter, guard_runner
+from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.errors import MPICError
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import get_policy
@@ -107,8 +114,8 @@ class MPICWorker:
     pass of its own (the one-after-the-other baseline); async_loads: the load mode
     (`link_job.load_mode`: "background" links async jobs on the linking thread, "reads" in the
     step after their reads); link_share: the linking thread's share of the wall time while
-    vLLM's forwards run (`mpic.engine.vllm.link_pacing`; 1.0: full speed); link_prefix: link
-    the template/system prefix exactly (module docstring; False: recompute it)."""
+    vLLM's forwards run (`mpic.engine.vllm.connector.link_pacing`; 1.0: full speed);
+    link_prefix: link the template/system prefix exactly (module docstring; False: recompute it)."""
 
     def __init__(
         self,

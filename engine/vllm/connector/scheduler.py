@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm import upload as vllm_upload
-from mpic.engine.vllm.link_job import (
+from mpic.engine.vllm.connector.link_job import (
     LinkJob,
     MPICConnectorMetadata,
     links_in_its_forward_step,

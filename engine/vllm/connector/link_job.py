@@ -6,7 +6,7 @@ parameters (policy, entries, the run-length-coded plan of `mpic.engine.vllm.para
 is loaded:
 
 - `load_async` (the default for linked requests): the worker half reads the job's entries from
-  the tiered store in the background (`mpic.engine.vllm.connector_worker`) while vLLM keeps
+  the tiered store in the background (`mpic.engine.vllm.connector.worker`) while vLLM keeps
   stepping the requests already running; the request waits in vLLM's `WAITING_FOR_REMOTE_KVS`
   state and is linked in the first step after its entries are in memory, then reported finished
   receiving, so vLLM schedules its last prompt token over the linked blocks.
@@ -130,9 +130,10 @@ def batchable(policy: Policy) -> bool:
 
 def joins_batch(policy: Policy) -> bool:
     """True when a policy's requests can share the worker's one batched selective pass
-    (`mpic.engine.vllm.batched_link`): each is prepared alone (scout, correction, prefix), then
-    their recomputed tokens run the layers together. Not two-step policies (their text-first
-    pass) nor in-pass hooks (CacheBlend's selection reads the request's own tokens mid-pass)."""
+    (`mpic.engine.vllm.connector.batched_link`): each is prepared alone (scout, correction,
+    prefix), then their recomputed tokens run the layers together. Not two-step policies (their
+    text-first pass) nor in-pass hooks (CacheBlend's selection reads the request's own tokens
+    mid-pass)."""
     return not policy.two_step and type(policy).layer_hook is Policy.layer_hook
 
 

@@ -1,0 +1,204 @@
+"""A `LinkedKV` over one request's paged KV blocks in vLLM's own cache tensors (vLLM worker).
+
+The reused KV already sits in the request's blocks; at each layer the recomputed tokens' fresh K/V
+are written into their slots, then their queries attend over the request's blocks with the exact
+causal mask by prompt index. Slot of prompt index p: `block_ids[p // bs] * bs + p % bs`.
+
+The cache layout's ops sit behind a small seam (`paged_ops.PagedKVOps`: clear, write slots, read
+keys, attend), one implementation per layout, picked from the tensors vLLM registers
+(`paged_ops` here): `paged_cpu.CpuPagedOps` (vLLM's CPU backend) and `paged_cuda.FlashPagedOps`
+(the CUDA FlashAttention layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpic.engine.vllm.connector.paged_cpu import CpuPagedOps
+from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps
+from mpic.engine.vllm.connector.paged_ops import PagedKVOps
+from mpic.kernels.attention import SelectiveAttention
+from mpic.linker.correction import LinkCorrection
+
+
+def paged_ops(
+    layers: list[nn.Module], caches: list[torch.Tensor], blocks: torch.Tensor, block_size: int
+) -> PagedKVOps:
+    """The ops for the caches vLLM registered: CPU tensors -> `CpuPagedOps`; CUDA tensors ->
+    `FlashPagedOps` (the FlashAttention layout, the default CUDA backend)."""
+    if caches[0].device.type == "cpu":
+        return CpuPagedOps(layers, caches, blocks, block_size)
+    head_dim = int(layers[0].impl.head_size)
+    return FlashPagedOps(caches, blocks, block_size, head_dim, layers=layers)
+
+
+class PagedLinkedKV:
+    """Linked KV of one prompt living in vLLM's paged cache (one tensor per attention layer).
+
+    `layers[l]` is vLLM's `Attention` module of decoder layer l, `caches[l]` its KV tensor,
+    `block_ids` the request's blocks in order; `ops` overrides the layout's ops (tests). `keys`
+    [L, N, H_kv, D] is a dense mirror of the linked keys, updated by every write, that
+    `read_keys` uses where the layout cannot be read directly (CPU); ignored otherwise.
+    """
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        caches: list[torch.Tensor],
+        block_ids: list[int],
+        block_size: int,
+        keys: torch.Tensor | None = None,
+        ops: PagedKVOps | None = None,
+        values: torch.Tensor | None = None,
+    ) -> None:
+        self._block_size = block_size
+        self._blocks = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].device)
+        self._ops = ops or paged_ops(layers, caches, self._blocks, block_size)
+        self._keys = None if self._ops.readable and values is None else keys
+        self._values = values
+        """Dense value mirror [L, N, H_kv, D] (with `keys`): the corrected attention's input
+        where the layout is opaque (CPU)."""
+        self._layers = layers
+        self._num_layers = len(caches)
+        self._correction: LinkCorrection | None = None
+        self._corrected = SelectiveAttention("sdpa_runs")  # mpic.kernels.correction
+        self._last_q: dict[int, tuple[int, torch.Tensor]] = {}
+        """layer -> (prompt index, q [H, D]) of the last query a corrected layer saw."""
+        self._shifted: list[tuple[int, torch.Tensor]] = []
+        """(layer, slots) whose keys `shift_for_last_query` moved (undone by `restore`)."""
+
+    @property
+    def mirrored(self) -> bool:
+        """True when writes also go to dense mirrors (the correction or a hook reads them)."""
+        return self._keys is not None or self._values is not None
+
+    def slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Prompt indices int64 [S] -> cache slots int64 [S] (on the caches' device)."""
+        bs = self._block_size
+        index = index.to(self._blocks.device)
+        return self._blocks[index // bs] * bs + index % bs
+
+    def clear(self) -> None:
+        """Zero the request's blocks in every layer."""
+        self._ops.clear()
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite prompt slots `index` [S] of `layer` with k, v [S, H_kv, D]."""
+        self._ops.write(layer, self.slots(index), k, v)
+        if self._keys is not None:
+            self._keys[layer, index.to(self._keys.device)] = k.to(self._keys)
+        if self._values is not None:
+            self._values[layer, index.to(self._values.device)] = v.to(self._values)
+
+    def write_layers(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite prompt slots `index` [S] of every layer with k, v [L, S, H_kv, D] (one
+        write per layer: vLLM keeps one cache tensor per layer)."""
+        slots = self.slots(index)
+        for layer in range(self._num_layers):
+            self._ops.write(layer, slots, k[layer], v[layer])
+        if self._keys is not None:
+            self._keys[:, index.to(self._keys.device)] = k.to(self._keys)
+        if self._values is not None:
+            self._values[:, index.to(self._values.device)] = v.to(self._values)
+
+    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """The linked keys at `index` of `layer`: [S, H_kv, D]."""
+        keys = self._ops.read_keys(layer, self.slots(index))
+        if keys is not None:
+            return keys
+        if self._keys is None:
+            raise RuntimeError("PagedLinkedKV built without a key mirror cannot read keys")
+        return self._keys[layer, index.to(self._keys.device)]
+
+    def set_correction(self, correction: LinkCorrection | None) -> None:
+        """Apply the APE-style correction of linked keys in `attend` (None: plain). vLLM's CPU
+        attention op returns no log-sum-exp, so corrected layers attend through
+        `mpic.kernels.correction` (the reference runner's code) over the request's K/V: gathered
+        from the blocks where the layout is readable, else from the dense mirrors (`keys` and
+        `values`), which must then have been given. Exact against the dense linked KV (same f32
+        inputs, same code)."""
+        if correction is not None and correction.active:
+            readable = self._ops.readable and self._values is None
+            if not readable and (self._keys is None or self._values is None):
+                raise RuntimeError("the correction on an opaque paged layout needs K/V mirrors")
+        self._correction = correction
+
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
+        corr = self._correction
+        if corr is None or not corr.active or corr.scale_at(layer) == 1.0:
+            return self._ops.attend(layer, q, index)
+        if self._values is not None and self._keys is not None:
+            keys, values = self._keys[layer], self._values[layer]
+        else:
+            gathered = self._ops.gather(layer)
+            assert gathered is not None, "checked by set_correction"
+            keys, values = gathered
+        index = index.to(keys.device)
+        linked = corr.linked(layer, int(keys.shape[0]), keys.device)
+        self._last_q[layer] = (int(index[-1]), q[-1].detach().clone())
+        return self._corrected(
+            q, index, keys, values, self._scale(layer), linked=linked, s=corr.scale_at(layer)
+        )
+
+    def _scale(self, layer: int) -> float | None:
+        scale = self._ops.scale(layer)
+        if scale is None and self._layers:
+            scale = self._layers[layer].impl.scale
+        return scale
+
+    def shift_for_last_query(self, last_index: int) -> int:
+        """Make vLLM's own (plain) attention of the prompt's last token equal the corrected one.
+
+        vLLM's forward recomputes token N-1 over the blocks with plain attention. For one query
+        the correction is a per-head constant bias c_h = (S - 1) * lse_A,h on the linked scores
+        (`mpic.kernels.correction`), which a shift of the linked keys can carry: per layer and
+        KV head g, delta_g = Q_g^T (Q_g Q_g^T)^-1 c_g / scale (least norm), Q_g [G, D] the
+        last query's heads sharing g, so that scale * q_h . (k_j + delta_g) = scale * q_h . k_j
+        + c_h for every linked key j and every h of the group. The shifted keys are written
+        into the cache only (mirrors keep the linked keys); call `restore` after vLLM's forward
+        so decoding reads the true keys again. Returns the number of layers shifted."""
+        corr = self._correction
+        if corr is None or not corr.active:
+            return 0
+        self._shifted = []
+        for layer, (index, q) in sorted(self._last_q.items()):
+            if index != last_index:
+                continue
+            if self._values is not None and self._keys is not None:
+                keys, values = self._keys[layer], self._values[layer]
+            else:
+                gathered = self._ops.gather(layer)
+                assert gathered is not None
+                keys, values = gathered
+            n = index + 1
+            linked = corr.linked(layer, n, keys.device)
+            slots = torch.nonzero(linked).flatten()
+            if slots.numel() == 0:
+                continue
+            heads, dim = q.shape
+            kv_heads = keys.shape[1]
+            group = heads // kv_heads
+            scale = self._scale(layer) or dim**-0.5
+            k_linked = keys[slots].double()  # [M, H_kv, D]
+            qd = q.double().view(kv_heads, group, dim)  # [H_kv, G, D]
+            scores = torch.einsum("mgd,gjd->gjm", k_linked, qd) * scale  # [H_kv, G, M]
+            bias = (corr.scale_at(layer) - 1.0) * torch.logsumexp(scores, dim=-1)  # [H_kv, G]
+            gram = qd @ qd.transpose(1, 2)  # [H_kv, G, G]
+            coef = torch.linalg.solve(gram, bias[..., None] / scale)  # [H_kv, G, 1]
+            delta = (qd.transpose(1, 2) @ coef)[..., 0]  # [H_kv, D]
+            shifted = (k_linked + delta[None]).to(keys.dtype)
+            self._ops.write(layer, self.slots(slots), shifted, values[slots])
+            self._shifted.append((layer, slots))
+        return len(self._shifted)
+
+    def restore(self) -> None:
+        """Write the true linked keys back where `shift_for_last_query` moved them."""
+        for layer, slots in self._shifted:
+            if self._values is not None and self._keys is not None:
+                keys, values = self._keys[layer], self._values[layer]
+            else:
+                raise RuntimeError("restoring shifted keys needs the K/V mirrors")
+            self._ops.write(layer, self.slots(slots), keys[slots], values[slots])
+        self._shifted = []

@@ -1,0 +1,42 @@
+"""The seam between a request's paged linked KV (`mpic.engine.vllm.connector.paged_kv`) and one
+cache layout (vLLM worker process): clear, write slots, read keys, gather, attend. One
+implementation per layout: `paged_cpu.CpuPagedOps`, `paged_cuda.FlashPagedOps`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class PagedKVOps(ABC):
+    """Writes and attention over one request's blocks in one cache layout (all layers)."""
+
+    readable: bool = False
+    """True when `read_keys` reads the cache itself (no dense key mirror needed)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Zero the request's blocks in every layer (the "dummy cache")."""
+
+    @abstractmethod
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [S, H_kv, D] at cache slots int64 [S] of `layer`."""
+
+    def read_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """Keys at `slots` of `layer` [S, H_kv, D], or None where the layout is opaque."""
+        return None
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The request's keys and values of `layer` by prompt index ([B * bs, H_kv, D] each), or
+        None where the layout is opaque (CPU: the linked-key correction then reads mirrors)."""
+        return None
+
+    def scale(self, layer: int) -> float | None:
+        """The layer's softmax scale (None: D ** -0.5)."""
+        return None
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
