@@ -75,6 +75,8 @@ class LoadResult:
     rejected_by_code: dict[str, int] = field(default_factory=dict)
     """Rejections by the JSON body's `error.code` (server_overloaded, engine_unavailable, ...)."""
     rejected_not_json: int = 0
+    honor_retry_after: bool = False
+    """Closed loop: a rejected client waited the answer's Retry-After (else 0.2 s)."""
     """Rejections whose body is not the OpenAI-style JSON error (e.g. a proxy's plain text)."""
     metrics_rejected: dict[str, float] = field(default_factory=dict)
     """Growth of the server's `mpic_requests_total{outcome=429|503}` for the chat route over
@@ -113,8 +115,9 @@ class _Rejected(Exception):
 
 async def _one(
     http: httpx.AsyncClient, body: dict, t_start: float, out: LoadResult, rejected_lat: list
-) -> None:
-    """One streaming request, classified as admitted, rejected (429/503) or an error."""
+) -> str | None:
+    """One streaming request, classified as admitted, rejected (429/503) or an error; the
+    Retry-After of a rejection (None otherwise)."""
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     out.sent += 1
@@ -153,6 +156,7 @@ async def _one(
         out.rejected_by_status[key] = out.rejected_by_status.get(key, 0) + 1
         out.rejected_without_retry_after += rej.retry_after is None
         rejected_lat.append(time.perf_counter() - t0)
+        return rej.retry_after
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError, KeyError) as exc:
         out.errors += 1
         if len(out.error_samples) < 5:
@@ -300,14 +304,17 @@ async def _client(
     t_end: float,
     out: LoadResult,
     rejected_lat: list,
+    honor_retry_after: bool = False,
 ) -> None:
     turn = 0
     while time.perf_counter() < t_end:
         turn += 1
         before = out.rejected
-        await _one(http, _body(cid, turn, file_ids, policy, max_tokens), t_start, out, rejected_lat)
-        if out.rejected > before:
-            await asyncio.sleep(0.2)  # a rejected closed-loop client backs off briefly
+        body = _body(cid, turn, file_ids, policy, max_tokens)
+        retry = await _one(http, body, t_start, out, rejected_lat)
+        if out.rejected > before:  # a rejected closed-loop client backs off (0.2 s or as told)
+            wait = float(retry) if honor_retry_after and (retry or "").isdigit() else 0.2
+            await asyncio.sleep(min(wait, max(0.0, t_end - time.perf_counter())))
 
 
 async def run_load_async(
@@ -323,6 +330,7 @@ async def run_load_async(
     seed: int = 0,
     burst: int = 0,
     abandon_queued: bool = False,
+    honor_retry_after: bool = False,
 ) -> LoadResult:
     """Run `clients` closed-loop clients, or open-loop Poisson arrivals at `rate`/s, for
     `duration_s` against `url` (after the `abandon` probe when asked); or, with `burst`, send
@@ -331,6 +339,7 @@ async def run_load_async(
     out = LoadResult(clients, duration_s, 0, 0, 0.0, 0.0, 0, 0.0, 0.0)
     out.mode, out.rate = ("open", rate) if rate else ("closed", None)
     out.mode, out.burst = ("burst", burst) if burst else (out.mode, 0)
+    out.honor_retry_after = honor_retry_after
     conns = clients + abandon + 4 if not rate else max(64, int(rate * 30))
     conns = max(conns, burst + 4)
     limits = httpx.Limits(max_connections=conns)
@@ -373,7 +382,16 @@ async def run_load_async(
                 await asyncio.gather(
                     *[
                         _client(
-                            i, http, file_ids, policy, max_tokens, t_start, t_end, out, rejected_lat
+                            i,
+                            http,
+                            file_ids,
+                            policy,
+                            max_tokens,
+                            t_start,
+                            t_end,
+                            out,
+                            rejected_lat,
+                            honor_retry_after,
                         )
                         for i in range(clients)
                     ]
@@ -508,6 +526,12 @@ def command(
         "--abandon-queued",
         help="With --abandon N: drop all N once the first streams (the rest still queued).",
     ),
+    honor_retry_after: bool = typer.Option(
+        False,
+        "--honor-retry-after",
+        help="Closed loop: a rejected client waits the answer's Retry-After (as OpenAI's "
+        "clients do) instead of 0.2 s.",
+    ),
     port: int = typer.Option(8000, "--port"),
     json_out: str = typer.Option("out/load.json", "--json"),
     plot: str = typer.Option("out/load.png", "--plot"),
@@ -539,6 +563,7 @@ def command(
                 abandon,
                 burst=burst,
                 abandon_queued=abandon_queued,
+                honor_retry_after=honor_retry_after,
             )
         )
         res.ttft_target_s = cfg.limits.ttft_target_s if cfg is not None else None

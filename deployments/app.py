@@ -16,6 +16,7 @@ from ray.serve import Application
 from mpic.deployments.client_errors import answering_client_errors
 from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
 from mpic.deployments.http.ingress import Ingress
+from mpic.deployments.serve.admission import WORKER_SIDE_CALLS, worker_capacity
 from mpic.deployments.serve.policy_check import model_layers
 from mpic.deployments.serve.resolver import Resolver
 from mpic.deployments.serve.retriever import Retriever
@@ -50,13 +51,14 @@ def build_app(
 
     values = answering_client_errors
     encoder = serve.deployment(values(Encoder), **opts("Encoder", config.encoder))
+    bounds = derived_bounds(config)
     worker = serve.deployment(
         values(LLMWorker),
-        **opts("LLMWorker", config.llm_worker),
+        **opts("LLMWorker", bounds["llm_worker"]),
         **router_options(config.llm_router),
     )
-    retriever = serve.deployment(values(Retriever), **opts("Retriever", config.retriever))
-    resolver = serve.deployment(values(Resolver), **opts("Resolver", config.resolver))
+    retriever = serve.deployment(values(Retriever), **opts("Retriever", bounds["retriever"]))
+    resolver = serve.deployment(values(Resolver), **opts("Resolver", bounds["resolver"]))
     ingress_cfg = config.ingress
     if config.limits.ttft_target_s:  # the app sheds (JSON 429), not Serve's proxy (plain 503)
         ongoing = max(ingress_cfg.max_ongoing_requests, config.limits.max_pending_requests)
@@ -72,6 +74,33 @@ def build_app(
     ret = retriever.bind(config, wrk)
     res = resolver.bind(config, ret, layers)  # checks policies itself, asking no worker
     return ingress.bind(config, enc, res, wrk, ret)
+
+
+def derived_bounds(config: ServeAppConfig) -> dict[str, DeploymentConfig]:
+    """The Serve bounds of the deployments on the generation path, derived so that the LLM
+    worker's engine budget (`worker_capacity`: 429 `engine_overloaded`) refuses before any
+    Serve queue fills (whose back-pressure would otherwise be the answer):
+
+    - `llm_worker.max_ongoing_requests`, unless set in the config: the budget's requests +
+      `WORKER_SIDE_CALLS`, so every generation reaches the budget (Serve's default of 16 held
+      the vLLM worker below its budget and queued the rest in Serve, where a burst overflowed
+      the queue);
+    - `max_queued_requests` of the resolver, retriever and LLM worker, unless set: -1 while the
+      ingress's TTFT admission is on (it bounds what enters, as for the Ingress itself).
+
+    Values set in the config (and the `deployments:` overrides of `build_app`) win."""
+    requests, _ = worker_capacity(config)
+    shedding = bool(config.limits.ttft_target_s)
+    out: dict[str, DeploymentConfig] = {}
+    for name in ("llm_worker", "retriever", "resolver"):
+        dep: DeploymentConfig = getattr(config, name)
+        update: dict[str, Any] = {}
+        if name == "llm_worker" and "max_ongoing_requests" not in dep.model_fields_set:
+            update["max_ongoing_requests"] = requests + WORKER_SIDE_CALLS
+        if shedding and "max_queued_requests" not in dep.model_fields_set:
+            update["max_queued_requests"] = -1
+        out[name] = dep.model_copy(update=update) if update else dep
+    return out
 
 
 def app_builder(args: ServeAppConfig) -> Application:

@@ -45,12 +45,20 @@ class DeploymentConfig(BaseModel):
 
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per replica (fractions ok).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (LLM worker on GPU nodes).")
-    max_ongoing_requests: int = Field(16, ge=1, description="Concurrent requests per replica.")
+    max_ongoing_requests: int = Field(
+        16,
+        ge=1,
+        description="Concurrent requests per replica. Unset on the LLM worker: its engine "
+        "budget (limits.max_requests_in_flight, vLLM's max_num_seqs + engine_queue_seqs) + 8, so "
+        "the budget, not Serve's queue, refuses first (deployments/app.py).",
+    )
     max_queued_requests: int = Field(
         64,
         ge=-1,
         description="Requests a caller may queue for this deployment beyond max_ongoing_requests "
-        "(Serve's bound; past it HTTP 503 with Retry-After); -1: unbounded.",
+        "(Serve's bound; past it HTTP 429 engine_overloaded with Retry-After); -1: unbounded. "
+        "Unset, the deployments on the generation path get -1 while the ingress's TTFT "
+        "admission is on (it bounds what enters; deployments/app.py).",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -241,7 +249,17 @@ class LimitsConfig(BaseModel):
         "that scales its short side up to the model's size would allocate gigabytes.",
     )
     max_requests_in_flight: int = Field(
-        32, ge=1, description="Generations one LLM-worker replica runs at once (else HTTP 429)."
+        32,
+        ge=1,
+        description="Generations one LLM-worker replica runs at once (else HTTP 429 "
+        "engine_overloaded); with the vLLM engine at most max_num_seqs + engine_queue_seqs.",
+    )
+    engine_queue_seqs: int | None = Field(
+        None,
+        ge=0,
+        description="vLLM engine: requests one LLM-worker replica lets wait in vLLM's queue "
+        "beside the max_num_seqs it runs (past them HTTP 429 engine_overloaded, not a wait past "
+        "the TTFT target); None: max_num_seqs (one batch waits).",
     )
     max_tokens_in_flight: int = Field(
         65536,

@@ -212,7 +212,7 @@ def install_error_handlers(app: FastAPI) -> None:
         inner = _unwrap(exc)
         if isinstance(inner, MPICError):  # a replica's typed error, wrapped by Ray
             return mpic_error_response(inner, request)
-        if (busy := as_backpressure(exc)) is not None:  # Serve's queue bound: 503 Retry-After
+        if (busy := as_backpressure(exc)) is not None:  # Serve's queue bound: 429 Retry-After
             return mpic_error_response(busy, request)
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None)

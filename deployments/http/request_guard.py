@@ -5,8 +5,11 @@ unknown API key (before one byte of the body is read: an anonymous 1 GB upload c
 413 for a declared `Content-Length` over the route's limit; while the body streams in it counts
 bytes and stops reading at the limit (413), so nothing over the limit is ever spooled. Uploads
 (`POST /v1/files`) may carry `limits.max_upload_bytes` plus a small multipart allowance, every
-other route `limits.max_body_bytes`. Ray Serve's own plain-text 503 (its queue bound) is rewritten
-into the OpenAI-style JSON body with a Retry-After.
+other route `limits.max_body_bytes`. Ray Serve's own plain-text 503 is rewritten into the
+OpenAI-style JSON body with a Retry-After: its queue bound ("Request dropped due to backpressure",
+load) as 429 `engine_overloaded`, any other as 503 `engine_unavailable`; Serve's back-pressure
+error raised through the app is answered 429 `engine_overloaded` too
+(`mpic.deployments.serve.admission.as_backpressure`).
 
 What the guard checks against is `GUARD`, this process's `GuardState`, installed by the Ingress
 replica at start (`configure_guard`). It is process state on purpose: `serve.ingress` freezes the
@@ -22,7 +25,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from mpic.deployments.serve.admission import EngineUnavailableError, as_backpressure
+from mpic.deployments.serve.admission import (
+    EngineUnavailableError,
+    OverloadedError,
+    as_backpressure,
+    queue_full,
+)
 
 PUBLIC_PATHS = (
     "/healthz",
@@ -79,6 +87,14 @@ def _plain_503(start: dict) -> bool:
     return not any(b"json" in v for v in types)
 
 
+def _plain_503_as(body: bytes) -> OverloadedError | EngineUnavailableError:
+    """What Serve's plain-text 503 stands for: its queue bound ("Request dropped due to
+    backpressure") is load (429 `engine_overloaded`), anything else an unavailable service."""
+    if b"backpressure" in body.lower():
+        return queue_full()
+    return EngineUnavailableError("the service is unavailable; retry shortly", retry_after=1)
+
+
 class _TooLarge(Exception):
     pass
 
@@ -132,22 +148,22 @@ class RequestGuard:
                     raise _TooLarge
             return message
 
-        rewrite = False
+        rewrite, plain = False, b""
 
         async def guarded_send(message):
-            nonlocal started, rewrite
+            nonlocal started, rewrite, plain
             if over:
                 return  # the app's own answer to the cut body is replaced by our 413
             if message["type"] == "http.response.start" and _plain_503(message):
-                rewrite = True  # Serve's own back-pressure answer (plain text, no Retry-After)
+                rewrite = True  # Serve's own answer (plain text, no Retry-After)
             if rewrite:
-                if message["type"] == "http.response.body" and not message.get("more_body"):
-                    busy = EngineUnavailableError(
-                        "the service is at capacity (request queue full); retry later",
-                        retry_after=1,
-                    )
-                    status, body = _body(busy.status, busy.message, busy.type, busy.code)
-                    await _send_json(send, status, body, [(b"retry-after", b"1")])
+                if message["type"] == "http.response.body":
+                    plain += message.get("body", b"")[:4096]
+                    if not message.get("more_body"):
+                        busy = _plain_503_as(plain)
+                        status, body = _body(busy.status, busy.message, busy.type, busy.code)
+                        retry = [(b"retry-after", str(busy.retry_after).encode())]
+                        await _send_json(send, status, body, retry)
                 started = True
                 return
             started = started or message["type"] == "http.response.start"
@@ -162,7 +178,7 @@ class RequestGuard:
                 pass
             elif started or (busy := as_backpressure(exc)) is None:
                 raise
-            else:  # Serve's queue bound, answered here so Serve's plain-text 503 never shows
+            else:  # Serve's queue bound (429), answered here so Serve's plain 503 never shows
                 status, body = _body(busy.status, busy.message, busy.type, busy.code)
                 retry = [(b"retry-after", str(busy.retry_after).encode())]
                 return await _send_json(send, status, body, retry)

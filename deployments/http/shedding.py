@@ -5,7 +5,8 @@ error body) before a request is queued anywhere once admitting it would break th
 The bound follows from Little's law on the queue of requests waiting for their first token. With
 `W` admitted requests waiting (admitted, no response started yet) and `σ` the rate at which
 requests get their first token (response starts per second of busy time, measured over the last
-`window_s` seconds), a new request waits about `(W + 1) / σ` seconds. It is admitted while
+`window_s` seconds, the busy time before the window's first one included:
+`TTFTAdmission.rate`), a new request waits about `(W + 1) / σ` seconds. It is admitted while
 
     W + 1 <= max(1, floor(σ · T))        T = limits.ttft_target_s
 
@@ -18,6 +19,19 @@ by 0.9 and each one under T adds 0.1 · (1 - 0.99) / 0.99 (an AIMD loop whose fi
 about 1 % of the TTFTs over T). Before σ is measured (fewer than `min_samples` first tokens seen)
 it is `limits.shed_initial_rate`. `Retry-After` is the time the backlog above the bound needs to
 drain, `ceil((W + 1 - bound) / σ)`, 1 to 60 s.
+
+The bound is engine-agnostic (it counts what waits anywhere behind the ingress, the vLLM
+worker's own queue included), but on the vLLM worker it alone does not hold the target: vLLM
+batches, so σ is high (64 clients at a TTFT p50 of 6.8 s on the small LLaVA mean σ ≈ 9/s) and
+`σ · T` (~90 at T = 10 s) is above what 64 clients ever have waiting: everything was admitted
+and waited in Serve's queue in front of the worker (whose `max_ongoing_requests` of 16 held it
+below its budget), with a TTFT p99 of 11.1 s, and a burst let in more than that queue holds
+(Serve's back-pressure, then answered 503). The LLM worker's engine budget is therefore sized
+from what vLLM runs and queues (`mpic.deployments.serve.admission.worker_capacity`:
+`max_num_seqs` running + one batch waiting by default) and the worker's Serve bounds are derived
+from it (`deployments/app.py`), so a request past what the engine can start soon gets 429
+`engine_overloaded` at once and an admitted one waits for about one batch at most; this guard
+keeps the bound where `σ · T` is the tighter one (the reference engine, one request at a time).
 
 Each ingress replica measures its own σ (its own share of the first tokens), so the bound scales
 with the replicas without shared state. The application's bound must act before Ray Serve's: the
@@ -80,6 +94,7 @@ class TTFTAdmission:
         self._busy_total = 0.0  # seconds with at least one request waiting
         self._busy_since: float | None = None
         self._starts: deque[tuple[float, float]] = deque()  # (time, busy_total) per first token
+        self._busy_ref = 0.0  # busy_total at the last first token before the window
         self._lock = threading.Lock()
 
     def _busy_now(self, now: float) -> float:
@@ -87,15 +102,18 @@ class TTFTAdmission:
 
     def rate(self, now: float | None = None) -> float:
         """First tokens per busy second over the last `window_s` seconds (σ): the first tokens
-        after the oldest one in the window over the busy time since it (a stalled engine's rate
-        decays as its busy time grows without first tokens)."""
+        in the window over the busy time since the last first token before it (since the start
+        when there is none), so the wait before a clump of first tokens counts: a batching
+        engine (vLLM) hands out first tokens in clumps, a batch's prefills ending together, and
+        a rate timed from the clump's own first member would be near infinite. A stalled
+        engine's rate decays as its busy time grows without first tokens."""
         now = self.clock() if now is None else now
         while self._starts and self._starts[0][0] < now - self.window_s:
-            self._starts.popleft()
+            self._busy_ref = self._starts.popleft()[1]
         if len(self._starts) < self.min_samples:
             return self.initial_rate
-        busy = self._busy_now(now) - self._starts[0][1]  # since the oldest first token
-        return (len(self._starts) - 1) / busy if busy > 1e-3 else self.initial_rate
+        busy = self._busy_now(now) - self._busy_ref
+        return len(self._starts) / busy if busy > 1e-3 else self.initial_rate
 
     def bound(self, rate: float) -> int:
         """Most requests that may wait for their first token: max(1, floor(g · σ · T))."""

@@ -1,14 +1,24 @@
 """Admission control and engine health (LLM-worker and Ingress Serve replicas).
 
+Load is answered 429 with `Retry-After`; 503 is kept for an engine that is dead or not ready.
 Three layers keep an overloaded deployment answering fast instead of queueing without bound:
 
-1. Serve's own bounds per deployment (`max_ongoing_requests`, `max_queued_requests` in the
-   config's deployment sections): a caller past the queue bound gets Serve's back-pressure error,
-   which the ingress answers as 503 with `Retry-After` (`overload_response`).
-2. The LLM worker's engine budget (`EngineBudget`): at most `max_requests_in_flight` generations
-   and `max_tokens_in_flight` tokens (estimated prompt tokens + max_tokens of every admitted
-   request); a request past either bound gets 429 `engine_overloaded` with `Retry-After` before
-   any entry is loaded or any KV allocated.
+1. The LLM worker's engine budget (`EngineBudget`): at most `max_requests` generations and
+   `max_tokens` tokens (estimated prompt tokens + max_tokens of every admitted request) per
+   replica; a request past either bound gets 429 `engine_overloaded` with `Retry-After` before
+   any entry is loaded or any KV allocated. `worker_capacity` sizes it: `limits.
+   max_requests_in_flight` / `max_tokens_in_flight`, and for the vLLM engine no more than vLLM
+   holds (`max_num_seqs` running + `limits.engine_queue_seqs` waiting in vLLM's queue, and the
+   tokens of its KV blocks where they are known), so a request past what the engine can start
+   soon is refused instead of waiting in vLLM's queue past the TTFT target.
+2. Serve's own bounds per deployment (`max_ongoing_requests`, `max_queued_requests`): the app
+   builder derives them from the budget (`deployments/app.py`: the worker's
+   `max_ongoing_requests` >= the budget + `WORKER_SIDE_CALLS`, the queues of the deployments on
+   the generation path unbounded while the ingress's TTFT admission bounds what enters), so the
+   budget, not Serve's queue, refuses first. Should a queue still fill (an explicit bound in
+   the config, or a caller outside the ingress's admission), Serve's back-pressure error is load
+   on an internal hop, not an outage: `as_backpressure` answers it 429 `engine_overloaded` with
+   `Retry-After` as well.
 3. A dead engine (vLLM's `EngineDeadError`, an `AsyncLLM` that reports `errored`): requests get
    503 `engine_unavailable` with `Retry-After`, and the replica's `check_health` fails so Serve
    replaces it (`EngineHealth`).
@@ -22,6 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from mpic.errors import MPICError
 
@@ -39,7 +50,7 @@ class OverloadedError(MPICError):
 
 
 class EngineUnavailableError(MPICError):
-    """The engine is dead or a deployment's queue is full (HTTP 503 with Retry-After)."""
+    """The engine is dead (HTTP 503 with Retry-After)."""
 
     status = 503
     type = "server_error"
@@ -153,16 +164,45 @@ class EngineHealth:
 BACKPRESSURE_ERRORS = ("BackPressureError",)
 """Ray Serve's queue-full error class names (a deployment past `max_queued_requests`)."""
 
+QUEUE_FULL_MESSAGE = "the service is at capacity (request queue full); retry later"
 
-def as_backpressure(exc: BaseException) -> EngineUnavailableError | None:
-    """The 503 for Serve's back-pressure error (or one wrapping it), else None."""
+
+def queue_full(retry_after: int = 1) -> OverloadedError:
+    """The 429 for a full Serve queue: load, not an outage (module docstring, layer 2)."""
+    return OverloadedError(QUEUE_FULL_MESSAGE, retry_after=retry_after)
+
+
+def as_backpressure(exc: BaseException) -> OverloadedError | None:
+    """The 429 `engine_overloaded` (Retry-After 1) for Serve's back-pressure error (or one
+    wrapping it), else None."""
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
             return None
         if type(seen).__name__ in BACKPRESSURE_ERRORS:
-            return EngineUnavailableError(
-                "the service is at capacity (request queue full); retry later", retry_after=1
-            )
+            return queue_full()
         seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
     return None
+
+
+WORKER_SIDE_CALLS = 8
+"""Calls beside generations one LLM-worker replica takes with a full budget (tokenize, uploads,
+context length, stats, routing probes): its derived Serve `max_ongoing_requests` is the budget's
+`max_requests` plus these."""
+
+
+def worker_capacity(config: Any, num_gpu_blocks: int | None = None) -> tuple[int, int]:
+    """(requests, tokens) one LLM-worker replica admits (its `EngineBudget`), from
+    `ServeAppConfig` `config`: `limits.max_requests_in_flight` and `limits.max_tokens_in_flight`,
+    and for the vLLM engine at most `max_num_seqs + limits.engine_queue_seqs` requests (what vLLM
+    runs at once plus what waits in its queue) and the tokens of its KV cache (`num_gpu_blocks`,
+    as vLLM reports it once started, else the configured `num_blocks`, times `block_size`)."""
+    lim, eng = config.limits, config.engine
+    requests, tokens = lim.max_requests_in_flight, lim.max_tokens_in_flight
+    if getattr(eng, "kind", None) == "vllm":
+        queued = eng.max_num_seqs if lim.engine_queue_seqs is None else lim.engine_queue_seqs
+        requests = min(requests, eng.max_num_seqs + queued)
+        blocks = num_gpu_blocks or eng.num_blocks
+        if blocks:
+            tokens = min(tokens, blocks * eng.block_size)
+    return requests, tokens

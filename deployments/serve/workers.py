@@ -28,7 +28,12 @@ from mpic.deployments.monitoring.metrics import CompileMetricsExporter, StoreMet
 from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.monitoring.vllm_metrics import RunningGauge
 from mpic.deployments.schemas import FileObject
-from mpic.deployments.serve.admission import EngineBudget, EngineHealth, is_engine_death
+from mpic.deployments.serve.admission import (
+    EngineBudget,
+    EngineHealth,
+    is_engine_death,
+    worker_capacity,
+)
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.serve.image_limits import check_image_pixels
 from mpic.deployments.serve.inline import resolve_inline
@@ -69,6 +74,17 @@ def encode_checked(engine: Any, lim: Any, image_bytes: bytes) -> EncodedImage:
     return engine.encode_image(image_bytes)
 
 
+def _num_gpu_blocks(engine: Any) -> int | None:
+    """The KV blocks a started vLLM engine reports (its cache config), else None."""
+    llm = getattr(getattr(engine, "vllm", None), "llm", None)
+    cache = getattr(getattr(llm, "vllm_config", None), "cache_config", None)
+    try:
+        blocks = int(getattr(cache, "num_gpu_blocks", None) or 0)
+    except (TypeError, ValueError):
+        return None
+    return blocks or None
+
+
 class LLMWorker:
     """The engine that owns KV: caches uploads and runs linked prefill + decode."""
 
@@ -85,10 +101,8 @@ class LLMWorker:
         self.sweeper = Sweeper(self.library, config.sweep_interval_s)
         self.store_metrics = StoreMetricsExporter(self.entries.metrics)
         self.compile_metrics = CompileMetricsExporter()
-        lim = config.limits
-        self.budget = EngineBudget(
-            lim.max_requests_in_flight, lim.max_tokens_in_flight, lim.retry_after_s
-        )
+        requests, tokens = worker_capacity(config, _num_gpu_blocks(self.engine))
+        self.budget = EngineBudget(requests, tokens, config.limits.retry_after_s)
         self.health = EngineHealth(self.engine)
         self.running = RunningGauge(config.engine.served_names[0])
         self.fidelity = FidelityMonitor(

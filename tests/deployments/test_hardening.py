@@ -440,7 +440,10 @@ class BackPressureError(RuntimeError):
     """Named like Ray Serve's queue-full error (a deployment past max_queued_requests)."""
 
 
-def test_serve_backpressure_is_503_json_with_retry_after(fake_app) -> None:
+def test_serve_backpressure_is_429_json_with_retry_after(fake_app) -> None:
+    """Serve's back-pressure on an internal hop (a deployment's queue full) is load, not an
+    outage: 429 `engine_overloaded` (OpenAI's rate-limit body) with Retry-After, never 503."""
+
     async def full(*_a, **_k):
         raise BackPressureError("Request dropped due to backpressure (num_queued_requests=64)")
 
@@ -452,13 +455,22 @@ def test_serve_backpressure_is_503_json_with_retry_after(fake_app) -> None:
             headers=fake_app.headers("alice-key"),
             json={**body, "stream": stream},
         )
-        err = _is_error(r, 503, "engine_unavailable")
+        err = _is_error(r, 429, "engine_overloaded")
+        assert err["type"] == "rate_limit_error" and err["param"] is None
         assert r.headers["retry-after"] == "1" and "num_queued" not in err["message"]
 
 
-def test_serve_plain_text_503_becomes_json() -> None:
+@pytest.mark.parametrize(
+    ("text", "status", "code"),
+    [
+        ("Request dropped due to backpressure", 429, "engine_overloaded"),
+        ("Service Unavailable", 503, "engine_unavailable"),
+    ],
+)
+def test_serve_plain_text_503_becomes_json(text: str, status: int, code: str) -> None:
     """Ray Serve answers its queue bound itself (a handler it adds to the app: plain text, no
-    Retry-After); the guard turns that answer into the OpenAI-style 503 with Retry-After."""
+    Retry-After); the guard turns that answer into the OpenAI-style 429 with Retry-After (load),
+    and any other plain-text 503 of Serve's into the JSON 503."""
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
@@ -466,7 +478,7 @@ def test_serve_plain_text_503_becomes_json() -> None:
     from mpic.deployments.http.request_guard import GUARD, RequestGuard
 
     async def dropped(_request):
-        return PlainTextResponse("Request dropped due to backpressure", status_code=503)
+        return PlainTextResponse(text, status_code=503)
 
     app = RequestGuard(Starlette(routes=[Route("/v1/chat/completions", dropped, methods=["POST"])]))
     sent = []
@@ -490,7 +502,7 @@ def test_serve_plain_text_503_becomes_json() -> None:
         asyncio.run(app(scope, receive, send))
     finally:
         GUARD.keys = saved
-    assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    assert sent[0]["status"] == status and (b"retry-after", b"1") in sent[0]["headers"]
     import json as _json
 
-    assert _json.loads(sent[1]["body"])["error"]["code"] == "engine_unavailable"
+    assert _json.loads(sent[1]["body"])["error"]["code"] == code

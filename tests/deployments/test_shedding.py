@@ -45,13 +45,13 @@ def test_bound_follows_the_measured_first_token_rate() -> None:
     for _ in range(2):
         adm.started(first_token=True)
     clock.t += 5.0  # idle
-    assert adm.waiting == 0 and adm.rate() == pytest.approx(9 / 1.75)
+    assert adm.waiting == 0 and adm.rate() == pytest.approx(10 / 2.0)
     # errors (no first token) release the slot but do not count as service
     d = adm.try_admit()
     assert d.admitted
     clock.t += 1.0
     adm.started(first_token=False)
-    assert adm.rate() == pytest.approx(9 / 2.75)
+    assert adm.rate() == pytest.approx(10 / 3.0)
     # old samples leave the window: back to the initial rate
     clock.t += 60
     assert adm.rate() == 2.0
@@ -139,6 +139,31 @@ def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
         plain = {**body, "stream": False}
         ok = app.client.post("/v1/chat/completions", headers=app.headers("bob-key"), json=plain)
         assert ok.status_code == 200 and adm.gain == pytest.approx(0.5 + adm.increase)
+
+
+def test_rate_of_clumped_first_tokens_counts_the_wait_before_them() -> None:
+    """A batching engine (vLLM) hands out first tokens in clumps (a batch's prefills end
+    together): 20 requests waiting 4 s, then 20 first tokens within 20 ms, is a rate of about
+    20 / 4 s, not 19 / 0.02 s (which admitted ~45 more at once on the vLLM worker and let its
+    TTFT reach 19.9 s against a 10 s target)."""
+    from mpic.deployments.http.shedding import TTFTAdmission
+
+    clock = Clock()
+    adm = TTFTAdmission(10.0, initial_rate=2.0, clock=clock)
+    assert all(adm.try_admit().admitted for _ in range(20))
+    clock.t += 4.0
+    for _ in range(20):
+        clock.t += 0.001
+        adm.started(first_token=True, waited_s=4.0)
+    assert adm.rate() == pytest.approx(20 / 4.02)
+    assert adm.bound(adm.rate()) == 49  # floor(g * 4.98 * 10), g = 1
+    # the next clump is timed from the last first token before the window once this one left
+    clock.t += 11.0  # idle: the window is empty, busy time does not grow
+    assert all(adm.try_admit().admitted for _ in range(4))
+    clock.t += 2.0
+    for _ in range(4):
+        adm.started(first_token=True, waited_s=2.0)
+    assert adm.rate() == pytest.approx(4 / 2.0)
 
 
 def test_target_zero_disables_shedding(tmp_path: Path) -> None:

@@ -1,0 +1,129 @@
+"""Overload is load, never an outage (issue 35 item 5): Serve's back-pressure on an internal hop is
+answered 429 `engine_overloaded` with Retry-After; the LLM worker's budget is sized from what
+vLLM runs and queues, and the Serve bounds of the deployments on the generation path are derived
+from it so the budget refuses before any Serve queue fills; a burst on the fake engine gets only
+200s and JSON 429s."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.deployments.test_hardening import _app
+
+
+def _config(**sections):
+    from mpic.deployments.config import ServeAppConfig
+
+    return ServeAppConfig.model_validate(sections)
+
+
+def test_backpressure_maps_to_429_with_retry_after() -> None:
+    from mpic.deployments.serve.admission import OverloadedError, as_backpressure
+
+    class BackPressureError(RuntimeError):
+        pass
+
+    class Wrapped(RuntimeError):  # Ray's wrappers carry the original as `.cause`
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("wrapped")
+            self.cause = cause
+
+    for exc in (BackPressureError("num_queued_requests=64"), Wrapped(BackPressureError("x"))):
+        busy = as_backpressure(exc)
+        assert isinstance(busy, OverloadedError)
+        assert (busy.status, busy.type, busy.code) == (429, "rate_limit_error", "engine_overloaded")
+        assert busy.retry_after == 1 and "num_queued" not in busy.message
+    assert as_backpressure(RuntimeError("other")) is None
+
+
+def test_worker_capacity_from_vllm_batch_and_kv() -> None:
+    from mpic.deployments.serve.admission import worker_capacity
+
+    # reference / fake engines: the limits as configured
+    assert worker_capacity(_config(engine={"kind": "fake"})) == (32, 65536)
+    # vLLM: max_num_seqs running + one batch waiting (default), at most the limit
+    assert worker_capacity(_config(engine={"kind": "vllm", "max_num_seqs": 4}))[0] == 8
+    assert worker_capacity(_config(engine={"kind": "vllm", "max_num_seqs": 64}))[0] == 32
+    cfg = _config(engine={"kind": "vllm", "max_num_seqs": 4}, limits={"engine_queue_seqs": 0})
+    assert worker_capacity(cfg)[0] == 4
+    # tokens: the KV cache's blocks (vLLM's reported count wins over the configured one)
+    cfg = _config(engine={"kind": "vllm", "num_blocks": 10, "block_size": 32})
+    assert worker_capacity(cfg) == (32, 320)
+    assert worker_capacity(cfg, num_gpu_blocks=100) == (32, 3200)
+    assert worker_capacity(cfg, num_gpu_blocks=10**6)[1] == 65536  # the limit still bounds it
+
+
+def _bound(app) -> dict[str, tuple[int, int]]:
+    """name -> (max_ongoing_requests, max_queued_requests) of every bound deployment."""
+    out = {}
+    for a in [app, *app._bound_deployment.init_args[1:]]:
+        dep = a._bound_deployment
+        c = dep._deployment_config
+        out[dep.name] = (c.max_ongoing_requests, c.max_queued_requests)
+    return out
+
+
+def test_serve_bounds_derived_from_the_worker_budget() -> None:
+    pytest.importorskip("ray")
+    from mpic.deployments.app import build_app
+    from mpic.deployments.serve.admission import WORKER_SIDE_CALLS
+
+    got = _bound(build_app(_config(engine={"kind": "fake"})))
+    # every generation reaches the budget (429), no queue on the generation path fills first
+    assert got["LLMWorker"] == (32 + WORKER_SIDE_CALLS, -1)
+    assert got["Resolver"] == (16, -1) and got["Retriever"] == (16, -1)
+    assert got["Encoder"] == (16, 64)  # uploads: not on the generation path
+    vllm = _config(engine={"kind": "vllm", "model": "absent-model", "max_num_seqs": 8})
+    assert _bound(build_app(vllm))["LLMWorker"] == (16 + WORKER_SIDE_CALLS, -1)
+    # values set in the config win; without the TTFT admission the queues keep their bounds
+    explicit = _config(
+        engine={"kind": "fake"},
+        llm_worker={"max_ongoing_requests": 5, "max_queued_requests": 7},
+        limits={"ttft_target_s": 0},
+    )
+    got = _bound(build_app(explicit))
+    assert got["LLMWorker"] == (5, 7) and got["Resolver"] == (16, 64)
+
+
+def test_burst_on_the_worker_budget_gets_only_200_and_429(tmp_path: Path) -> None:
+    """24 streams at once against a budget of 4 (fake engine, 50 ms per token): each answer is a
+    200 or an OpenAI-style JSON 429 with Retry-After, never a 503."""
+    limits = {"max_requests_in_flight": 4}
+    with _app(tmp_path, limits=limits, engine={"fake_token_delay_s": 0.05}) as app:
+        gate = threading.Barrier(24)
+        answers: list[tuple[int, dict, bytes]] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            body = {
+                "model": "mpic",
+                "stream": True,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"burst {i} " + "cat " * 8}],
+            }
+            gate.wait(10)
+            h = app.headers("alice-key")
+            with app.client.stream("POST", "/v1/chat/completions", headers=h, json=body) as r:
+                content = r.read()
+                with lock:
+                    answers.append((r.status_code, dict(r.headers), content))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    statuses = Counter(s for s, _, _ in answers)
+    assert len(answers) == 24 and set(statuses) <= {200, 429}, statuses
+    assert statuses[200] >= 1 and statuses[429] >= 1, statuses
+    for status, headers, content in answers:
+        if status == 429:
+            err = json.loads(content)["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] in ("engine_overloaded", "server_overloaded"), err
+            assert int(headers["retry-after"]) >= 1
