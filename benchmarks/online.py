@@ -46,15 +46,18 @@ compared). The saturation measurement:
 
 Written after every point (a run cut short keeps what it measured): `online.json` and
 `online.png`; progress lines on stdout; a table at the end.
+
+`--closed-loop` replays the same chats on the same engine and systems with N concurrent clients
+instead (`mpic.benchmarks.online_closed`: throughput and TTFT per client count, capacity). What
+both loops share (chats, items, the systems' requests, the engine session, a request's token
+timing, the TTFT percentiles, the models) is `mpic.benchmarks.online_workload`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,52 +65,18 @@ from typing import Any
 import numpy as np
 import typer
 
-from mpic.benchmarks.linking_load import png
-
-WORDS = (
-    "river stone harbor signal lantern orchard meadow copper violet engine window ledger canyon "
-    "pillar thunder marble garden summit beacon ferry compass quarry velvet timber saddle"
-).split()
-
-
-@dataclass
-class ChatSpec:
-    """One chat: a user and its parts (text, or the index of one of the user's items)."""
-
-    user: int
-    parts: list[str | int]
-
-
-def make_chats(n: int, users: int, per_user: int, items: int, seed: int) -> list[ChatSpec]:
-    """`n` chats; items of the chat's user at varying positions among random text."""
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    chats = []
-    for _ in range(n):
-        user = rng.randrange(users)
-        picked = rng.sample(range(per_user), items)
-        parts: list[str | int] = []
-        if rng.random() < 0.7:
-            parts.append(text(1, 24))
-        for i in picked:
-            parts.append(user * per_user + i)
-            if rng.random() < 0.6:
-                parts.append(text(1, 12))
-        parts.append("Question: " + text(4, 12) + "?")
-        chats.append(ChatSpec(user, parts))
-    return chats
-
-
-def document(seed: int, words: int = 160) -> str:
-    """A seeded text document (sentences of common words)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(words // 10):
-        out.append(" ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ".")
-    return " ".join(out)
+from mpic.benchmarks.online_workload import (
+    MODELS,
+    ChatSpec,
+    Workload,
+    engine_session,
+    make_chats,
+    model_setup,
+    percentiles_ms,
+    reset_prefix_cache,
+    ttft,
+    unloaded,
+)
 
 
 @dataclass
@@ -168,58 +137,6 @@ class SystemCurve:
         return next((p for p in self.points if abs(p.rate - rate) < 1e-9), None)
 
 
-class Workload:
-    """The engine, the users' items and the requests of each system for a chat."""
-
-    def __init__(self, engine: Any, kind: str, users: int, per_user: int, seed: int) -> None:
-        self.engine, self.kind = engine, kind
-        self.media: dict[str, bytes] = {}
-        self.entries = []
-        for u in range(users):
-            for i in range(per_user):
-                if kind == "image":
-                    data = png(1000 * seed + 10 * u + i, side=64)
-                    entry = engine.cache_image(data)
-                    self.media[entry.entry_id] = data
-                else:
-                    entry = engine.cache_document(document(1000 * seed + 10 * u + i))
-                self.entries.append(entry)
-        self.table = {e.entry_id: e for e in self.entries}
-
-    def _parts(self, chat: ChatSpec) -> list[Any]:
-        from mpic.prompt_parts import DocumentRef, ImageRef
-
-        ref = ImageRef if self.kind == "image" else DocumentRef
-        return [p if isinstance(p, str) else ref(self.entries[p].entry_id) for p in chat.parts]
-
-    def request(self, chat: ChatSpec, system: str, max_tokens: int) -> Any:
-        """The engine request of `chat` under `system` (a policy, `prefix` or `full`), built by
-        `VllmFrontEnd.prepare`: linked under a policy (fresh salt: no linked KV reused across
-        runs), exact for `prefix` (no salt: vLLM's prefix caching) and `full` (fresh salt)."""
-        exact = system in ("prefix", "full")
-        salt = None if system == "prefix" else f"online-{system}-{uuid.uuid4().hex}"
-        _, req = self.engine.prepare(
-            self._parts(chat), self.table, "full" if exact else system,
-            max_new_tokens=max_tokens, media=self.media, exact=exact, salt=salt,
-        )  # fmt: skip
-        return req
-
-
-async def _reset_prefix_cache(engine: Any) -> None:
-    """vLLM's prefix cache emptied (on the engine's own event loop, from any other loop)."""
-    await asyncio.to_thread(engine._call, engine.llm.reset_prefix_cache())
-
-
-async def _ttft(engine: Any, req: Any, max_tokens: int) -> tuple[float, float]:
-    """(seconds to the first token, seconds to the last) of one request."""
-    t0 = time.perf_counter()
-    first = None
-    async for res in engine.stream(req, max_tokens, {"ignore_eos": True}):
-        if first is None and res.token_ids:
-            first = time.perf_counter() - t0
-    return (first if first is not None else time.perf_counter() - t0), time.perf_counter() - t0
-
-
 def run_rate(
     work: Workload,
     system: str,
@@ -237,39 +154,21 @@ def run_rate(
     reqs = [work.request(c, system, max_tokens) for c in chats]
 
     async def run() -> tuple[list[float], float]:
-        await _reset_prefix_cache(work.engine)
+        await reset_prefix_cache(work.engine)
         t0 = time.perf_counter()
 
         async def one(at: float, req: Any) -> tuple[float, float]:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            ttft, total = await _ttft(work.engine, req, max_tokens)
-            return ttft, at + total
+            first, total = await ttft(work.engine, req, max_tokens)
+            return first, at + total
 
         out = await asyncio.gather(*(one(a, r) for a, r in zip(arrivals, reqs, strict=True)))
         return [t for t, _ in out], max(end for _, end in out) - float(arrivals[0])
 
     ttfts, span = asyncio.run(run())
-    pct = [1e3 * float(v) for v in np.percentile(ttfts, [50, 95, 99])]
+    pct = percentiles_ms(ttfts)
     raw = [round(1e3 * t, 1) for t in ttfts]
     return RatePoint(rate, len(chats), *pct, len(chats) / span, raw, grid)
-
-
-def unloaded(
-    work: Workload, system: str, chats: list[ChatSpec], max_tokens: int, idle_s: float = 0.0
-) -> list[float]:
-    """TTFTs (ms) of `chats` sent one after the other, each after `idle_s` seconds of an idle
-    engine (prefix cache reset first)."""
-
-    async def run() -> list[float]:
-        await _reset_prefix_cache(work.engine)
-        out = []
-        for c in chats:
-            req = work.request(c, system, max_tokens)
-            await asyncio.sleep(idle_s)
-            out.append((await _ttft(work.engine, req, max_tokens))[0])
-        return out
-
-    return [1e3 * t for t in asyncio.run(run())]
 
 
 @dataclass
@@ -304,20 +203,11 @@ def run_model(
     on_curve: Any = None,
 ) -> list[SystemCurve]:
     """Every system's curve on one model (one engine); `on_curve(curves)` after each point."""
-    import tempfile
-
-    from mpic.engine.vllm.async_engine import AsyncVllmEngine
-    from mpic.engine.vllm.config import VllmEngineConfig
-    from mpic.storage.config import StorageConfig
-
-    storage = StorageConfig(url=Path(tempfile.mkdtemp()).as_uri(), fsync=False)
-    engine = AsyncVllmEngine(VllmEngineConfig(model=model, storage=storage, max_num_seqs=16))
     order = sorted(systems, key=lambda s: s != "prefix")  # prefix first: its half rate
     curves: list[SystemCurve] = []
     half = 0.0
-    try:
-        work = Workload(engine, kind, run.users, run.per_user, run.seed)
-        typer.echo(f"[{time.strftime('%H:%M:%S')}] {name}: {len(work.entries)} items uploaded")
+    with engine_session(name, model, kind, run.users, run.per_user, run.seed) as work:
+        engine = work.engine
         warm = make_chats(run.unloaded + 1, run.users, run.per_user, run.items, run.seed + 99)
         for system in order:
             unloaded(work, system, warm[:1], run.max_tokens)  # first-use costs out of the way
@@ -353,8 +243,6 @@ def run_model(
             curves.append(curve)
             if on_curve is not None:
                 on_curve(curves)
-    finally:
-        engine.close()
     return curves
 
 
@@ -478,16 +366,6 @@ def print_table(results: dict[str, list[SystemCurve]]) -> None:
         Console().print(m, json.dumps(summary(curves)))
 
 
-def _smollm2_dir() -> str:
-    from mpic.config import MPICHome
-    from mpic.engine.tiny.smollm2 import import_smollm2
-
-    for path in (Path(".mpic/fixtures/smollm2"), MPICHome().models_dir / "smollm2"):
-        if (path / "config.json").is_file():
-            return str(path)
-    return str(import_smollm2(MPICHome().models_dir / "smollm2"))
-
-
 def command(
     models: str = typer.Option(
         "llava,smollm2",
@@ -509,21 +387,51 @@ def command(
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, max=256),
     users: int = typer.Option(4, "--users", min=1, max=64),
     seed: int = typer.Option(0, "--seed"),
-    out: str = typer.Option("out/online", "--out", help="Folder for online.json / online.png."),
+    out: str = typer.Option(
+        "out/online",
+        "--out",
+        help="Folder for online.json / online.png (closed loop: "
+        "online_closed.json / online_closed.png).",
+    ),
     from_json: str = typer.Option(
         "",
         "--from-json",
-        help="Only re-read an online.json: table, summary, JSON and PNG to --out.",
+        help="Only re-read an online.json (with --closed-loop: an online_closed.json): "
+        "table, summary, JSON and PNG to --out.",
+    ),
+    closed_loop: bool = typer.Option(
+        False,
+        "--closed-loop",
+        help="Closed loop instead of Poisson rates: N concurrent clients, each sending its "
+        "next chat as soon as its answer is complete (--clients, --duration-s, --ttft-bound-s; "
+        "--rates, --requests, --unloaded unused).",
+    ),
+    clients: str = typer.Option(
+        "1,2,4,8,16", "--clients", help="Closed loop: concurrent clients per level."
+    ),
+    duration_s: float = typer.Option(
+        30.0, "--duration-s", min=0.1, help="Closed loop: seconds each level sends chats."
+    ),
+    ttft_bound_s: float | None = typer.Option(
+        None,
+        "--ttft-bound-s",
+        min=0.001,
+        help="Closed loop: the p95 TTFT bound for 'most clients under the bound' (default 1 s; "
+        "with --from-json, the run's own unless given).",
     ),
 ) -> None:
     """MPIC vs vLLM prefix caching vs full recomputation, online, on one vLLM engine."""
+    if closed_loop:
+        from mpic.benchmarks import online_closed
     if from_json:
+        if closed_loop:
+            online_closed.replay(Path(from_json), Path(out), ttft_bound_s)
+            return
         results, meta = load_results(Path(from_json))
         print_table(results)
         write_outputs(results, meta, Path(out))
         return
     from mpic.deployments.config import ServeAppConfig
-    from mpic.deployments.local import prepare_local
 
     default = ServeAppConfig().default_policy
     names = []
@@ -531,19 +439,24 @@ def command(
         s = default if s == "default" else s
         if s and s not in names:
             names.append(s)
+    model_list = [m for m in models.split(",") if m]
+    for m in set(model_list) - set(MODELS):  # before any model runs
+        model_setup(m)
+    if closed_loop:
+        levels = sorted({int(c) for c in clients.split(",") if c})
+        if not levels or levels[0] < 1:
+            raise typer.BadParameter(f"--clients needs positive counts, got {clients!r}")
+        bound = online_closed.DEFAULT_TTFT_BOUND_S if ttft_bound_s is None else ttft_bound_s
+        online_closed.command(model_list, names, levels, duration_s, bound, max_tokens, users,
+                              seed, {"default_policy": default}, Path(out))  # fmt: skip
+        return
     rate_list = sorted(float(r) for r in rates.split(",") if r)
-    setups = {
-        "llava": lambda: (prepare_local(ServeAppConfig()).engine.model, "image", 3, 4),
-        "smollm2": lambda: (_smollm2_dir(), "text", 4, 5),
-    }
     meta = {"rates": rate_list, "requests": requests, "unloaded": unloaded_n,
             "max_tokens": max_tokens, "users": users, "default_policy": default,
             "seed": seed}  # fmt: skip
     results: dict[str, list[SystemCurve]] = {}
-    for m in [m for m in models.split(",") if m]:
-        if m not in setups:
-            raise typer.BadParameter(f"unknown model {m!r}; expected {sorted(setups)}")
-        model, kind, items, per_user = setups[m]()
+    for m in model_list:
+        model, kind, items, per_user = model_setup(m)
         typer.echo(f"{m}: {model} ({items} {kind} items per chat; systems {names})")
         run = RunSettings(rate_list, requests, unloaded_n, items, users, per_user, max_tokens,
                           seed)  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpic.benchmarks import online
+from mpic.benchmarks import online, online_workload
 from mpic.benchmarks.online import RatePoint, SystemCurve, summary
 
 
@@ -26,9 +26,10 @@ def workloads(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     front = VllmFrontEnd(VllmEngineConfig(model=str(tiny_llava_dir), storage=store))
     front.cache_image, front.cache_document = ref.cache_image, ref.cache_document  # no vLLM
     with pytest.MonkeyPatch.context() as mp:  # short documents: the tiny model's 2,048 tokens
-        mp.setattr(online, "document", lambda seed: f"Item {seed}: " + " ".join(online.WORDS[:30]))
+        words = " ".join(online_workload.WORDS[:30])
+        mp.setattr(online_workload, "document", lambda seed: f"Item {seed}: {words}")
         return {
-            kind: online.Workload(front, kind, users=2, per_user=4, seed=3)
+            kind: online_workload.Workload(front, kind, users=2, per_user=4, seed=3)
             for kind in ("image", "text")
         }
 
@@ -141,8 +142,8 @@ def test_run_model_order_stop_rule_and_half_prefix_point(monkeypatch: pytest.Mon
     class Work:
         entries = []
 
-        def __init__(self, *args) -> None:
-            pass
+        def __init__(self, engine, *args) -> None:
+            self.engine = engine
 
     # p99 (ms) per system and rate; unloaded 100 ms: the bound is 200
     p99 = {
@@ -158,7 +159,7 @@ def test_run_model_order_stop_rule_and_half_prefix_point(monkeypatch: pytest.Mon
         return _point(rate, p50, p99[system][rate], p99[system][rate], grid)
 
     monkeypatch.setattr(async_engine, "AsyncVllmEngine", Engine)
-    monkeypatch.setattr(online, "Workload", Work)
+    monkeypatch.setattr(online_workload, "Workload", Work)
     monkeypatch.setattr(online, "unloaded", lambda *a, **k: [100.0] * 3)
     monkeypatch.setattr(online, "run_rate", fake_rate)
     run = online.RunSettings([0.5, 1, 2, 3, 4], 8, 3, 3, 2, 4, 4, 7)
