@@ -23,12 +23,11 @@ stored_linked_tokens`; the linked template prefix does not count).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
+from mpic.deployments.http.chat_client import StreamedAnswer, streaming_chat_body
 from mpic.linker.prompt import tokenizer_of
 
 if TYPE_CHECKING:
@@ -143,27 +142,13 @@ def _ask(
     http: httpx.Client, content: list[dict[str, Any]], policy: str, max_tokens: int
 ) -> AnswerRow:
     body = streaming_chat_body(content, policy, max_tokens)
-    t0, ttft, text, usage = time.perf_counter(), None, [], {}
+    answer = StreamedAnswer()
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{policy}: HTTP {resp.status_code} {resp.read().decode()}")
         for line in resp.iter_lines():
-            chunk = sse_chunk(line)
-            if chunk is None:
-                continue
-            for choice in chunk["choices"]:
-                piece = choice["delta"].get("content")
-                if piece is not None:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    text.append(piece)
-            usage = chunk.get("usage") or usage
-    return AnswerRow(
-        policy,
-        "".join(text),
-        ttft if ttft is not None else float("nan"),
-        usage.get("prompt_tokens", 0),
-        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-    )
+            answer.feed(line)
+    return AnswerRow(policy, answer.text, answer.ttft_s, answer.prompt_tokens, answer.cached_tokens)
 
 
 def offline_answers(

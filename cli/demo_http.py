@@ -30,7 +30,7 @@ import httpx
 import typer
 
 from mpic.cli.demo_answers import ANSWER_POLICIES
-from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
+from mpic.deployments.http.chat_client import StreamedAnswer, streaming_chat_body
 
 DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1,auto"
 DEFAULT_CONCURRENCY = "1,2,4,8"
@@ -84,28 +84,20 @@ async def ask(
 ) -> DemoRow:
     """One streamed chat; TTFT = the first content chunk."""
     body = streaming_chat_body(content, policy, max_tokens)
-    t0, ttft, text, usage = time.perf_counter(), None, [], {}
+    answer = StreamedAnswer()
     async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{policy}: HTTP {resp.status_code} {(await resp.aread()).decode()}")
         async for line in resp.aiter_lines():
-            chunk = sse_chunk(line)
-            if chunk is None:
-                continue
-            for choice in chunk["choices"]:
-                piece = choice["delta"].get("content")
-                if piece is not None:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    text.append(piece)
-            usage = chunk.get("usage") or usage
+            answer.feed(line)
     return DemoRow(
         policy,
-        "".join(text),
-        ttft or float("nan"),
-        usage.get("prompt_tokens", 0),
-        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        usage.get("completion_tokens", 0),
-        time.perf_counter() - t0,
+        answer.text,
+        answer.ttft_s,
+        answer.prompt_tokens,
+        answer.cached_tokens,
+        answer.completion_tokens,
+        time.perf_counter() - answer.t0,
     )
 
 
