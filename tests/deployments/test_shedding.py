@@ -198,15 +198,10 @@ def test_app_builder_raises_ingress_serve_bound() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="open: on the shared 2-core machine all 300 answered 503 in the session test app "
-    "(cause not identified yet; `mpic bench load --burst 300` got 200s and JSON 429s)",
-    strict=False,
-)
 def test_burst_of_300_shed_with_json_through_serve(serve_app) -> None:
     """300 streaming requests at once through Ray Serve's proxy (reference engine, tiny LLaVA):
-    every answer is 200 or a JSON 429/503 with Retry-After, never Serve's plain-text 503, and
-    the rejections are counted in /metrics."""
+    every answer is 200 or a JSON 429 with Retry-After (load is never a 503, nor Serve's
+    plain-text 503), and the rejections are counted in /metrics."""
     import httpx
 
     from mpic.benchmarks.load import rejections_in_metrics
@@ -248,7 +243,7 @@ def test_burst_of_300_shed_with_json_through_serve(serve_app) -> None:
         )
         for s, h, c in rejected
     )
-    assert all(s in (200, 429, 503) for s in statuses), sorted(set(statuses))
+    assert all(s in (200, 429) for s in statuses), codes
     assert statuses.count(200) >= 1 and rejected, codes
 
     for status, headers, content in rejected:
