@@ -199,10 +199,11 @@ def worker_capacity(config: Any, num_gpu_blocks: int | None = None) -> tuple[int
     as vLLM reports it once started, else the configured `num_blocks`, times `block_size`)."""
     lim, eng = config.limits, config.engine
     requests, tokens = lim.max_requests_in_flight, lim.max_tokens_in_flight
-    if getattr(eng, "kind", None) == "vllm":
-        queued = eng.max_num_seqs if lim.engine_queue_seqs is None else lim.engine_queue_seqs
-        requests = min(requests, eng.max_num_seqs + queued)
-        blocks = num_gpu_blocks or eng.num_blocks
+    seqs = getattr(eng, "max_num_seqs", None)  # vLLM's settings (`engine.kind: vllm`)
+    if getattr(eng, "kind", None) == "vllm" and seqs is not None:
+        queued = seqs if lim.engine_queue_seqs is None else lim.engine_queue_seqs
+        requests = min(requests, seqs + queued)
+        blocks = num_gpu_blocks or getattr(eng, "num_blocks", None)
         if blocks:
             tokens = min(tokens, blocks * eng.block_size)
     return requests, tokens
