@@ -102,23 +102,25 @@ class BatchedPagedKV:
     def _pieces(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
         """Rows [a, b) of `index` (ascending global indices) that are contiguous and in one
         request r: [(a, b, r)]."""
-        host = index.cpu()
-        if host.numel() == 0:
-            return []
-        req = self._req[host]
-        breaks = torch.nonzero((host[1:] != host[:-1] + 1) | (req[1:] != req[:-1])).flatten() + 1
-        edges = [0, *breaks.tolist(), int(host.shape[0])]
-        return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
+        return self._ranges(index, contiguous=True)
 
     def _requests(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
         """Rows [a, b) of `index` (ascending global indices) that belong to request r, one
         range per request present: [(a, b, r)] (a request's rows are contiguous, requests being
         laid out in order)."""
+        return self._ranges(index, contiguous=False)
+
+    def _ranges(self, index: torch.Tensor, contiguous: bool) -> list[tuple[int, int, int]]:
+        """Rows of `index` cut where the request changes (and, with `contiguous`, where the
+        global indices jump)."""
         host = index.cpu()
         if host.numel() == 0:
             return []
         req = self._req[host]
-        breaks = torch.nonzero(req[1:] != req[:-1]).flatten() + 1
+        cut = req[1:] != req[:-1]
+        if contiguous:
+            cut |= host[1:] != host[:-1] + 1
+        breaks = torch.nonzero(cut).flatten() + 1
         edges = [0, *breaks.tolist(), int(host.shape[0])]
         return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
