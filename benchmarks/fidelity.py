@@ -654,6 +654,12 @@ def command(
         "accuracy and its ratio to full per policy), or none.",
     ),
     trials: int = typer.Option(12, "--trials", help="Task trials per document count."),
+    task_seed: int = typer.Option(
+        0,
+        "--task-seed",
+        help="Seed of the task's planted codes (another seed: other trials, e.g. held out from "
+        "the ones a selection was chosen on).",
+    ),
     noise_floor: str = typer.Option(
         "none",
         "--noise-floor",
@@ -741,7 +747,14 @@ def command(
 
             docs = passages(max(counts), chars)
             task_rows = run_task(
-                runner, docs, counts, names, trials, progress=progress, floors=floors
+                runner,
+                docs,
+                counts,
+                names,
+                trials,
+                progress=progress,
+                seed=task_seed,
+                floors=floors,
             )
     print_table(rows, model)
     doc: dict[str, Any] = {"model": str(Path(model).resolve()), "results": rows}

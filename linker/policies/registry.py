@@ -2,7 +2,8 @@
 
 Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`, `boundary-<k>`,
 `vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing),
-`scout-<b>[:s<S>]` (query-aware selection at budget fraction b with the linked-key correction S),
+`scout-<b>[:s<S>[/<S>]][:k<K>][:d<tau>]` (query-aware selection at budget fraction b with the
+linked-key correction S; K boundary tokens per item, tau of the offset prior: `ScoutPolicy`),
 `auto` / `auto-<b>`: the best selection the benchmark found for a budget (today `scout-<b>`;
 `auto` takes the request's or the server's budget, `DEFAULT_BUDGET` otherwise).
 """
@@ -30,7 +31,7 @@ POLICY_NAMES = (
     "mpic-<k>",
     "boundary-<k>",
     "vlcache-<r>[:<r>...]",
-    "scout-<b>[:s<S>]",
+    "scout-<b>[:s<S>][:k<K>][:d<tau>]",
     "auto",
     "auto-<b>",
 )
@@ -40,7 +41,10 @@ DEFAULT_BUDGET = 0.18
 """The recompute budget (fraction of prompt tokens) `auto` uses when none is given: chosen from
 `mpic bench fidelity` with the template prefix linked (docs/fidelity.md: on SmolLM2 with 8
 documents KL 0.093, effect kept 92%, and a time to first token below mpic-32's; at 0.2 it was
-4-6% above it once the prefix no longer counted against mpic-32)."""
+4-6% above it once the prefix no longer counted against mpic-32). With the scout's offset prior
+(2026-11-27) KL 0.078, effect kept 93%; the needle task at 8 documents needs `:k8`
+(`scout-0.2:s0.9/0.8:k8`, not the default: docs/fidelity.md "Why the default lost the
+needle")."""
 
 _FIXED = {"full": FullPolicy, "prefix": PrefixPolicy, "full-reuse": FullReusePolicy}
 

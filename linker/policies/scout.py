@@ -9,9 +9,15 @@ the APE-style correction of linked keys (linker; runs wherever a plan is built, 
    (ProphetKV's relevance to the user query, without a separate model).
 3. `select`: the budget round(b * N) is filled with the text, each item occurrence's boundary
    tokens (its first `sinks` tokens, attention sinks as EPIC observes, and its last token), then
-   the highest-scoring item tokens; those are recomputed at every layer in the one selective
-   pass. The budget is a floor on nothing: when text and boundaries alone exceed it, they are
-   still recomputed (the report says how many were).
+   the item tokens of the highest score x offset prior; those are recomputed at every layer in
+   the one selective pass. The offset prior (1 + o / tau) ** -0.5 of a token at offset o in its
+   item (`offset_prior`, tau = `OFFSET_TAU` = 8) follows how far a linked token's KV is from
+   the exact one, on average, by its place in the item: on SmolLM2 with 8 documents the
+   values' relative deviation is 0.6 at offset 0, 0.42 at 8, 0.34 at 16 and 0.16 at 120-160
+   (docs/fidelity.md, "Why the default lost the needle"). Attention alone ranks what the last
+   row reads; a linked token whose KV is nearly exact gains little from being recomputed. The
+   budget is a floor on nothing: when text and boundaries alone exceed it, they are still
+   recomputed (the report says how many were).
 4. `correction`: in every layer, each query's attention mass over the linked (not recomputed)
    item keys has its log-sum-exp multiplied by S (`mpic.kernels.correction`), in the prefill and
    while decoding on the reference engine; S may differ between the first and the second half
@@ -20,8 +26,13 @@ the APE-style correction of linked keys (linker; runs wherever a plan is built, 
    budget per model) or from the name: `scout-0.2:s0.8` (one S), `scout-0.2:s0.9/0.8` (first
    half / second half), `:s1` turns the correction off.
 
-The name is canonical with S spelled out (`scout-0.2:s0.9/0.8`), so the vLLM worker, which
-rebuilds the policy from its name, applies the same S as the front end that resolved it.
+More name fields, after S: `:k<K>` recomputes the first K tokens of every item occurrence
+(default 1; `:k8` is what the needle task needs at 8 documents, at a cost in first-token KL:
+docs/fidelity.md), `:d<tau>` sets the offset prior's tau (`:d0`: no prior, attention alone, the
+selection before 2026-11-27). The name is canonical with S spelled out and K / tau spelled when
+not the default (`scout-0.2:s0.9/0.8`, `scout-0.2:s0.9/0.8:k8:d0`), so the vLLM worker, which
+rebuilds the policy from its name, selects with the same fields as the front end that resolved
+it.
 """
 
 from __future__ import annotations
@@ -51,6 +62,20 @@ def scout_layers(num_layers: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
+OFFSET_TAU = 8.0
+"""tau of the default offset prior (1 + o / tau) ** -0.5 (`offset_prior`): fitted to the linked
+values' deviation from the exact prefill's by offset in a document (SmolLM2, 8 documents)."""
+
+
+def offset_prior(plan: LinkPlan, tau: float) -> torch.Tensor:
+    """float32 [N]: (1 + o / tau) ** -0.5 for an item token at offset o in its item (1 for text
+    and for every token when tau is 0: no prior)."""
+    if tau <= 0:
+        return torch.ones(plan.num_tokens, dtype=torch.float32)
+    offset = plan.source_offset.clamp_min(0).to(torch.float32)
+    return (1.0 + offset / tau) ** -0.5
+
+
 def boundary_mask(plan: LinkPlan, entries: Sequence[CacheEntry], sinks: int) -> torch.Tensor:
     """bool [N]: each item occurrence's first `sinks` tokens and its last token."""
     counts = torch.tensor([e.num_tokens for e in entries] + [0], dtype=torch.int64)
@@ -71,11 +96,20 @@ class ScoutPolicy(Policy):
         layers: Sequence[int] | None = None,
         scout_correction: bool = False,
         late_scale: float | None = None,
+        offset_tau: float = OFFSET_TAU,
     ) -> None:
         """scale: S (of the first half of the layers when `late_scale` is given); None: both
-        halves from the default table. late_scale: S of the second half (None: `scale`)."""
+        halves from the default table. late_scale: S of the second half (None: `scale`).
+        sinks: leading tokens of every item occurrence always recomputed (with its last token).
+        offset_tau: tau of the offset prior that weighs the scout's scores (0: none)."""
         if not 0.0 <= budget <= 1.0 or not math.isfinite(budget):
             raise ValueError(f"scout-b needs a budget fraction 0 <= b <= 1, got {budget}")
+        if sinks < 0 or sinks != int(sinks):
+            raise ValueError(
+                f"scout's boundary tokens per item must be an integer >= 0, got {sinks}"
+            )
+        if not 0.0 <= offset_tau <= 1e6:
+            raise ValueError(f"scout's offset prior tau must be in [0, 1e6], got {offset_tau}")
         if scale is None:
             from mpic.linker.scout_calibration import default_scales
 
@@ -90,33 +124,52 @@ class ScoutPolicy(Policy):
         """S of the first half of the layers."""
         self.late_scale = float(late_scale)
         """S of the second half of the layers (== `scale`: one S everywhere)."""
-        self.sinks = sinks
+        self.sinks = int(sinks)
+        self.offset_tau = float(offset_tau)
+        """tau of the offset prior (0: attention scores alone)."""
         self.question_weight = question_weight
         self.layers = list(layers) if layers is not None else None
         self.scout_correction = scout_correction
         spelled = f"{self.scale:g}"
         if self.late_scale != self.scale:
             spelled += f"/{self.late_scale:g}"
+        if self.sinks != 1:
+            spelled += f":k{self.sinks}"
+        if self.offset_tau != OFFSET_TAU:
+            spelled += f":d{self.offset_tau:g}"
         self.name = f"scout-{budget:g}:s{spelled}"
 
     @classmethod
     def from_arg(cls, arg: str, scales: Sequence[Sequence[float]] | None = None) -> ScoutPolicy:
         """`0.2`, `0.2:s0.8` or `0.2:s0.9/0.8` (the part after `scout-`: one S, or the first
-        and the second half's); without `:s`, S comes from `scales` (a model's table: rows
-        (budget, S) or (budget, S first half, S second half)) or the default tables."""
-        budget, _, rest = arg.partition(":")
+        and the second half's), then optionally `:k<K>` (boundary tokens per item) and
+        `:d<tau>` (the offset prior's tau), in that order; without `:s`, S comes from `scales`
+        (a model's table: rows (budget, S) or (budget, S first half, S second half)) or the
+        default tables."""
+        budget, *fields = arg.split(":")
         scale = late = None
-        if rest:
-            if not rest.startswith("s"):
-                raise ValueError(f"expected ':s<S>' or ':s<S>/<S>' after the budget, got {rest!r}")
-            first, slash, second = rest[1:].partition("/")
-            scale = float(first)
-            late = float(second) if slash else None
-        elif scales is not None:
+        options: dict[str, float] = {}
+        for i, field in enumerate(fields):
+            key, value = field[:1], field[1:]
+            if key == "s" and i == 0:
+                first, slash, second = value.partition("/")
+                scale = float(first)
+                late = float(second) if slash else None
+            elif key in ("k", "d") and key not in options and "d" not in options:
+                options[key] = float(value)
+            else:
+                raise ValueError(
+                    f"expected ':s<S>[/<S>]', ':k<K>', ':d<tau>' (in that order), got {field!r}"
+                )
+        if scale is None and scales is not None:
             from mpic.linker.scout_calibration import table_scales
 
             scale, late = table_scales(scales, float(budget))
-        return cls(float(budget), scale, late_scale=late)
+        sinks = options.get("k", 1.0)
+        if sinks != int(sinks):
+            raise ValueError(f"scout's boundary tokens per item must be an integer, got {sinks:g}")
+        tau = options.get("d", OFFSET_TAU)
+        return cls(float(budget), scale, sinks=int(sinks), late_scale=late, offset_tau=tau)
 
     @property
     def scouts(self) -> bool:
@@ -174,8 +227,9 @@ class ScoutPolicy(Policy):
         num_layers: int,
         cached_prefix: int = 0,
     ) -> torch.Tensor:
-        """int64 [N] depths after the scout: text, boundaries, then the top-scored item tokens
-        (the first `cached_prefix` tokens get depth 0 and leave their share to items)."""
+        """int64 [N] depths after the scout: text, boundaries, then the item tokens of the
+        highest score x offset prior (the first `cached_prefix` tokens get depth 0 and leave
+        their share to items)."""
         depth = plan.recompute_depth.clone()
         chosen = depth >= num_layers
         chosen[:cached_prefix] = False
@@ -186,7 +240,8 @@ class ScoutPolicy(Policy):
             free = (~plan.is_text) & ~chosen
             candidates = torch.nonzero(free).flatten()
             if candidates.numel():
-                top = torch.topk(scores[candidates], min(room, candidates.numel())).indices
+                weighted = scores.float() * offset_prior(plan, self.offset_tau)
+                top = torch.topk(weighted[candidates], min(room, candidates.numel())).indices
                 chosen[candidates[top]] = True
         return torch.where(chosen, num_layers, 0).to(torch.int64)
 

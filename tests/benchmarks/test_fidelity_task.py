@@ -45,3 +45,39 @@ def test_full_prefill_finds_the_code_the_bare_prompt_cannot(smollm2_runner):
     mpic = by["mpic-32"]
     assert mpic["accuracy_vs_full"] == pytest.approx(mpic["accuracy"] / full["accuracy"])
     assert 0 < mpic["recomputed_fraction"] < 1 and mpic["kl_first"] > 0
+
+
+def test_the_seed_picks_the_trials_codes():
+    """`--task-seed`: the same seed plants the same codes, another seed other ones (held-out
+    trials), in the same documents at the same depths (a stub runner: no model)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    class Stub:
+        processor = SimpleNamespace(decode=lambda tokens, skip_special_tokens=True: "")
+
+        def __init__(self):
+            self.planted = []
+
+        def cache_document(self, text):
+            if "secret code" in text:
+                self.planted.append(text)
+            return SimpleNamespace(entry_id=f"e{len(text)}-{hash(text)}")
+
+        def generate(self, parts, policy, max_new_tokens):
+            plan = SimpleNamespace(num_tokens=10)
+            pre = SimpleNamespace(logits=torch.zeros(4), recomputed_tokens=10, plan=plan)
+            return SimpleNamespace(tokens=[], prefilled=pre)
+
+    docs = [SimpleNamespace(name=f"d{i}", text=f"Passage {i}.\n\nMore text {i}.") for i in range(3)]
+    runs = {}
+    for key, seed in (("a", 0), ("b", 0), ("c", 1)):
+        stub = Stub()
+        rows = run_task(stub, docs, [3], ["full"], trials=4, seed=seed)
+        assert rows[0]["trials"] == 4 and rows[0]["accuracy_vs_full"] is None
+        runs[key] = stub.planted
+    assert runs["a"] == runs["b"] and len(runs["a"]) == 4
+    assert runs["a"] != runs["c"]
+    for x, y in zip(runs["a"], runs["c"], strict=True):  # same document and depth, other code
+        assert x.split("The secret code is")[0] == y.split("The secret code is")[0]

@@ -1,7 +1,7 @@
-"""`scout-<b>[:s<S>]` on the toy decoder: the budget and boundary tokens it selects, the scout's
-scores against attention recomputed from an mpic-0 pass (the state the scout sees), exactness
-with everything recomputed, and the correction off (S = 1) equal to a plain plan with the same
-depths."""
+"""`scout-<b>[:s<S>][:k<K>][:d<tau>]` on the toy decoder: names, the budget and boundary tokens
+it selects (scores weighed by the offset prior), the scout's scores against attention recomputed
+from an mpic-0 pass (the state the scout sees), exactness with everything recomputed, and the
+correction off (S = 1) equal to a plain plan with the same depths."""
 
 import math
 
@@ -13,7 +13,13 @@ from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
 from mpic.linker.policies.base import Policy
-from mpic.linker.policies.scout import ScoutPolicy, boundary_mask, scout_layers
+from mpic.linker.policies.scout import (
+    OFFSET_TAU,
+    ScoutPolicy,
+    boundary_mask,
+    offset_prior,
+    scout_layers,
+)
 from mpic.linker.recipe import with_policy
 from mpic.linker.scout import scoring_rows, scout_scores
 from tests.linker.toy_model import (
@@ -73,22 +79,72 @@ def test_names_auto_and_bad_names():
             get_policy(bad)
 
 
+def test_boundary_and_offset_prior_fields_of_the_name():
+    """`:k<K>` (boundary tokens per item) and `:d<tau>` (the offset prior) after S, spelled only
+    when not the default, in that order; every canonical name parses to itself."""
+    default = get_policy("scout-0.2")
+    assert (default.sinks, default.offset_tau) == (1, OFFSET_TAU)
+    named = get_policy("scout-0.2:s0.9/0.8:k8:d0")
+    assert (named.sinks, named.offset_tau) == (8, 0.0)
+    assert named.name == "scout-0.2:s0.9/0.8:k8:d0"
+    assert get_policy("scout-0.2:k8").name == "scout-0.2:s0.9/0.8:k8"  # S from the table
+    assert get_policy("scout-0.2:s0.8:k1:d8").name == "scout-0.2:s0.8"  # the defaults
+    assert get_policy("scout-0.2:s0.8:d4").name == "scout-0.2:s0.8:d4"
+    for name in ("auto", "auto-0.3", "scout-0.2:s0.9/0.8:k8", "scout-0.2:s1:k0:d16"):
+        spelled = get_policy(name).name
+        assert get_policy(spelled).name == spelled
+    bad_names = ("scout-0.2:k8:s0.8", "scout-0.2:d8:k8", "scout-0.2:k1.5", "scout-0.2:k-1")
+    for bad in (*bad_names, "scout-0.2:dx", "scout-0.2:d-1", "scout-0.2:k8:k8", "scout-0.2:x1"):
+        with pytest.raises(ValueError, match="valid:"):
+            get_policy(bad)
+
+
+def test_offset_prior_values():
+    _, plan, _ = _setup()
+    prior = offset_prior(plan, 8.0)
+    item = ~plan.is_text
+    want = (1 + plan.source_offset[item].float() / 8) ** -0.5
+    torch.testing.assert_close(prior[item], want)
+    assert bool((prior[plan.is_text] == 1).all())
+    assert bool((offset_prior(plan, 0.0) == 1).all())
+    assert float(prior[item].max()) == 1.0  # offset 0
+
+
 @pytest.mark.parametrize("budget", [0.0, 0.5, 0.7])
-def test_selection_fills_the_budget_with_text_boundaries_then_top_scores(budget):
+@pytest.mark.parametrize(("sinks", "tau"), [(1, OFFSET_TAU), (1, 0.0), (2, 2.0)])
+def test_selection_fills_the_budget_with_text_boundaries_then_top_scores(budget, sinks, tau):
+    """Text, each occurrence's first `sinks` and last token, then the top scores x the offset
+    prior (tau 0: the scores alone)."""
     adapter, plan, entries = _setup()
-    policy = ScoutPolicy(budget, scale=1.0)
+    policy = ScoutPolicy(budget, scale=1.0, sinks=sinks, offset_tau=tau)
     pre = policy.apply(plan, entries, L)
     scores = torch.rand(plan.num_tokens, generator=torch.Generator().manual_seed(3))
     depth = policy.select(pre, entries, scores, L)
-    must = plan.is_text | boundary_mask(plan, entries, 1)
+    must = plan.is_text | boundary_mask(plan, entries, sinks)
     must[-1] = True
     assert bool((depth[must] == L).all())
     free = ~must
     room = max(0, round(budget * plan.num_tokens) - int(must.sum()))
-    want = set(torch.nonzero(free).flatten()[scores[free].argsort(descending=True)[:room]].tolist())
+    weighted = scores * offset_prior(plan, tau)
+    order = weighted[free].argsort(descending=True)[:room]
+    want = set(torch.nonzero(free).flatten()[order].tolist())
     got = set(torch.nonzero((depth == L) & free).flatten().tolist())
     assert got == want
     assert set(depth.tolist()) <= {0, L}
+
+
+def test_the_offset_prior_prefers_an_item_s_leading_tokens():
+    """Equal scores: the room goes to the tokens nearest their item's start (lowest offsets)."""
+    adapter, plan, entries = _setup()
+    policy = ScoutPolicy(0.7, scale=1.0)
+    pre = policy.apply(plan, entries, L)
+    depth = policy.select(pre, entries, torch.ones(plan.num_tokens), L)
+    must = plan.is_text | boundary_mask(plan, entries, 1)
+    must[-1] = True
+    picked = (depth == L) & ~must
+    left = ~must & ~picked & ~plan.is_text
+    assert int(picked.sum()) > 0 and int(left.sum()) > 0
+    assert int(plan.source_offset[picked].max()) <= int(plan.source_offset[left].min())
 
 
 def test_scout_scores_equal_attention_recomputed_from_an_mpic0_pass():
