@@ -12,6 +12,7 @@ profile its kernels (`mpic.benchmarks.op_counts`).
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import torch
 
 from mpic.benchmarks.first_token import FirstToken
 from mpic.linker.prompt import PromptPart
+from mpic.types import CacheEntry
 
 
 class BenchEngine(Protocol):
@@ -38,8 +40,8 @@ class BenchEngine(Protocol):
 
     name: str
 
-    def cache_image(self, media: bytes) -> str:
-        """Compute the image's entry, keep it in memory, return its id."""
+    def cache_image(self, media: bytes) -> CacheEntry:
+        """Compute the image's entry and keep it in memory (`Engine.cache_image`'s contract)."""
         ...
 
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
@@ -90,9 +92,9 @@ class ReferenceBenchEngine:
         """Device type the model runs on ("cpu", "cuda")."""
         return self.runner.model.device.type
 
-    def cache_image(self, media: bytes) -> str:
-        """Entry id of the cached image."""
-        return self.runner.cache_image(media).entry_id
+    def cache_image(self, media: bytes) -> CacheEntry:
+        """The cached image's entry."""
+        return self.runner.cache_image(media)
 
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
         """Timed prefill (entries already in memory)."""
@@ -106,9 +108,17 @@ class ReferenceBenchEngine:
         return lambda: self.runner.prefill(parts, policy)
 
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
-        """Greedy tokens after the policy's prefill."""
-        gen = self.runner.generate(parts, policy, max_new_tokens, stop_at_eos=False)
-        return gen.tokens
+        """Greedy tokens after the policy's prefill, generated through the engine protocol
+        (`mpic.engine.hf.engine.ReferenceEngine.decode`, as the Serve engine generates)."""
+        from mpic.engine.hf.engine import ReferenceEngine
+        from mpic.engine.protocol import GenerateRequest, Sampling
+        from mpic.engine.request_flow import decoded_ids
+
+        request = GenerateRequest(
+            parts, self.runner.entries, policy, Sampling(ignore_eos=True), max_new_tokens
+        )
+        ids, _ = asyncio.run(decoded_ids(ReferenceEngine(self.runner), request))
+        return ids
 
     @torch.inference_mode()
     def floor_s(self, num_tokens: int, repeats: int) -> float:

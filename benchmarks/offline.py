@@ -150,7 +150,9 @@ def run_offline(
     from mpic.kernels.compiled import compile_stats
 
     # 336x336 images: 144 tokens each on the small LLaVA and Qwen2-VL (Qwen keeps native size).
-    ids = [engine.cache_image(synthetic_png(i, size=336)) for i in range(max(image_counts))]
+    ids = [
+        engine.cache_image(synthetic_png(i, size=336)).entry_id for i in range(max(image_counts))
+    ]
     order = ["full"] + [p for p in policies if p != "full"]
     warmups = 2 if _on_cuda(engine) else 1  # CUDA: compilation and autotuning settle
     rows = []

@@ -43,12 +43,12 @@ class VllmBenchEngine:
         self.entries: dict[str, CacheEntry] = {}
         self.media: dict[str, bytes] = {}
 
-    def cache_image(self, media: bytes) -> str:
+    def cache_image(self, media: bytes) -> CacheEntry:
         """Compute the image's entry through vLLM (it stays in the worker's memory tier)."""
         entry = self.engine.cache_image(media, self.system_prompt)
         self.entries[entry.entry_id] = entry
         self.media[entry.entry_id] = media
-        return entry.entry_id
+        return entry
 
     def _request(self, parts: Sequence[PromptPart], policy: str) -> tuple[EngineRequest, int, int]:
         """The request for `parts` under `policy` (`VllmFrontEnd.prepare`: plain vLLM with the

@@ -1,18 +1,20 @@
-"""The one engine protocol both backends implement (any process that owns an engine: CLI,
-benchmark, Serve replica), and the torch-free vocabulary of a generation: how to pick tokens
-(`Sampling`) and what a generation streams (`TokenEvent`s, then one `DoneEvent`).
+"""The one engine protocol every backend implements (any process that owns an engine: CLI,
+benchmark, Serve replica), and the torch-free vocabulary of a generation: what to generate
+(`GenerateRequest`), how to pick tokens (`Sampling`), what a backend decodes (`Decoded` steps,
+the first carrying its `Prefill`) and what a generation streams (`TokenEvent`s, then one
+`DoneEvent`).
 
-Two backends implement `Engine` once each: the HF reference runner
-(`mpic.engine.hf.reference_runner.ReferenceRunner`) and vLLM with the MPIC connector
-(`mpic.engine.vllm.frontend.VllmFrontEnd`, driven offline by `VllmEngine` and asynchronously by
-`AsyncVllmEngine`). Everything around them is a thin adapter: the Serve engines
-(`mpic.deployments.engines.reference_engine`, `mpic.deployments.engines.vllm_serve_engine`), the
-offline benchmark's engines (`mpic.benchmarks.engines`, `mpic.benchmarks.vllm_engine`) and the
-compression benchmarks (`mpic.benchmarks.compress`, `mpic.benchmarks.compress_vllm`). The
-steps of a request that do not depend on the backend (parts -> plan, compressed items, tokens ->
-text with stop strings, the finish reason, the cached-token count) are written once in
-`mpic.engine.request_flow`; sampling in `mpic.engine.sampling`; detokenizing in
-`mpic.engine.detokenize`; image and document items in `mpic.engine.items`.
+Three backends implement `Engine` once each: the HF reference runner
+(`mpic.engine.hf.engine.ReferenceEngine` over `mpic.engine.hf.reference_runner
+.ReferenceRunner`), vLLM with the MPIC connector (`mpic.engine.vllm.async_engine
+.AsyncVllmEngine`; its offline sibling `VllmEngine` shares `mpic.engine.vllm.frontend
+.VllmFrontEnd`) and the model-free fake (`mpic.deployments.engines.fake_engine.FakeEngine`).
+Each writes `decode` (token ids as they are decoded); `generate`, the whole generation, is
+written once (`mpic.engine.request_flow.generate`) and inherited from
+`mpic.engine.request_flow.EngineBase`. Everything around them is a
+thin adapter: the Serve engines (`mpic.deployments.engines.engine.ServeEngine`), the offline
+benchmark's engines (`mpic.benchmarks.engines`, `mpic.benchmarks.vllm_engine`) and the
+compression benchmarks (`mpic.benchmarks.compress`, `mpic.benchmarks.compress_vllm`).
 
 Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabulary through
 `mpic.deployments.messages` without loading torch.
@@ -20,7 +22,7 @@ Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabul
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -92,22 +94,76 @@ class DoneEvent:
     """The policy the worker served (the fidelity loop may replace the default); "" unknown."""
     first_token: Any = None
     """Only inside the LLM worker, when `capture_first_token` was set: the served pass's
-    `mpic.deployments.monitoring.fidelity_monitor.FirstToken` (the worker strips it)."""
+    `mpic.engine.first_token.FirstToken` (the worker strips it)."""
+
+
+@dataclass
+class GenerateRequest:
+    """One generation as every engine takes it: prompt parts over the entries they link, the
+    policy that selects what is recomputed, and how to decode."""
+
+    parts: Sequence[PromptPart]
+    entries: Mapping[str, CacheEntry]
+    """Every entry `parts` links (by id): linkable for this request only."""
+    policy: str = "full"
+    sampling: Sampling = field(default_factory=Sampling)
+    max_tokens: int = 16
+    system_prompt: str | None = None
+    """This request's system prompt; None: the engine's own."""
+    raw: bool = False
+    """A completion prompt (no chat template, `mpic.linker.raw_prompt`)."""
+    press: str | None = None
+    """Compress the linked items' KV by this press (`mpic.presses`) at `budget`."""
+    budget: float | None = None
+    media: Mapping[str, bytes | Callable[[], bytes]] | None = None
+    """Entry id -> its item's bytes (or a reader of them): what an exact fallback recomputes
+    when a linked entry cannot be loaded (vLLM); None: no fallback."""
+    capture_first_token: bool = False
+    """Report the served pass's first-token distribution in `Prefill.first_token`."""
+    request_id: str = ""
+
+
+@dataclass
+class Prefill:
+    """What a backend reports once a request's first token is out."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from stored entries (`mpic.engine.request_flow.prefill_of`)."""
+    ttft_s: float
+    fallbacks: int = 0
+    """Entries the backend recomputed exactly (a linked entry that could not load)."""
+    first_token: Any = None
+    """The `mpic.engine.first_token.FirstToken` when `capture_first_token` was asked."""
+
+
+@dataclass
+class Decoded:
+    """A backend's step of a generation: token ids decoded since the last step."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids` when the request asked for logprobs."""
+    prefill: Prefill | None = None
+    """Set on the first step (the first token's)."""
 
 
 @runtime_checkable
 class Engine(Protocol):
     """What a backend offers, implemented once per backend: the model (`spec`, `processor`),
-    items cached as entries in the canonical context, compressed entries, and the link plan of
-    a prompt. Generation streams token ids from a plan; the text around them (sampling for the
-    reference runner, stop strings, detokenizing, the finish reason) is `mpic.engine
-    .request_flow`'s, the same for both backends.
+    items cached as entries in the canonical context, compressed entries, the link plan of a
+    prompt, and `decode`, the backend's half of a generation (token ids as they are decoded).
+    `generate`, the whole generation as `TokenEvent`s and a `DoneEvent`, is written once over
+    `decode` (`mpic.engine.request_flow.generate`: stop strings, detokenizing, the finish
+    reason, usage): a backend subclasses `mpic.engine.request_flow.EngineBase` and inherits
+    it.
 
     `press_entry` takes and returns `CacheEntry`s on both backends; `system_prompt=None` means
     the engine's own (the reference runner's configured one; none for vLLM)."""
 
     spec: ModelSpec
-    """The served model's shapes, family, special ids and fingerprint."""
+    """The served model's shapes, family, special ids (`end_token_ids` end a generation) and
+    fingerprint."""
 
     @property
     def processor(self) -> Any:
@@ -117,7 +173,8 @@ class Engine(Protocol):
 
     def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
         """The entry of an image (its KV after the canonical context), named by its content
-        address; UnreadableMediaError (415) when the bytes are not an image."""
+        address; UnreadableMediaError (415) when the bytes are not an image. Blocks the
+        calling thread."""
         ...
 
     def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
@@ -142,4 +199,20 @@ class Engine(Protocol):
         """The finished link plan of `parts` under `policy` over `entries`
         (`mpic.engine.request_flow.plan_parts`); `raw`: a completion prompt (no chat
         template)."""
+        ...
+
+    def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
+        """Async generator: link and prefill `request` under its policy, then decode by its
+        sampling (every `Sampling` field but `stop`, which `generate` applies), yielding the
+        token ids decoded since the last step (an end id included), the first step carrying
+        the `Prefill`; stops after an end id (`spec.end_token_ids`, unless `ignore_eos`) or
+        `max_tokens`. Closing it stops the work (the request is aborted or never prefilled).
+        Raises InvalidRequestError / NotFoundError for a bad request before any KV is touched.
+        Must not block the event loop."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """The whole generation: text pieces as they are decoded, cut at a stop string, then
+        one `DoneEvent`; the same for every backend (`mpic.engine.request_flow.generate`, which
+        a backend inherits from `mpic.engine.request_flow.EngineBase`)."""
         ...

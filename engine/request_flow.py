@@ -1,24 +1,35 @@
-"""The flow of one request, the same for both engines (the process that plans and streams a
+"""The flow of one request, the same for every engine (the process that plans and streams a
 request: LLM-worker replica, benchmark, CLI): prompt parts -> link plan (`plan_parts`) -> items
 swapped for their compressed entries when a press asks (`pressed_parts`) -> the backend's
-request -> token ids -> text cut at stop strings (`TextStream`) -> the closing `DoneEvent`
-(`done_event`, with the finish reason and the cached-token count).
+`Engine.decode` (token ids) -> text cut at stop strings (`TextStream`) -> the closing
+`DoneEvent` (`generate`: the finish reason by one rule, usage from the backend's `Prefill`,
+`prefill_of`).
 
-The backends implement only what differs (`mpic.engine.protocol.Engine`): the reference runner
-links and decodes in this process with `mpic.engine.sampling.Sampler`; vLLM turns the plan into
-its request (`mpic.engine.vllm.frontend.VllmFrontEnd.prepare`) and samples natively.
+The backends implement only what differs (`mpic.engine.protocol.Engine.decode`): the reference
+runner links and decodes in this process with `mpic.engine.sampling.Sampler`
+(`mpic.engine.hf.engine`); vLLM turns the plan into its request
+(`mpic.engine.vllm.frontend.VllmFrontEnd.prepare`) and samples natively
+(`mpic.engine.vllm.async_engine`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
 
 from mpic.engine.detokenize import Detokenizer, StopMatcher
-from mpic.engine.protocol import DoneEvent, TokenEvent, TokenLogprob
+from mpic.engine.protocol import (
+    DoneEvent,
+    Engine,
+    GenerateRequest,
+    Prefill,
+    TokenEvent,
+    TokenLogprob,
+)
 from mpic.linker.policies import Policy
+from mpic.linker.prompt import tokenizer_of
 from mpic.linker.raw_prompt import RawPrompt
 from mpic.linker.recipe import PlannedPrompt, plan_prompt
 from mpic.model_spec import ModelSpec
@@ -109,25 +120,77 @@ def stored_linked_tokens(plan: LinkPlan) -> int:
     return int(((plan.recompute_depth == 0) & stored[plan.source_entry]).sum())
 
 
-def done_event(
-    plan: LinkPlan,
-    completion_tokens: int,
-    finish: Literal["stop", "length"],
-    ttft_s: float,
-    policy: str,
-    fell_back: bool = False,
-    first_token: Any = None,
-) -> DoneEvent:
-    """The DoneEvent closing a request planned as `plan`: prompt tokens, the linked tokens
-    served from stored entries (none when the request `fell_back` to exact recomputation, which
-    then recomputed every entry of the plan)."""
-    return DoneEvent(
+def prefill_of(
+    plan: LinkPlan, ttft_s: float, fell_back: bool = False, first_token: Any = None
+) -> Prefill:
+    """The `Prefill` of a request planned as `plan`: its prompt tokens and the linked tokens
+    served from stored entries (none when the request `fell_back` to exact recomputation,
+    which then recomputed every entry of the plan)."""
+    return Prefill(
         prompt_tokens=plan.num_tokens,
         cached_tokens=0 if fell_back else stored_linked_tokens(plan),
-        completion_tokens=completion_tokens,
-        finish_reason=finish,
         ttft_s=ttft_s,
         fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
-        policy=policy,
         first_token=first_token,
     )
+
+
+async def generate(
+    engine: Engine, request: GenerateRequest
+) -> AsyncIterator[TokenEvent | DoneEvent]:
+    """The one flow of a generation over any backend's `Engine.decode`: the decoded ids ->
+    text pieces (`TextStream`: incremental, cut at `request.sampling.stop`, which ends the
+    generation and aborts the backend's work), then one `DoneEvent` with the finish reason
+    (`finish_reason`: "length" when `max_tokens` ran out before an end id or a stop string)
+    and the backend's `Prefill`. A generation abandoned before its first token ends with no
+    DoneEvent (nobody waits for one)."""
+    text = TextStream(tokenizer_of(engine.processor), request.sampling.stop)
+    prefill: Prefill | None = None
+    steps = engine.decode(request)
+    try:
+        async for step in steps:
+            prefill = step.prefill or prefill
+            if step.token_ids:
+                yield text.push(step.token_ids, step.logprobs)
+            if text.stopped:
+                break
+    finally:
+        await steps.aclose()  # a stop string or a consumer gone: the backend stops
+    if (rest := text.flush()) is not None:
+        yield rest
+    if prefill is None:
+        return
+    tokens = text.tokens
+    ended = bool(tokens) and tokens[-1] in engine.spec.end_token_ids
+    length = len(tokens) >= request.max_tokens and not (ended and not request.sampling.ignore_eos)
+    yield DoneEvent(
+        prompt_tokens=prefill.prompt_tokens,
+        cached_tokens=prefill.cached_tokens,
+        completion_tokens=len(tokens),
+        finish_reason=finish_reason(text.stopped, length),
+        ttft_s=prefill.ttft_s,
+        fallbacks=prefill.fallbacks,
+        policy=request.policy,
+        first_token=prefill.first_token,
+    )
+
+
+class EngineBase(Engine):
+    """The base of every backend: subclass it, write `decode` and the other `Engine` members,
+    and `generate` is the one flow above."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """`generate(self, request)`: the whole generation over this backend's `decode`."""
+        return generate(self, request)
+
+
+async def decoded_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Prefill]:
+    """Every token id `engine.decode` gives `request`, and its `Prefill` (benchmarks, tests:
+    no text, no stop strings)."""
+    ids: list[int] = []
+    prefill: Prefill | None = None
+    async for step in engine.decode(request):
+        ids.extend(step.token_ids)
+        prefill = step.prefill or prefill
+    assert prefill is not None, "a decode ended without its prefill"
+    return ids, prefill

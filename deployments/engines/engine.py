@@ -18,9 +18,11 @@ lock, so an engine that batches (vLLM's `AsyncLLM`) serves concurrent requests t
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Literal
 
 from mpic.deployments.config import EngineConfig
@@ -30,7 +32,8 @@ from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
 if TYPE_CHECKING:
-    from mpic.deployments.engines.first_token import FirstToken
+    from mpic.engine.first_token import FirstToken
+    from mpic.engine.protocol import Engine, GenerateRequest
 
 
 class ServeEngine(ABC):
@@ -69,17 +72,31 @@ class ServeEngine(ABC):
             param="file",
         )
 
+    @property
     @abstractmethod
-    def generate(
+    def backend(self) -> Engine:
+        """The `mpic.engine.protocol.Engine` that generates (the LLM-worker role's)."""
+
+    @abstractmethod
+    def request_of(self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]) -> GenerateRequest:
+        """The backend's request for `prompt` over `entries` (every id of `prompt.entry_ids`,
+        loaded by the worker): its parts (`mpic.deployments.engines.prompting
+        .generate_request`), inline images' entries computed for it alone. Blocking: called on
+        a thread."""
+
+    async def generate(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """Async generator: link `entries` (every id of `prompt.entry_ids`, loaded by the
-        worker), prefill selectively by `prompt.policy`, decode by `prompt.sampling` (greedy at
-        temperature 0; seeded sampling, top_p, penalties, stop strings, logprobs: every field
-        honoured), one TokenEvent per piece as it is decoded; ends with a DoneEvent (its
-        `fallbacks`: entries the engine recomputed; the worker adds its tier_hits and own
-        fallbacks). Must not block the event loop. InvalidRequestError for a prompt over the
-        context length."""
+        """Async generator, the same for every engine: `request_of` (on a thread), then the
+        backend's `Engine.generate` (link `entries`, prefill selectively by `prompt.policy`,
+        decode by `prompt.sampling`: every field honoured), one TokenEvent per piece as it is
+        decoded and a closing DoneEvent (its `fallbacks`: entries the backend recomputed; the
+        worker adds its tier_hits and own fallbacks). Closing it stops the backend's work.
+        InvalidRequestError for a prompt over the context length."""
+        request = await asyncio.to_thread(self.request_of, prompt, entries)
+        async with aclosing(self.backend.generate(request)) as events:
+            async for event in events:
+                yield event
 
     def engine_stats(self) -> dict[str, int]:
         """Engine-specific counters for tests and operators (none by default)."""

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from mpic.deployments.messages import EncodedImage, LinkedPrompt
 from mpic.engine.detokenize import Detokenizer, StopMatcher, token_events
 from mpic.engine.items import load_image
+from mpic.engine.protocol import GenerateRequest
 from mpic.engine.request_flow import INLINE_PREFIX, stored_linked_tokens
 from mpic.engine.sampling import Sampler
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart, Turn
+from mpic.types import CacheEntry
 
 __all__ = [
     "INLINE_PREFIX",
     "Detokenizer",
     "Sampler",
     "StopMatcher",
+    "generate_request",
     "identify_image",
     "prompt_parts",
     "stored_linked_tokens",
@@ -66,3 +69,39 @@ def prompt_parts(
     if parts and parts[0] == Turn("user") and not any(isinstance(p, Turn) for p in parts[1:]):
         parts = parts[1:]  # one user message: the plain prompt (offline runner's rendering)
     return system_prompt, parts
+
+
+def generate_request(
+    prompt: LinkedPrompt,
+    system_prompt: str | None,
+    entries: Mapping[str, CacheEntry],
+    inline_entry: Callable[[EncodedImage], CacheEntry],
+    media: Mapping[str, bytes | Callable[[], bytes]] | None = None,
+) -> GenerateRequest:
+    """The engine request of a served prompt: its parts (`prompt_parts`; `system_prompt` unless
+    the conversation has its own), linking `entries` and its inline images' entries
+    (`inline_entry(image)`, computed for this request alone), and every request field
+    (policy, sampling, max_tokens, completion form, press, fidelity capture). media: what an
+    exact fallback reads (entry id -> bytes or a reader), where the engine has one."""
+    table = dict(entries)
+
+    def inline(image: EncodedImage) -> str:
+        entry = inline_entry(image)
+        table[entry.entry_id] = entry
+        return entry.entry_id
+
+    system, parts = prompt_parts(prompt, system_prompt, inline)
+    return GenerateRequest(
+        parts=parts,
+        entries=table,
+        policy=prompt.policy,
+        sampling=prompt.sampling,
+        max_tokens=prompt.max_tokens,
+        system_prompt=system,
+        raw=prompt.raw,
+        press=prompt.press,
+        budget=prompt.budget,
+        media=media,
+        capture_first_token=prompt.capture_first_token,
+        request_id=prompt.request_id,
+    )

@@ -1,7 +1,9 @@
 """`ServeEngine` on vLLM + the MPIC KV connector (Encoder and LLM-worker replicas,
 `engine.kind: vllm`), a thin adapter over `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM
-V1's `AsyncLLM`; the vLLM backend of `mpic.engine.protocol.Engine`): a request's plan and vLLM
-request come from `VllmFrontEnd.prepare`, its text from `mpic.engine.request_flow.TextStream`.
+V1's `AsyncLLM`; the vLLM backend of `mpic.engine.protocol.Engine`): it turns a served prompt
+into the backend's request (`request_of`, with what the exact fallback reads), and the backend
+plans, links and decodes it (`AsyncVllmEngine.decode`); generation is `ServeEngine.generate`,
+the same for every engine.
 
 vLLM runs its own vision tower inside the request that computes an entry (the upload path of
 `mpic.engine.vllm.upload`), so the Encoder replica here only validates and identifies the image
@@ -23,31 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from mpic.addressing import entry_address
 from mpic.deployments.config import EngineConfig
 from mpic.deployments.engines.engine import Role, ServeEngine
-from mpic.deployments.engines.first_token import TOP_K, FirstToken
-from mpic.deployments.engines.prompting import identify_image, prompt_parts
-from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, TokenEvent
-from mpic.engine.request_flow import TextStream, done_event, finish_reason, pressed_parts
-from mpic.engine.token_bytes import TokenBytes
-from mpic.engine.vllm.presses import check_press
-from mpic.engine.vllm.requests import EngineRequest, resolve_fallback
-from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
+from mpic.deployments.engines.prompting import generate_request, identify_image
+from mpic.deployments.messages import EncodedImage, LinkedPrompt
+from mpic.engine.first_token import FirstToken
+from mpic.engine.protocol import Engine, GenerateRequest
+from mpic.engine.vllm.requests import resolve_fallback
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import canonical_context_ids, tokenizer_of
 from mpic.model_spec import ModelSpec
-from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
 from mpic.storage.config import StorageConfig
 from mpic.storage.static_library import media_key
-from mpic.types import CacheEntry, LinkPlan
-
-logger = logging.getLogger(__name__)
+from mpic.types import CacheEntry
 
 
 class VllmServeEngine(ServeEngine):
@@ -135,12 +129,16 @@ class VllmServeEngine(ServeEngine):
         assert self.vllm is not None, "engine_stats runs in the LLM worker"
         return {"peak_running": self.vllm.peak_running, "fallbacks": self.vllm.fallbacks}
 
-    def _request(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
-    ) -> tuple[LinkPlan, EngineRequest]:
-        """(plan, linked request with a lazy exact fallback: `VllmFrontEnd.prepare`); blocking
-        (inline images' entries are computed by vLLM): runs on a thread."""
-        table = dict(entries)
+    @property
+    def backend(self) -> Engine:
+        """vLLM's async engine, the vLLM backend of `mpic.engine.protocol.Engine`."""
+        assert self.vllm is not None, "the backend runs in the LLM worker"
+        return self.vllm
+
+    def request_of(self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]) -> GenerateRequest:
+        """The backend's request, with what its exact fallback reads (each entry's media from
+        the store, only if the link fails); inline images' entries are computed by vLLM and
+        stored by the connector (vLLM loads them like any other). Blocking: on a thread."""
         media: dict[str, Callable[[], bytes]] = {}
         for turn in prompt.turns:
             for seg in turn.segments:
@@ -148,45 +146,12 @@ class VllmServeEngine(ServeEngine):
                     key = media_key(seg.content_hash)
                     media[seg.entry_id] = lambda key=key: self.vllm.store.objects.get(key)
 
-        def inline_entry(image: EncodedImage) -> str:  # stored by the connector: vLLM loads it
+        def inline_entry(image: EncodedImage) -> CacheEntry:
             entry = self.compute_entry(self.entry_id(image.media), image)
-            table[entry.entry_id] = entry
             media[entry.entry_id] = lambda: image.media
-            return entry.entry_id
+            return entry
 
-        system, parts = prompt_parts(prompt, self.cfg.system_prompt, inline_entry)
-        if prompt.press is not None:
-            parts = self._pressed(parts, table, media, prompt.press, prompt.budget)
-        planned, request = self.vllm.prepare(
-            parts, table, prompt.policy, system, prompt.max_tokens, raw=prompt.raw, media=media
-        )
-        return planned.plan, request
-
-    def _pressed(
-        self,
-        parts: list[PromptPart],
-        table: dict[str, CacheEntry],
-        media: dict[str, Callable[[], bytes]],
-        press: str,
-        budget: float | None,
-    ) -> list[PromptPart]:
-        """`parts` with every image and document linked as its compressed entry (the presses'
-        uniform variant, `mpic.engine.vllm.presses`: made by vLLM's worker on first use of
-        (entry, press, budget), then read from the store), so the prompt, vLLM's paged KV and
-        decoding shrink. 400 (`mpic.press`) for an M-RoPE model and for a prompt without cached
-        items (vLLM compresses only those: the press would be ignored there). The exact
-        fallback of a failed link carries the images whole and the documents' kept tokens."""
-        check_press(self.spec, press, budget)
-        if not any(isinstance(p, ImageRef | DocumentRef) for p in parts):
-            raise InvalidRequestError(
-                "mpic.press: the vLLM engine compresses cached images and documents only (text "
-                "is computed per request) and this prompt links none; use the reference engine "
-                "to compress text",
-                param="mpic.press",
-            )
-        return pressed_parts(
-            parts, table, lambda e: self.vllm.press_entry(e, press, budget or 1.0), media
-        )
+        return generate_request(prompt, self.cfg.system_prompt, entries, inline_entry, media)
 
     supports_fidelity = True
 
@@ -198,7 +163,8 @@ class VllmServeEngine(ServeEngine):
         top-k token ids (`logprob_token_ids`): vLLM returns logprobs, not logits."""
         assert self.vllm is not None, "exact_first_token runs in the LLM worker"
         plain = dataclasses.replace(prompt, press=None, budget=None, capture_first_token=False)
-        _, linked = await asyncio.to_thread(self._request, plain, entries)
+        request = await asyncio.to_thread(self.request_of, plain, entries)
+        _, linked = await asyncio.to_thread(self.vllm.linked, request)
         exact = await asyncio.to_thread(resolve_fallback, linked)
         ids = list(served.token_ids or [served.top1])
         sampling = {"temperature": 0.0, "logprobs": len(ids), "logprob_token_ids": ids}
@@ -215,59 +181,3 @@ class VllmServeEngine(ServeEngine):
         finally:
             await stream.aclose()
         raise RuntimeError("vLLM returned no first-token logprobs for the exact pass")
-
-    async def generate(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
-    ) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """Link by `prompt.policy` and stream tokens sampled by vLLM (`prompt.sampling`: greedy
-        by default) from the MPIC connector's linked KV; cut at a stop string
-        (`mpic.engine.request_flow.TextStream`)."""
-        assert self.vllm is not None, "generate runs in the LLM worker"
-        start = time.perf_counter()
-        tokenizer = self.processor.tokenizer
-        sampling = sampling_kwargs(prompt.sampling, len(tokenizer))
-        if prompt.capture_first_token:  # the fidelity monitor's top-k (raw logprobs)
-            sampling["logprobs"] = max(sampling["logprobs"] or 0, TOP_K)
-        first: FirstToken | None = None
-        plan, request = await asyncio.to_thread(self._request, prompt, entries)
-        logger.debug("request %s: submitted to vLLM", prompt.request_id)
-        text = TextStream(tokenizer, prompt.sampling.stop)
-        ttft, result = None, None
-        stream = self.vllm.stream(request, prompt.max_tokens, sampling)
-        try:
-            async for result in stream:
-                done = len(text.tokens)
-                new = result.token_ids[done:]
-                if not new:
-                    continue
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                if prompt.capture_first_token and first is None and not result.fell_back:
-                    if steps := result.extra.get("logprobs"):
-                        first = FirstToken.from_logprobs(steps[0], TOP_K)
-                logprobs = None
-                if (k := prompt.sampling.logprobs) is not None:
-                    steps = (result.extra.get("logprobs") or [])[done : done + len(new)]
-                    logprobs = token_logprobs(steps, new, k, tokenizer.decode, self._raw_bytes())
-                yield text.push(new, logprobs)
-                if text.stopped:
-                    break
-        finally:
-            await stream.aclose()  # aborts the vLLM request when cut short
-        if (rest := text.flush()) is not None:
-            yield rest
-        fell_back = result is not None and result.fell_back
-        yield done_event(
-            plan,
-            len(text.tokens),
-            finish_reason(text.stopped, result is not None and result.finish_reason == "length"),
-            ttft if ttft is not None else time.perf_counter() - start,
-            prompt.policy,
-            fell_back=fell_back,
-            first_token=first,
-        )
-
-    def _raw_bytes(self) -> TokenBytes:
-        """The tokenizer's `TokenBytes` (logprob bytes), made on first use."""
-        if getattr(self, "_token_bytes", None) is None:
-            self._token_bytes = TokenBytes(self.processor.tokenizer)
-        return self._token_bytes

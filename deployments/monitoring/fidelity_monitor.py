@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from mpic.deployments.config import FidelityConfig
-from mpic.deployments.engines.first_token import FirstToken, compare
 from mpic.deployments.messages import LinkedPrompt
 from mpic.deployments.monitoring.fidelity_control import (
     BudgetController,
@@ -52,6 +51,7 @@ from mpic.deployments.monitoring.fidelity_control import (
     budget_policy,
 )
 from mpic.deployments.monitoring.metrics import policy_label
+from mpic.engine.first_token import FirstToken, compare
 
 if TYPE_CHECKING:
     from mpic.deployments.engines.engine import ServeEngine

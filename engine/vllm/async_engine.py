@@ -20,13 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from functools import partial
 from typing import Any
 
+from mpic.engine.first_token import TOP_K, FirstToken
+from mpic.engine.protocol import Decoded, GenerateRequest
+from mpic.engine.request_flow import EngineBase, prefill_of, pressed_parts
+from mpic.engine.token_bytes import TokenBytes
 from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
+from mpic.engine.vllm.presses import check_press
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
+from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
+from mpic.errors import InvalidRequestError
+from mpic.linker.prompt import tokenizer_of
+from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
+from mpic.types import CacheEntry, LinkPlan
 
 _END = object()
 
@@ -49,11 +60,13 @@ def _peak_logger(engine: AsyncVllmEngine, vllm_config: Any, engine_index: int = 
     return PeakRunning(vllm_config, engine_index)
 
 
-class AsyncVllmEngine(VllmFrontEnd):
-    """`AsyncLLM` + the MPIC connector: streamed greedy generation, batched across callers."""
+class AsyncVllmEngine(VllmFrontEnd, EngineBase):
+    """`AsyncLLM` + the MPIC connector: the vLLM backend of `Engine` (`decode`), generations
+    batched across callers."""
 
     def __init__(self, cfg: VllmEngineConfig) -> None:
         super().__init__(cfg)
+        self._token_bytes: TokenBytes | None = None
         self.peak_running = 0
         """Most requests vLLM's scheduler had running in one step (continuous batching)."""
         self._loop = asyncio.new_event_loop()
@@ -79,6 +92,94 @@ class AsyncVllmEngine(VllmFrontEnd):
     def _call(self, coro: Coroutine) -> Any:
         """Run `coro` on the engine's loop and wait for it (from any thread but that loop's)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
+        """`Engine.decode`: the request's plan and linked vLLM request (`linked`, on a thread),
+        then its tokens as vLLM emits them, sampled by vLLM (`request.sampling`, greedy by
+        default); the first step carries the prefill (its top-`TOP_K` raw logprobs when
+        `capture_first_token`: vLLM returns logprobs, not logits). A linked request that fails
+        to link is answered by its exact fallback (`Prefill.fallbacks`)."""
+        start = time.perf_counter()
+        tokenizer = tokenizer_of(self.processor)
+        sampling = sampling_kwargs(request.sampling, len(tokenizer))
+        if request.capture_first_token:  # the fidelity monitor's top-k (raw logprobs)
+            sampling["logprobs"] = max(sampling["logprobs"] or 0, TOP_K)
+        plan, linked = await asyncio.to_thread(self.linked, request)
+        done = 0
+        results = self.stream(linked, request.max_tokens, sampling)
+        try:
+            async for result in results:
+                new = result.token_ids[done:]
+                if not new:
+                    continue
+                steps = result.extra.get("logprobs") or []
+                prefill = None
+                if done == 0:
+                    first = None
+                    if request.capture_first_token and steps and not result.fell_back:
+                        first = FirstToken.from_logprobs(steps[0], TOP_K)
+                    ttft = time.perf_counter() - start
+                    prefill = prefill_of(plan, ttft, result.fell_back, first)
+                logprobs = None
+                if (k := request.sampling.logprobs) is not None:
+                    steps = steps[done : done + len(new)]
+                    logprobs = token_logprobs(steps, new, k, tokenizer.decode, self._raw_bytes())
+                done += len(new)
+                yield Decoded(list(new), logprobs, prefill)
+        finally:
+            await results.aclose()  # aborts the vLLM request when cut short
+
+    def linked(self, request: GenerateRequest) -> tuple[LinkPlan, EngineRequest]:
+        """(plan, linked vLLM request: `prepare`) of `request`, its items swapped for their
+        compressed entries when it names a press (`_pressed`); its exact fallback, built only if
+        the link fails, reads `request.media`. Blocking (a press may run vLLM): call on a
+        thread."""
+        parts, table = list(request.parts), dict(request.entries)
+        media = None if request.media is None else dict(request.media)
+        if request.press is not None:
+            parts = self._pressed(parts, table, media, request.press, request.budget)
+        planned, linked = self.prepare(
+            parts,
+            table,
+            request.policy,
+            request.system_prompt,
+            request.max_tokens,
+            raw=request.raw,
+            media=media,
+        )
+        return planned.plan, linked
+
+    def _pressed(
+        self,
+        parts: list[PromptPart],
+        table: dict[str, CacheEntry],
+        media: dict[str, bytes | Callable[[], bytes]] | None,
+        press: str,
+        budget: float | None,
+    ) -> list[PromptPart]:
+        """`parts` with every image and document linked as its compressed entry (the presses'
+        uniform variant, `mpic.engine.vllm.presses`: made by vLLM's worker on first use of
+        (entry, press, budget), then read from the store), so the prompt, vLLM's paged KV and
+        decoding shrink. 400 (`mpic.press`) for an M-RoPE model and for a prompt without cached
+        items (vLLM compresses only those: the press would be ignored there). The exact
+        fallback of a failed link carries the images whole and the documents' kept tokens."""
+        check_press(self.spec, press, budget)
+        if not any(isinstance(p, ImageRef | DocumentRef) for p in parts):
+            raise InvalidRequestError(
+                "mpic.press: the vLLM engine compresses cached images and documents only (text "
+                "is computed per request) and this prompt links none; use the reference engine "
+                "to compress text",
+                param="mpic.press",
+            )
+        return pressed_parts(
+            parts, table, lambda e: self.press_entry(e, press, budget or 1.0), media
+        )
+
+    def _raw_bytes(self) -> TokenBytes:
+        """The tokenizer's `TokenBytes` (logprob bytes), made on first use."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(tokenizer_of(self.processor))
+        return self._token_bytes
 
     async def stream(
         self, req: EngineRequest, max_tokens: int = 8, sampling: dict[str, Any] | None = None

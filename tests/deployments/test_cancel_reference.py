@@ -30,7 +30,7 @@ def test_abandoned_stream_stops_reference_decoding(tiny_llava_dir: Path, tmp_pat
         assert r.status_code == 200, r.text
         prompt = captured["prompt"]
         prompt.max_tokens = 400
-        lock = worker.engine._lock
+        lock = worker.engine.engine._lock
         decoded = []
         real_stream = worker.engine.runner.stream
 

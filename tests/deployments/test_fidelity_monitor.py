@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from mpic.deployments.config import FidelityConfig, ServeAppConfig
-from mpic.deployments.engines.first_token import FirstToken, compare
 from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
 from mpic.deployments.monitoring.fidelity_control import (
     BudgetController,
@@ -21,6 +20,7 @@ from mpic.deployments.monitoring.fidelity_control import (
     budget_policy,
 )
 from mpic.deployments.monitoring.fidelity_monitor import FidelityMonitor
+from mpic.engine.first_token import FirstToken, compare
 
 BOUNDS = ControllerBounds(
     target=0.1, min_budget=0.1, max_budget=0.4, step=0.1, hysteresis=0.5, min_samples=4

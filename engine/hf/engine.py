@@ -1,0 +1,162 @@
+"""The reference backend of `mpic.engine.protocol.Engine` (any process that serves or benchmarks
+the HF reference runner asynchronously: the Serve LLM worker with `engine.kind: reference`,
+tests): one `ReferenceRunner` shared by threads under one lock, its generation decoded on a
+thread of its own per request.
+
+`decode` runs the runner's stream (link + selective prefill + decode, tokens picked by the
+request's `mpic.engine.sampling.Sampler`) on a decode thread that hands each token straight to
+the caller's event loop and does not wait for the consumer; the runner is not thread-safe, so
+the thread holds the lock while it prefills and decodes, and every other call into the runner
+holds it too (`held`). A consumer that goes away (closes the generator: a stop string, a client
+gone) stops the thread at once: a request still waiting for the runner never prefills, a
+running one stops after its current step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from mpic.engine.first_token import FirstToken
+from mpic.engine.hf.reference_runner import ReferenceRunner
+from mpic.engine.protocol import Decoded, GenerateRequest
+from mpic.engine.request_flow import EngineBase, prefill_of
+from mpic.engine.sampling import Sampler
+from mpic.engine.token_bytes import TokenBytes
+from mpic.linker.prompt import tokenizer_of
+from mpic.linker.recipe import PlannedPrompt
+from mpic.prompt_parts import PromptPart
+from mpic.types import CacheEntry
+
+
+class ReferenceEngine(EngineBase):
+    """`Engine` over one `ReferenceRunner` (module docstring)."""
+
+    def __init__(self, runner: ReferenceRunner) -> None:
+        self.runner = runner
+        self.spec = runner.spec
+        self._lock = threading.Lock()
+        self.token_bytes = TokenBytes(tokenizer_of(runner.processor))
+        """The raw bytes of tokens (logprobs' `bytes`)."""
+
+    @property
+    def processor(self) -> Any:
+        """The runner's HF processor."""
+        return self.runner.processor
+
+    @contextmanager
+    def held(self) -> Iterator[ReferenceRunner]:
+        """The runner, held for the caller's thread alone."""
+        with self._lock:
+            yield self.runner
+
+    def cache_image(self, media: bytes, system_prompt: str | None = None) -> CacheEntry:
+        """`ReferenceRunner.cache_image` under the lock."""
+        with self.held() as runner:
+            return runner.cache_image(media, system_prompt)
+
+    def cache_document(self, text: str, system_prompt: str | None = None) -> CacheEntry:
+        """`ReferenceRunner.cache_document` under the lock."""
+        with self.held() as runner:
+            return runner.cache_document(text, system_prompt)
+
+    def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
+        """`ReferenceRunner.press_entry` under the lock."""
+        with self.held() as runner:
+            return runner.press_entry(entry, press, budget)
+
+    def plan(
+        self,
+        parts: Sequence[PromptPart],
+        policy: Any = "full",
+        max_new_tokens: int = 0,
+        system_prompt: str | None = None,
+        *,
+        entries: Mapping[str, CacheEntry] | None = None,
+        raw: bool = False,
+    ) -> PlannedPrompt:
+        """`ReferenceRunner.plan` under the lock."""
+        with self.held() as runner:
+            return runner.plan(
+                parts, policy, max_new_tokens, system_prompt, entries=entries, raw=raw
+            )
+
+    async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
+        """`Engine.decode` on a decode thread (module docstring): one step per token, the first
+        carrying the prefill (its first-token logits when `capture_first_token`)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+
+        def put(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody listens any more
+                gone.set()
+
+        thread = threading.Thread(
+            target=self._decode, args=(request, gone, put), name="mpic-decode", daemon=True
+        )
+        thread.start()
+        first = True
+        try:
+            while (item := await events.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                token, pre, logprobs = item
+                prefill = None
+                if first:
+                    captured = (
+                        FirstToken.from_logits(pre.logits) if request.capture_first_token else None
+                    )
+                    prefill, first = prefill_of(pre.plan, pre.ttft_s, first_token=captured), False
+                yield Decoded([token], logprobs, prefill)
+        finally:
+            gone.set()
+
+    @contextmanager
+    def _held_unless(self, stop: Callable[[], bool]) -> Iterator[bool]:
+        """Hold the runner; yields False (without it) once `stop()` is true while waiting."""
+        while not self._lock.acquire(timeout=0.02):
+            if stop():
+                yield False
+                return
+        try:
+            yield True
+        finally:
+            self._lock.release()
+
+    def _decode(
+        self, request: GenerateRequest, gone: threading.Event, put: Callable[[object], None]
+    ) -> None:
+        """On the decode thread: the runner's stream under its lock at the runner's pace, each
+        (token, prefill, logprobs) `put` as decoded, an exception put as it is raised, then
+        None. Stops at once when `gone` is set (before the prefill when still waiting)."""
+        try:
+            tokenizer = tokenizer_of(self.runner.processor)
+            sampler = Sampler(request.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
+            with self._held_unless(gone.is_set) as held:
+                if not held or gone.is_set():  # abandoned while queued: no prefill at all
+                    return
+                for token, pre in self.runner.stream(
+                    request.parts,
+                    request.policy,
+                    request.max_tokens,
+                    system_prompt=request.system_prompt,
+                    pick=sampler,
+                    press=request.press,
+                    budget=request.budget,
+                    stop_at_eos=not request.sampling.ignore_eos,
+                    entries=request.entries,
+                    raw=request.raw,
+                ):
+                    put((token, pre, sampler.take()))
+                    if gone.is_set():
+                        break
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            put(exc)
+        finally:
+            put(None)
