@@ -1,32 +1,47 @@
-"""Link and prefill one prompt under a policy (linker; reference runner, and any engine that
-brings its own LayerAdapter and LinkedKV).
+"""One link pass: link and selectively prefill a batch of prompts in one pass over the layers
+(linker; the reference runner's `link_and_prefill` is the batch of one, the vLLM worker's
+batched pass, `mpic.engine.vllm.connector.batched_link`, the linked requests of a step).
 
-The plan's depths come set from `mpic.linker.recipe`, final for every policy but a scouting one
+The plans' depths come set from `mpic.linker.recipe`, final for every policy but a scouting one
 (`scout-*`, the default `auto`), which is applied again here (its scout's tokens) before its
-scout sets the final depths. Order: run the text-first pass of two-step policies, link the
-entries' rotated KV (`linked_items`, every item for a scout, which then scores those very keys),
-for a scouting policy run the scout over the text and let the policy set the final depths
-(`mpic.linker.scout`), hand the policy's linked-key
-correction to the linked KV, gather the recomputed tokens' input embeddings, run the one-pass
-selective prefill (with the policy's in-pass hook, if any). With a cached prefix
-(`mpic.linker.prefix`) its exact KV is written with the entries' and its tokens get depth 0
-(not recomputed; a scouting policy spends their share of the budget on item tokens).
+scout sets the final depths. `link_pass` runs four named stages, each over every request:
+
+1. link (`_link`, per request): the text-first pass of two-step policies, the entries' rotated
+   KV (`linked_items`, every item for a scout, which then scores those very keys) and the
+   cached prefix (`mpic.linker.prefix`) written into the request's linked KV;
+2. scout (`_scout`): ONE scouting pass (`mpic.linker.scout.scout_pass`) for all the scouting
+   requests of the batch, their text stacked over the stacked linked KV; each policy then sets
+   its request's final depths from its scores (`select`);
+3. finish (`_finish`, per request): the cached prefix's tokens at depth 0 (linked exactly; a
+   scouting policy spent their share of the budget on item tokens), the policy's linked-key
+   correction handed to the request's linked KV, the recomputed tokens' input embeddings;
+4. the selective pass (`_selective_pass`): the recomputed tokens of every request, stacked,
+   through the layers once (`run_layers`, with the policy's in-pass hook in a batch of one),
+   and each request's last-token logits.
+
+Stacking: request r's prompt index p is the global index `offsets[r] + p` of a linked KV over
+all of them (`mpic.linker.stacked_kv.StackedLinkedKV`, or an engine's own subclass such as the
+vLLM worker's `BatchedPagedKV`), which sends each row to its request's keys alone. A batch of
+one runs over the request's own linked KV (offset 0), with exactly the ops of a pass alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.link import gather_input_embeds, linked_items
+from mpic.linker.link import LinkedItems, gather_input_embeds, linked_items
 from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.prefix import CachedPrefix
 from mpic.linker.recipe import PlannedPrompt
-from mpic.linker.scout import ScoutReport
-from mpic.linker.selective_prefill import LayerHook, PrefillResult, selective_prefill
+from mpic.linker.scout import ScoutReport, scout_pass
+from mpic.linker.selective_prefill import LayerHook, PrefillResult, run_layers
+from mpic.linker.stacked_kv import StackedLinkedKV
 from mpic.linker.two_step import prefill_text_first
 from mpic.types import LinkPlan
 
@@ -35,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LinkedPrefill:
-    """The outcome of `link_and_prefill`."""
+    """The outcome of `link_pass` for one request (`link_and_prefill`: the batch of one)."""
 
     plan: LinkPlan
     """The plan with the policy's recompute depths."""
@@ -49,39 +64,106 @@ class LinkedPrefill:
     depth 0, not recomputed, counted as cached."""
 
 
-@dataclass
-class PreparedPass:
-    """A prompt ready for its selective pass (`prepare_pass`): its linked KV written, its final
-    depths set, the recomputed tokens' inputs gathered. `link_and_prefill` runs it alone; the
-    vLLM worker's `link_batch` runs several requests' together."""
+@dataclass(eq=False)
+class _Request:
+    """One request of a link pass, from stage to stage."""
 
+    planned: PlannedPrompt
+    kv: LinkedKV
+    offset: int
+    """Its first global index in the pass's linked KV."""
     plan: LinkPlan
-    """The plan with the final depths (the scout's, the cached prefix excluded)."""
-    index: torch.Tensor
-    """int64 [S] (host): prompt indices of the recomputed tokens, ascending."""
-    embeds: torch.Tensor
-    """[S, hidden]: their input embeddings."""
-    hook: LayerHook | None
-    """The policy's in-pass selection (CacheBlend), or None."""
+    """Its depths so far (final after `_scout`, the cached prefix excluded by `_finish`)."""
     ran: torch.Tensor
     """bool [N]: tokens a text-first pass already ran (two-step policies)."""
+    hook: LayerHook | None = None
+    items: LinkedItems | None = None
+    prefix: CachedPrefix | None = None
     scout: ScoutReport | None = None
-    cached_prefix: int = 0
+    index: torch.Tensor | None = None
+    """int64 [S] (host): prompt indices of the recomputed tokens, ascending (`_finish`)."""
+    embeds: torch.Tensor | None = None
+    """[S, hidden]: their input embeddings."""
+
+    @property
+    def cached(self) -> int:
+        return self.prefix.length if self.prefix is not None else 0
+
+    @property
+    def global_index(self) -> torch.Tensor:
+        """`index` in the pass's linked KV."""
+        assert self.index is not None
+        return self.index + self.offset if self.offset else self.index
 
 
-def prepare_pass(
+def link_and_prefill(
     adapter: LayerAdapter, planned: PlannedPrompt, linked_kv: LinkedKV
-) -> PreparedPass:
-    """Everything before the selective pass, in the order of the module docstring: the
-    text-first pass (two-step policies), the entries' rotated KV and the cached prefix written
-    into `linked_kv` (zeroed, at least N slots), the scout's depths (scouting policies), the
-    linked-key correction handed to `linked_kv`, the recomputed tokens' input embeddings."""
+) -> LinkedPrefill:
+    """Fill `linked_kv` for one prompt and return its last token's logits: `link_pass` of one.
+
+    planned: from `mpic.linker.recipe` (the policy's depths are set; a scouting policy's are
+    applied again here and replaced by its scout's selection);
+    linked_kv: zeroed, at least N slots.
+    """
+    return link_pass(adapter, [planned], [linked_kv])[0]
+
+
+def link_pass(
+    adapter: LayerAdapter,
+    prompts: Sequence[PlannedPrompt],
+    kvs: Sequence[LinkedKV],
+    stacked: StackedLinkedKV | None = None,
+    compute_logits: bool = True,
+) -> list[LinkedPrefill]:
+    """Link and selectively prefill every prompt of `prompts` in one pass (module docstring).
+
+    kvs: each prompt's linked KV, zeroed, at least N slots; stacked: a linked KV over all of
+    them in batch order (default: a `StackedLinkedKV`; none for a batch of one); in-pass hooks
+    (CacheBlend) only in a batch of one. compute_logits: every prompt's last token must be
+    recomputed at every layer, its logits are returned (False: the engine computes the last
+    token, vLLM).
+    """
+    if len(prompts) != len(kvs):
+        raise ValueError(f"{len(prompts)} prompts for {len(kvs)} linked KVs")
+    if not prompts:
+        return []
+    pass_kv: LinkedKV
+    if stacked is None and len(kvs) == 1:
+        pass_kv, offsets = kvs[0], [0]
+    else:
+        if stacked is None:
+            stacked = StackedLinkedKV(kvs, [p.plan.num_tokens for p in prompts])
+        pass_kv, offsets = stacked, stacked.offsets[:-1].tolist()
+    requests = [
+        _link(adapter, p, kv, off) for p, kv, off in zip(prompts, kvs, offsets, strict=True)
+    ]
+    if len(requests) > 1 and any(r.hook is not None for r in requests):
+        raise ValueError("a policy with an in-pass hook (CacheBlend) links in a pass of its own")
+    _scout(adapter, requests, pass_kv)
+    for r in requests:
+        _finish(adapter, r)
+    results = _selective_pass(adapter, requests, pass_kv, compute_logits)
+    return [
+        LinkedPrefill(
+            plan=r.plan,
+            result=result,
+            recomputed_tokens=int((r.ran | (result.recompute_depth > 0)).sum()),
+            scout=r.scout,
+            cached_prefix=r.cached,
+        )
+        for r, result in zip(requests, results, strict=True)
+    ]
+
+
+def _link(adapter: LayerAdapter, planned: PlannedPrompt, kv: LinkedKV, offset: int) -> _Request:
+    """Stage 1: a scouting policy applied again, the text-first pass (two-step policies), the
+    entries' rotated KV and the cached prefix written into `kv`."""
     plan, entries, policy = planned.plan, planned.entries, planned.policy
     if policy.scouts:  # a plan carrying an earlier run's final depths scouts from scratch
         plan = policy.apply(plan, entries, adapter.num_layers)
     ran = torch.zeros(plan.num_tokens, dtype=torch.bool)
     if policy.two_step:
-        prefill_text_first(adapter, plan, linked_kv)
+        prefill_text_first(adapter, plan, kv)
         ran |= plan.is_text
     hook = policy.layer_hook(plan, adapter.num_layers)
     items = linked_items(
@@ -93,48 +175,89 @@ def prepare_pass(
         device=adapter.device,  # rotate where the model runs (entries may come from storage)
     )
     if items is not None:
-        items.write_to(linked_kv)
+        items.write_to(kv)
     prefix = planned.prefix if not policy.two_step and hook is None else None
-    cached = prefix.length if prefix is not None else 0
     if prefix is not None:  # two-step and in-pass-hook policies recompute it
-        prefix.write(linked_kv)
-    report = None
-    if policy.scouts:
-        # the scout scores the item keys just linked (rotated once, for both)
-        depth, report = policy.scout(adapter, plan, entries, linked_kv, cached, items)
-        plan = dataclasses.replace(plan, recompute_depth=depth)
-    if prefix is not None:
-        plan = prefix.exclude(plan)  # linked exactly from the prefix cache
-    correction = policy.correction(plan, adapter.num_layers)
+        prefix.write(kv)
+    return _Request(planned, kv, offset, plan, ran, hook, items, prefix)
+
+
+def _scout(adapter: LayerAdapter, requests: list[_Request], pass_kv: LinkedKV) -> None:
+    """Stage 2: one scouting pass for every scouting request (over `pass_kv`, which holds them
+    all), then each policy's selection from its request's scores (the scout scores the item
+    keys just linked: rotated once, for both)."""
+    scouting = [r for r in requests if r.planned.policy.scouts]
+    if not scouting:
+        return
+    tasks = [
+        r.planned.policy.scout_task(adapter, r.plan, r.planned.entries, r.kv, r.items, r.offset)
+        for r in scouting
+    ]
+    scored = scout_pass(adapter, tasks, pass_kv)
+    for r, (scores, report) in zip(scouting, scored, strict=True):
+        set_correction = getattr(r.kv, "set_correction", None)
+        if set_correction is not None:  # the scout's own correction (if any) ends with it
+            set_correction(None)
+        depth = r.planned.policy.select(
+            r.plan, r.planned.entries, scores, adapter.num_layers, r.cached
+        )
+        r.plan = dataclasses.replace(r.plan, recompute_depth=depth)
+        r.scout = report
+
+
+def _finish(adapter: LayerAdapter, r: _Request) -> None:
+    """Stage 3: the cached prefix excluded, the correction set, the inputs gathered."""
+    policy = r.planned.policy
+    if r.prefix is not None:
+        r.plan = r.prefix.exclude(r.plan)  # linked exactly from the prefix cache
+    correction = policy.correction(r.plan, adapter.num_layers)
     if correction is not None:
-        set_correction = getattr(linked_kv, "set_correction", None)
+        set_correction = getattr(r.kv, "set_correction", None)
         if set_correction is None:
             logger.warning("%s: this linked KV has no correction; plain attention", policy.name)
         else:
             set_correction(correction)
-    index = torch.nonzero(plan.recompute_depth > 0).flatten()
-    embeds = gather_input_embeds(adapter, plan, entries, index)
-    return PreparedPass(plan, index, embeds, hook, ran, report, cached)
+    r.index = torch.nonzero(r.plan.recompute_depth > 0).flatten()
+    r.embeds = gather_input_embeds(adapter, r.plan, r.planned.entries, r.index)
 
 
-def link_and_prefill(
-    adapter: LayerAdapter, planned: PlannedPrompt, linked_kv: LinkedKV
-) -> LinkedPrefill:
-    """Fill `linked_kv` for the prompt and return the last token's logits (`prepare_pass`, then
-    the selective pass).
+def _stack(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
-    planned: from `mpic.linker.recipe` (the policy's depths are set; a scouting policy's are
-    applied again here and replaced by its scout's selection);
-    linked_kv: zeroed, at least N slots.
-    """
-    prepared = prepare_pass(adapter, planned, linked_kv)
-    result = selective_prefill(
-        adapter, prepared.plan, linked_kv, prepared.embeds, hook=prepared.hook
-    )
-    return LinkedPrefill(
-        plan=prepared.plan,
-        result=result,
-        recomputed_tokens=int((prepared.ran | (result.recompute_depth > 0)).sum()),
-        scout=prepared.scout,
-        cached_prefix=prepared.cached_prefix,
-    )
+
+def _selective_pass(
+    adapter: LayerAdapter, requests: list[_Request], pass_kv: LinkedKV, compute_logits: bool
+) -> list[PrefillResult]:
+    """Stage 4: every request's recomputed tokens through the layers in one `run_layers`, and
+    the depth each token actually ran to (and the last tokens' logits)."""
+    running = [i for i, r in enumerate(requests) if r.index is not None and r.index.numel()]
+    depth = [r.plan.recompute_depth.clone() for r in requests]
+    logits: list[torch.Tensor | None] = [None] * len(requests)
+    if not running:
+        assert not compute_logits, "last token not recomputed"
+    else:
+        index = _stack([requests[i].global_index for i in running])
+        hidden, final, run_depth = run_layers(
+            adapter,
+            pass_kv,
+            _stack([requests[i].embeds for i in running]),
+            index,
+            _stack([requests[i].plan.positions[..., requests[i].index] for i in running], dim=-1),
+            _stack([requests[i].plan.recompute_depth[requests[i].index] for i in running]),
+            requests[0].hook if len(requests) == 1 else None,
+        )
+        start = 0
+        for i in running:
+            end = start + int(requests[i].index.numel())
+            depth[i][requests[i].index] = run_depth[start:end]
+            start = end
+        if compute_logits:
+            row_of = {int(g): row for row, g in enumerate(final.tolist())}
+            lasts = [r.offset + r.plan.num_tokens - 1 for r in requests]
+            assert all(last in row_of for last in lasts), "last token not recomputed"
+            rows = torch.tensor([row_of[last] for last in lasts], device=hidden.device)
+            out = adapter.logits(hidden[rows])
+            logits = [out[i].float() for i in range(len(requests))]
+    return [
+        PrefillResult(logits=lg, recompute_depth=d) for lg, d in zip(logits, depth, strict=True)
+    ]

@@ -1,5 +1,6 @@
-"""The scouting pass of query-aware selection (linker; reference runner and vLLM worker, inside
-`link_and_prefill`, before the one selective pass).
+"""The scouting pass of query-aware selection (linker; the named scout stage of the one link
+pass, `mpic.linker.pipeline.link_pass`, between linking and the selective pass; reference runner
+and vLLM worker).
 
 ProphetKV-style relevance to the user query, in one cheap pass: the prompt's text tokens (the
 tokens the plan recomputes anyway: instructions, headers, the question) run through the first
@@ -19,6 +20,13 @@ KV and the scout alike), the text keys come from the pass itself, so nothing is 
 the linked KV (the paged CPU cache is opaque). The text K/V the scout writes
 are overwritten by the selective prefill, which recomputes text at every layer; item slots are
 not touched.
+
+Batched (`scout_pass`): the scouting requests of a batch (`ScoutTask`, one per request) run in
+ONE pass: their text tokens stacked (request r's prompt index p at `offset_r + p` of a stacked
+linked KV, `mpic.linker.stacked_kv`) go through each layer's projections, attention and MLP
+together; nothing in the layer loop mixes requests (each row attends over its own request's
+keys), and each request's scores are computed from its own rows of q and k and its own item
+keys, exactly as alone. A request whose scoring layers end earlier leaves the pass there.
 
 Cost: `tokens` queries x `layers_run` layers (reported in `ScoutReport`).
 """
@@ -46,6 +54,24 @@ class ScoutReport:
     """Tokens that ran (the plan's recomputed text)."""
     scoring_layers: tuple[int, ...]
     """Layers whose attention was scored."""
+    requests: int = 1
+    """Scouting requests whose tokens ran in this same pass (`scout_pass`; 0: none ran)."""
+
+
+@dataclass
+class ScoutTask:
+    """One request's share of a scouting pass (`scout_pass`; `Policy.scout_task` makes it)."""
+
+    plan: LinkPlan
+    """The pre-scout plan (depth L for the tokens the scout runs: text and the last token)."""
+    entries: Sequence[CacheEntry]
+    items: LinkedItems | None
+    """Every item token's linked K/V (`linked_items(..., every_item=True)`; None: no item)."""
+    layers: Sequence[int]
+    """The scoring layers."""
+    question_weight: float = 0.0
+    offset: int = 0
+    """The request's first index in the linked KV the pass runs over (0: its own)."""
 
 
 def scoring_rows(plan: LinkPlan, index: torch.Tensor) -> torch.Tensor:
@@ -65,53 +91,150 @@ def scout_scores(
     items: LinkedItems | None,
     question_weight: float = 0.0,
 ) -> tuple[torch.Tensor, ScoutReport]:
-    """Scores float32 [N] (0 for text) of every item token, and the scout's cost.
+    """Scores float32 [N] (0 for text) of every item token, and the scout's cost: the scouting
+    pass of one request (`scout_pass` of one task).
 
     plan: the pre-scout plan (depth L for the tokens the scout runs: text and the last token);
     linked_kv: already linked (`link_entries`) with every item token's cached KV; items: that
     K/V (`mpic.linker.link.linked_items(..., every_item=True)`; None: the plan has no item).
     """
+    task = ScoutTask(plan, entries, items, layers, question_weight)
+    return scout_pass(adapter, [task], linked_kv)[0]
+
+
+@dataclass(eq=False)
+class _Run:
+    """A task's state inside the pass."""
+
+    scoring: list[int]
+    run_to: int
+    index: torch.Tensor
+    """int64 [S] (host): the request's scout tokens (prompt indices)."""
+    idx: torch.Tensor
+    """The same on the device."""
+    rows: torch.Tensor
+    """Device rows of `idx` whose attention is scored."""
+    weights: torch.Tensor
+    item_idx: torch.Tensor
+    item_dev: torch.Tensor
+    item_k: torch.Tensor
+    hidden: torch.Tensor
+    pos: torch.Tensor
+    offset: int
+    num_tokens: int
+    total: torch.Tensor
+
+
+def scout_pass(
+    adapter: LayerAdapter, tasks: Sequence[ScoutTask], linked_kv: LinkedKV
+) -> list[tuple[torch.Tensor, ScoutReport]]:
+    """Scores float32 [N_r] and the cost of every task's scout, all tasks in one pass over the
+    layers (module docstring). linked_kv: the tasks' requests' linked KV, every item linked;
+    task r's prompt index p is its index `offset_r + p` (one task at offset 0: its own KV)."""
     num_layers = adapter.num_layers
-    scoring = sorted({min(max(int(x), 0), num_layers - 1) for x in layers})
-    run_to = scoring[-1] + 1
-    index = torch.nonzero(plan.recompute_depth >= num_layers).flatten()
-    scores = torch.zeros(plan.num_tokens, dtype=torch.float32)
-    rows = scoring_rows(plan, index)
-    if question_weight == 0.0:
-        rows = rows[-1:]  # the last prompt row only
-    if index.numel() == 0 or rows.numel() == 0 or items is None:
-        return scores, ScoutReport(0, 0, tuple(scoring))
     dev = adapter.device
-    item_idx = items.slots
-    item_dev = item_idx.to(dev)
-    item_k = items.keys[torch.as_tensor(scoring, device=items.keys.device)].to(dev)
-    hidden = gather_input_embeds(adapter, plan, entries, index)
-    idx, pos = index.to(dev), plan.positions[..., index].to(dev)
-    weights = torch.full((rows.numel(),), question_weight / max(rows.numel() - 1, 1))
-    weights[-1] = 1.0  # the last prompt row
-    weights = weights.to(dev)
-    rows_d = rows.to(dev)
-    n_heads, n_kv = adapter.num_heads, adapter.num_kv_heads
-    group = n_heads // n_kv
-    total = torch.zeros(item_idx.numel(), dtype=torch.float32, device=dev)
-    for layer in range(run_to):
-        q, k, v = adapter.attention_inputs(layer, hidden, pos)
-        linked_kv.write(layer, idx, k, v)
-        if layer in scoring:
-            keys = torch.zeros(
-                (plan.num_tokens, n_kv, adapter.head_dim), dtype=torch.float32, device=dev
+    out: list[tuple[torch.Tensor, ScoutReport] | None] = []
+    runs: list[_Run] = []
+    for task in tasks:
+        scoring = sorted({min(max(int(x), 0), num_layers - 1) for x in task.layers})
+        plan, items = task.plan, task.items
+        index = torch.nonzero(plan.recompute_depth >= num_layers).flatten()
+        rows = scoring_rows(plan, index)
+        if task.question_weight == 0.0:
+            rows = rows[-1:]  # the last prompt row only
+        if index.numel() == 0 or rows.numel() == 0 or items is None:
+            scores = torch.zeros(plan.num_tokens, dtype=torch.float32)
+            out.append((scores, ScoutReport(0, 0, tuple(scoring), requests=0)))
+            continue
+        item_idx = items.slots
+        weights = torch.full((rows.numel(),), task.question_weight / max(rows.numel() - 1, 1))
+        weights[-1] = 1.0  # the last prompt row
+        runs.append(
+            _Run(
+                scoring=scoring,
+                run_to=scoring[-1] + 1,
+                index=index,
+                idx=index.to(dev),
+                rows=rows.to(dev),
+                weights=weights.to(dev),
+                item_idx=item_idx,
+                item_dev=item_idx.to(dev),
+                item_k=items.keys[torch.as_tensor(scoring, device=items.keys.device)].to(dev),
+                hidden=gather_input_embeds(adapter, plan, task.entries, index),
+                pos=plan.positions[..., index].to(dev),
+                offset=task.offset,
+                num_tokens=plan.num_tokens,
+                total=torch.zeros(item_idx.numel(), dtype=torch.float32, device=dev),
             )
-            keys[item_dev] = item_k[scoring.index(layer)].float()
-            keys[idx] = k.float()
-            qr = q[rows_d].float().transpose(0, 1)  # [H, R, D]
-            kh = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
-            logits = torch.matmul(qr, kh.transpose(1, 2)) * adapter.head_dim**-0.5
-            visible = torch.arange(plan.num_tokens, device=dev)[None, :] <= idx[rows_d][:, None]
-            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-            per_key = (probs.mean(dim=0) * weights[:, None]).sum(dim=0)  # [N]
-            total += per_key[item_dev]
-        if layer + 1 < run_to:
-            attn = linked_kv.attend(layer, q, idx)
+        )
+        out.append(None)
+    if runs:
+        _layers(adapter, runs, linked_kv)
+    ran = iter(runs)
+    results = []
+    for got in out:
+        if got is None:
+            run = next(ran)
+            scores = torch.zeros(run.num_tokens, dtype=torch.float32)
+            scores[run.item_idx] = run.total.cpu()
+            report = ScoutReport(run.run_to, int(run.index.numel()), tuple(run.scoring), len(runs))
+            got = (scores, report)
+        results.append(got)
+    return results
+
+
+def _stack(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _layers(adapter: LayerAdapter, runs: list[_Run], linked_kv: LinkedKV) -> None:
+    """The runs' tokens, stacked, through their layers; each run's scores added at its scoring
+    layers (`_score`)."""
+    active: list[_Run] = []
+    hidden = pos = gidx = torch.empty(0)
+    bounds: list[tuple[int, int]] = []
+    for layer in range(max(run.run_to for run in runs)):
+        now = [run for run in runs if run.run_to > layer]
+        if now != active:  # the first layer, or a run's scoring layers ended
+            if active:  # keep the rows of the runs that go on
+                keep = [
+                    torch.arange(a, b)
+                    for run, (a, b) in zip(active, bounds, strict=True)
+                    if run in now
+                ]
+                take = torch.cat(keep).to(adapter.device)
+                hidden, pos, gidx = hidden[take], pos[..., take], gidx[take]
+            else:
+                hidden = _stack([run.hidden for run in now])
+                pos = _stack([run.pos for run in now], dim=-1)
+                gidx = _stack([run.idx + run.offset if run.offset else run.idx for run in now])
+            active = now
+            sizes = [int(run.index.numel()) for run in active]
+            ends = torch.tensor(sizes).cumsum(0).tolist()
+            bounds = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+        q, k, v = adapter.attention_inputs(layer, hidden, pos)
+        linked_kv.write(layer, gidx, k, v)
+        for run, (a, b) in zip(active, bounds, strict=True):
+            if layer in run.scoring:
+                _score(adapter, run, layer, q[a:b], k[a:b])
+        if layer + 1 < max(run.run_to for run in active):
+            attn = linked_kv.attend(layer, q, gidx)
             hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
-    scores[item_idx] = total.cpu()
-    return scores, ScoutReport(run_to, int(index.numel()), tuple(scoring))
+
+
+def _score(adapter: LayerAdapter, run: _Run, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Add layer `layer`'s attention of the run's scored rows (q, k: the run's own rows) to
+    every item token's score."""
+    dev = adapter.device
+    n_kv = adapter.num_kv_heads
+    group = adapter.num_heads // n_kv
+    keys = torch.zeros((run.num_tokens, n_kv, adapter.head_dim), dtype=torch.float32, device=dev)
+    keys[run.item_dev] = run.item_k[run.scoring.index(layer)].float()
+    keys[run.idx] = k.float()
+    qr = q[run.rows].float().transpose(0, 1)  # [H, R, D]
+    kh = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
+    logits = torch.matmul(qr, kh.transpose(1, 2)) * adapter.head_dim**-0.5
+    visible = torch.arange(run.num_tokens, device=dev)[None, :] <= run.idx[run.rows][:, None]
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    per_key = (probs.mean(dim=0) * run.weights[:, None]).sum(dim=0)  # [N]
+    run.total += per_key[run.item_dev]

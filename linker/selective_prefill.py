@@ -8,17 +8,11 @@ active tokens' fresh K/V overwrite their slots in the linked KV (cached rotated 
 for text: the "dummy cache"), then their queries attend over ALL linked keys with an exact causal
 mask by prompt index (`LinkedKV.attend`). So linking is one pass, not "text first, then reuse".
 
-Usage (any engine)::
+`run_layers` is the pass; the link pass (`mpic.linker.pipeline.link_pass`, any engine) links
+the prompts, gathers their recomputed tokens' inputs and runs it once for all of them.
 
-    plan = policy.apply(build_plan(spec, token_ids, items), entries, adapter.num_layers)
-    link_entries(kv, plan, entries, adapter.rope, adapter.num_layers)
-    index = torch.nonzero(plan.recompute_depth > 0).flatten()
-    embeds = gather_input_embeds(adapter, plan, entries, index)
-    result = selective_prefill(adapter, plan, kv, embeds, hook=policy.layer_hook(plan))
-    first_token = result.logits.argmax()
-
-No transformers or vLLM import here: `adapter` is a `mpic.linker.contracts.LayerAdapter`, `kv` a
-`mpic.linker.linked_kv.LinkedKV`.
+No transformers or vLLM import here: `adapter` is a `mpic.linker.contracts.LayerAdapter`,
+`linked_kv` a `mpic.linker.linked_kv.LinkedKV`.
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.linked_kv import LinkedKV
-from mpic.types import LinkPlan
 
 
 class LayerHook(Protocol):
@@ -116,39 +109,3 @@ def run_layers(
     if not bool(full.all()):
         hidden = hidden[rows_of(full)]
     return hidden, host_index[rows[full]], depth
-
-
-def selective_prefill(
-    adapter: LayerAdapter,
-    plan: LinkPlan,
-    linked_kv: LinkedKV,
-    input_embeds: torch.Tensor,
-    hook: LayerHook | None = None,
-    compute_logits: bool = True,
-) -> PrefillResult:
-    """The selective-attention prefill of one prompt in one pass.
-
-    plan: recompute depths set by a policy; linked_kv: already linked (`link_entries`) for the
-    tokens with depth < L; input_embeds [S0, hidden]: embeddings of the tokens with depth > 0
-    in prompt order (`gather_input_embeds`). With compute_logits the last prompt token must be
-    recomputed at every layer and its logits are returned.
-    """
-    index = torch.nonzero(plan.recompute_depth > 0).flatten()
-    assert input_embeds.shape[0] == index.shape[0], "one embedding row per recomputed token"
-    hidden, final_index, run_depth = run_layers(
-        adapter,
-        linked_kv,
-        input_embeds,
-        index,
-        plan.positions[..., index],
-        plan.recompute_depth[index],
-        hook,
-    )
-    depth = plan.recompute_depth.clone()
-    depth[index] = run_depth
-    logits = None
-    if compute_logits:
-        last = plan.num_tokens - 1
-        assert final_index.numel() and int(final_index[-1]) == last, "last token not recomputed"
-        logits = adapter.logits(hidden[-1:])[0].float()
-    return PrefillResult(logits=logits, recompute_depth=depth)

@@ -21,7 +21,7 @@ from mpic.linker.contracts import LayerAdapter
 from mpic.linker.correction import LinkCorrection
 from mpic.linker.link import LinkedItems
 from mpic.linker.linked_kv import LinkedKV
-from mpic.linker.scout import ScoutReport
+from mpic.linker.scout import ScoutTask
 from mpic.linker.selective_prefill import LayerHook
 from mpic.types import CacheEntry, LinkPlan
 
@@ -45,24 +45,39 @@ class Policy(ABC):
 
     @property
     def scouts(self) -> bool:
-        """True: the final depths come from `scout` (a pass over the linked KV run inside
-        `link_and_prefill`); `depths` then gives the scout's own tokens."""
+        """True: the final depths come from a scout (`scout_task`, then `select`: the scout
+        stage of the link pass, `mpic.linker.pipeline.link_pass`); `depths` then gives the
+        scout's own tokens."""
         return False
 
-    def scout(
+    def scout_task(
         self,
         adapter: LayerAdapter,
         plan: LinkPlan,
         entries: Sequence[CacheEntry],
         linked_kv: LinkedKV,
-        cached_prefix: int = 0,
         items: LinkedItems | None = None,
-    ) -> tuple[torch.Tensor, ScoutReport]:
-        """Scouting policies: run the scout over `linked_kv` (every item linked) and return the
-        final int64 [N] depths and the scout's cost. cached_prefix: leading tokens linked
-        exactly (`mpic.linker.prefix`), depth 0 and outside the budget. items: the item K/V
-        just linked (`mpic.linker.link.linked_items`, every item), whose keys the scout scores
-        (None: rotated again from the entries)."""
+        offset: int = 0,
+    ) -> ScoutTask:
+        """Scouting policies: this request's share of the link pass's one scouting pass
+        (`mpic.linker.scout.scout_pass`) over `plan` (the pre-scout depths), every item linked
+        into `linked_kv` (the request's own). items: the item K/V just linked
+        (`mpic.linker.link.linked_items`, every item), whose keys the scout scores (None: rotated
+        again from the entries); offset: the request's first index in the linked KV the pass
+        runs over (a batch's stacked one)."""
+        raise NotImplementedError(f"{self.name} does not scout")
+
+    def select(
+        self,
+        plan: LinkPlan,
+        entries: Sequence[CacheEntry],
+        scores: torch.Tensor,
+        num_layers: int,
+        cached_prefix: int = 0,
+    ) -> torch.Tensor:
+        """Scouting policies: the final int64 [N] depths from the scout's scores float32 [N].
+        cached_prefix: leading tokens linked exactly (`mpic.linker.prefix`), depth 0 and
+        outside the budget."""
         raise NotImplementedError(f"{self.name} does not scout")
 
     @property

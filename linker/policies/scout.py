@@ -1,6 +1,7 @@
 """`scout-<b>`: query-aware selection under a budget of b (a fraction of the prompt's tokens) with
-the APE-style correction of linked keys (linker; runs wherever a plan is built, its scout inside
-`link_and_prefill`).
+the APE-style correction of linked keys (linker; runs wherever a plan is built, its scout in the
+scout stage of the link pass, `mpic.linker.pipeline.link_pass`, batched with the other scouting
+requests of the pass).
 
 1. The plan recomputes the text (as MPIC does) and the last token; everything else is linked.
 2. A scouting pass (`mpic.linker.scout`) runs the text over the linked item KV through the first
@@ -47,7 +48,7 @@ from mpic.linker.correction import LinkCorrection
 from mpic.linker.link import LinkedItems, linked_items
 from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.policies.base import Policy, text_depths
-from mpic.linker.scout import ScoutReport, scout_scores
+from mpic.linker.scout import ScoutTask
 from mpic.types import CacheEntry, LinkPlan
 
 SCOUT_LAYER_SPAN = (2 / 30, 5 / 30)
@@ -180,19 +181,21 @@ class ScoutPolicy(Policy):
         """The layers whose attention the scout scores."""
         return self.layers if self.layers is not None else scout_layers(num_layers)
 
-    def scout(
+    def scout_task(
         self,
         adapter: LayerAdapter,
         plan: LinkPlan,
         entries: Sequence[CacheEntry],
         linked_kv: LinkedKV,
-        cached_prefix: int = 0,
         items: LinkedItems | None = None,
-    ) -> tuple[torch.Tensor, ScoutReport]:
-        """Scores from `mpic.linker.scout` (optionally with the correction over every linked
-        item token during the scout), then `select` (the first `cached_prefix` tokens, linked
-        exactly, are outside the budget; the scout still runs them, for exact scores). items:
-        every item token's linked K/V (None: `linked_items` rotates them again)."""
+        offset: int = 0,
+    ) -> ScoutTask:
+        """This request's share of the scouting pass (`mpic.linker.scout.scout_pass`, which
+        scores; `select` then chooses): its scoring layers and question weight, and, with
+        `scout_correction`, the correction over every linked item token set on `linked_kv` for
+        the scout (the link pass clears it after). items: every item token's linked K/V (None:
+        `linked_items` rotates them again); offset: the request's first index in the linked KV
+        the pass runs over."""
         num_layers = adapter.num_layers
         set_correction = getattr(linked_kv, "set_correction", None)
         if self.scout_correction and self.corrects and set_correction is not None:
@@ -202,12 +205,7 @@ class ScoutPolicy(Policy):
             items = linked_items(
                 plan, entries, adapter.rope, num_layers, every_item=True, device=adapter.device
             )
-        scores, report = scout_scores(
-            adapter, plan, entries, linked_kv, layers, items, self.question_weight
-        )
-        if set_correction is not None:
-            set_correction(None)
-        return self.select(plan, entries, scores, num_layers, cached_prefix), report
+        return ScoutTask(plan, entries, items, layers, self.question_weight, offset)
 
     def depths(
         self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int

@@ -1,11 +1,14 @@
-"""Batched linking: the linked requests of one step in ONE selective pass (vLLM worker).
+"""Batched linking: the linked requests of one step in ONE link pass (vLLM worker).
 
 MPIC's selective prefill (docs/design.md "Selective prefill") runs a prompt's recomputed tokens
 layer by layer over its linked KV. Done per request, a step that links 8 requests runs 8 passes
-of L layers of small matmuls. Here the requests' recomputed tokens are concatenated into one
-virtual prompt: request r's prompt index p becomes g = offset_r + p, so `run_layers` (the same
-code as one prompt) runs each layer's norms, projections and MLP once over all of them, and
-`BatchedPagedKV` routes the two cache operations per layer:
+of L layers of small matmuls. `link_batch` hands them to the linker's one link pass
+(`mpic.linker.pipeline.link_pass`, the reference runner's too, as its batch of one): each
+request's entries and cached prefix linked, ONE scouting pass for all the scouting requests
+(the default `auto`), each request's correction set, then ONE selective pass in which the
+requests' recomputed tokens are concatenated into one virtual prompt (request r's prompt index
+p becomes g = offset_r + p), so each layer's norms, projections and MLP run once over all of
+them. `BatchedPagedKV` routes the two cache operations per layer:
 
 - write: one `cpu_attn_reshape_and_cache` with every token's own slot
   (`block_ids_r[p // bs] * bs + p % bs`);
@@ -16,13 +19,9 @@ code as one prompt) runs each layer's norms, projections and MLP once over all o
 
 On other devices (CUDA), and when a request of the batch carries the linked-key correction
 (its corrected attention reads its own K/V mirrors), the two operations loop over the requests'
-`PagedLinkedKV`s (one call each); the layer compute is still shared.
-
-Each request is prepared alone by the linker's `prepare_pass` (the same code as the one-request
-`link_and_prefill`: its entries and cached prefix linked, a scouting policy's scout run over its
-own text, its correction set), then the recomputed tokens of all of them run the layers
-together. Policies whose pass needs the whole prompt to itself stay on the one-request path
-(`link_job.joins_batch`: two-step policies, in-pass hooks), as do compression requests.
+`PagedLinkedKV`s (one call each: `mpic.linker.stacked_kv.StackedLinkedKV`); the layer compute
+is still shared. Policies whose pass needs the whole prompt to itself link in a pass of their
+own (`link_job.joins_batch`: two-step policies, in-pass hooks), as do compression requests.
 """
 
 from __future__ import annotations
@@ -36,11 +35,11 @@ from torch import nn
 from mpic.engine.vllm.connector.paged_cpu import CpuPagedOps, cpu_attend_sequences
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.pipeline import prepare_pass
+from mpic.linker.pipeline import LinkedPrefill, link_pass
 from mpic.linker.policies import Policy
 from mpic.linker.prefix import CachedPrefix
 from mpic.linker.recipe import PlannedPrompt
-from mpic.linker.selective_prefill import run_layers
+from mpic.linker.stacked_kv import StackedLinkedKV
 from mpic.types import CacheEntry, LinkPlan
 
 
@@ -55,14 +54,14 @@ class BatchItem:
     block_ids: list[int]
     policy: Policy
     prefix: CachedPrefix | None = None
-    """The template/system prefix linked exactly (`mpic.linker.prefix`: `prepare_pass` writes
+    """The template/system prefix linked exactly (`mpic.linker.prefix`: the link pass writes
     it and gives its tokens depth 0), or None."""
 
 
-class BatchedPagedKV:
+class BatchedPagedKV(StackedLinkedKV):
     """`LinkedKV` over several requests' paged blocks (see the module docstring).
 
-    items: the requests in batch order; offsets[r]: first global index of request r; layers,
+    items: the requests in batch order (offsets[r]: first global index of request r); layers,
     caches: vLLM's per-layer Attention modules and KV tensors; block_size: vLLM's."""
 
     def __init__(
@@ -73,11 +72,8 @@ class BatchedPagedKV:
         block_size: int,
     ) -> None:
         self._items = list(items)
+        super().__init__([it.kv for it in self._items], [it.plan.num_tokens for it in items])
         self._layers, self._caches, self._bs = layers, caches, block_size
-        sizes = [it.plan.num_tokens for it in self._items]
-        self.offsets = torch.tensor([0, *sizes]).cumsum(0)
-        self.total = int(self.offsets[-1])
-        self._req = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
         slots = []
         for it in self._items:
             blocks = torch.tensor(it.block_ids, dtype=torch.int64)
@@ -96,69 +92,25 @@ class BatchedPagedKV:
             self._tables = table
             unused = torch.zeros(1, dtype=torch.int64)  # writes take slots, not blocks
             self._writer = CpuPagedOps(layers, caches, unused, block_size)
-        self._split: tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]] | None = None
-        """(the global index object last split, [(a, b, r, request r's local index)])."""
 
     def _pieces(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
         """Rows [a, b) of `index` (ascending global indices) that are contiguous and in one
         request r: [(a, b, r)]."""
         return self._ranges(index, contiguous=True)
 
-    def _requests(self, index: torch.Tensor) -> list[tuple[int, int, int]]:
-        """Rows [a, b) of `index` (ascending global indices) that belong to request r, one
-        range per request present: [(a, b, r)] (a request's rows are contiguous, requests being
-        laid out in order)."""
-        return self._ranges(index, contiguous=False)
-
-    def _ranges(self, index: torch.Tensor, contiguous: bool) -> list[tuple[int, int, int]]:
-        """Rows of `index` cut where the request changes (and, with `contiguous`, where the
-        global indices jump)."""
-        host = index.cpu()
-        if host.numel() == 0:
-            return []
-        req = self._req[host]
-        cut = req[1:] != req[:-1]
-        if contiguous:
-            cut |= host[1:] != host[:-1] + 1
-        breaks = torch.nonzero(cut).flatten() + 1
-        edges = [0, *breaks.tolist(), int(host.shape[0])]
-        return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
-
-    def _by_request(self, index: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
-        """`_requests(index)` with each request's local index, computed once per index object:
-        `run_layers` hands the same object to every layer until the active set changes, and a
-        request's attention keeps its prepared masks while it gets the same local object."""
-        if self._split is None or self._split[0] is not index:
-            split = [
-                (a, b, r, index[a:b] - int(self.offsets[r])) for a, b, r in self._requests(index)
-            ]
-            self._split = (index, split)
-        return self._split[1]
-
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite global indices `index` [S] of `layer` with k, v [S, H_kv, D]."""
         if self._cpu:
             self._writer.write(layer, self._slots[index.to(self._slots.device)], k, v)
             return
-        for a, b, r, local in self._by_request(index):
-            self._items[r].kv.write(layer, local, k[a:b], v[a:b])
-
-    def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the batched pass runs no in-pass hook (`joins_batch`)")
+        super().write(layer, index, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending global indices -> [S, H, D], each row over its own
         request's keys [0, p]."""
         if not self._cpu:  # one call per request over all its rows
-            out = torch.empty_like(q)
-            for a, b, r, local in self._by_request(index):
-                out[a:b] = self._items[r].kv.attend(layer, q[a:b], local)
-            return out
-        return self._cpu_attend(layer, q, index, self._pieces(index))
-
-    def _cpu_attend(
-        self, layer: int, q: torch.Tensor, index: torch.Tensor, pieces: list[tuple[int, int, int]]
-    ) -> torch.Tensor:
+            return super().attend(layer, q, index)
+        pieces = self._pieces(index)
         host = index.cpu()
         starts = torch.tensor([0] + [b for _, b, _ in pieces], dtype=torch.int32)
         seq_lens = torch.tensor(
@@ -176,34 +128,17 @@ def link_batch(
     layers: list[nn.Module],
     caches: list[torch.Tensor],
     block_size: int,
-) -> list[LinkPlan]:
-    """Link every request of `items` in one selective pass: each request's blocks are zeroed
-    and prepared alone (`prepare_pass`), then the recomputed tokens of all of them run the
-    layers together. Returns each request's plan with its final depths. No logits (vLLM's
+) -> list[LinkedPrefill]:
+    """Link every request of `items` in one link pass (`link_pass` over a `BatchedPagedKV`):
+    each request's blocks zeroed, then linked, scouted, prefilled with the others. Returns each
+    request's outcome (its plan with its final depths, its scout's report). No logits (vLLM's
     forward computes the last token)."""
-    embeds, index, positions, depth, plans = [], [], [], [], []
-    prepared = []
     for it in items:
         it.kv.clear()
-        planned = PlannedPrompt(it.plan, it.entries, it.policy, refs=[], prefix=it.prefix)
-        prepared.append(prepare_pass(adapter, planned, it.kv))
-    batched = BatchedPagedKV(items, layers, caches, block_size)
-    for r, p in enumerate(prepared):
-        plans.append(p.plan)
-        assert p.hook is None, "in-pass hooks do not join a batch (`joins_batch`)"
-        if p.index.numel() == 0:
-            continue
-        embeds.append(p.embeds)
-        index.append(p.index + int(batched.offsets[r]))
-        positions.append(p.plan.positions[..., p.index])
-        depth.append(p.plan.recompute_depth[p.index])
-    if index:
-        run_layers(
-            adapter,
-            batched,
-            torch.cat(embeds),
-            torch.cat(index),
-            torch.cat(positions, dim=-1),
-            torch.cat(depth),
-        )
-    return plans
+    prompts = [
+        PlannedPrompt(it.plan, list(it.entries), it.policy, refs=[], prefix=it.prefix)
+        for it in items
+    ]
+    stacked = BatchedPagedKV(items, layers, caches, block_size)
+    kvs = [it.kv for it in items]
+    return link_pass(adapter, prompts, kvs, stacked, compute_logits=False)

@@ -1,11 +1,10 @@
-"""The worker half of the MPIC KV connector (vLLM worker process).
+"""The worker half of the MPIC KV connector (vLLM worker process): the connector API's glue.
 
 Each step it receives the scheduler half's `MPICConnectorMetadata`
 (`mpic.engine.vllm.connector.link_job`):
 
-- async jobs (`LinkJob.load_async`): their entries are read from the tiered entry store
-  (memory -> disk -> object store, `mpic.storage.entry_store.EntryStore`) on a thread pool, one
-  read per entry, all entries of all jobs in parallel, while vLLM keeps stepping the running
+- async jobs (`LinkJob.load_async`): their entries are read from the tiered entry store on a
+  thread pool (`mpic.engine.vllm.connector.entry_reads`) while vLLM keeps stepping the running
   requests. The jobs whose entries are all in memory go to the linking thread (load mode
   `background`, the default; `reads`: linked in the step), which links them while vLLM's
   forwards go on, and are then reported finished receiving (`transfer_results`). A job whose
@@ -18,29 +17,15 @@ Each step it receives the scheduler half's `MPICConnectorMetadata`
 - sync jobs (compression requests, second phases, load mode `step`): entries read (or taken
   from those read ahead) and the request linked in `start_load_kv`, before the forward.
 
-Linking: the jobs ready together whose policy joins a batch (`link_job.joins_batch`: plain
-policies, and scouting and corrected ones such as the default `auto`, each prepared alone by the
-linker's `prepare_pass`) go through ONE selective pass together
-(`mpic.engine.vllm.connector.batched_link`); the others (two-step policies, in-pass hooks),
-one at a time, through the linker's `link_and_prefill`; both with vLLM's modules
-(`VllmLayerAdapter`) into their paged blocks (`PagedLinkedKV`, with dense K/V mirrors where the
-pass reads them on the CPU layout). A request whose params carry `mpic_press` is an item's
-canonical prompt: its prefill is observed and the item's compressed entry written to the store
-(`mpic.engine.vllm.presses`).
-
-The template/system prefix (`mpic.linker.prefix`, `link_prefix`, on by default): before a
-request is linked, the worker finds, from the plan and the entries it has just read, the longest
-prompt prefix shared with one entry's canonical context (`prefix_length`, the reference runner's
-rule), writes its exact KV (the context's plain prefill over this worker's layer adapter, kept
-once per context in a `PrefixCache`; a context never seen is prefilled on first use) into the
-request's blocks and gives those tokens depth 0: not recomputed, and a scouting policy spends
-their share of the budget on item tokens, as in the reference runner. Where no entry carries a
-context (or the prefill fails) the prefix is recomputed as before. `stats` counts passes and
-requests (`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`), prefixes
-(`prefix_linked` requests, `prefix_tokens`, `prefix_contexts` prefilled) and link
-time (`link_ms_in_step`, `link_ms_background`) with recent spans (`link_spans`, `read_spans`),
-read by the engine's owner with
-`collective_rpc("mpic_connector_stats")`.
+Linking (`mpic.engine.vllm.connector.linking.RequestLinker`): the jobs ready together whose
+policy joins a batch go through ONE link pass together (one scouting pass for the scouting
+requests, one selective pass for all); the others one at a time; the template/system prefix
+linked exactly (`link_prefix`, on by default). `stats` counts passes and requests
+(`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`), scouting passes
+(`scout_passes`, `scouted_requests`, `largest_scout_pass`), prefixes (`prefix_linked` requests,
+`prefix_tokens`, `prefix_contexts` prefilled) and link time (`link_ms_in_step`,
+`link_ms_background`) with recent spans (`link_spans`, `read_spans`), read by the engine's owner
+with `collective_rpc("mpic_connector_stats")`.
 
 The model: the `mpic` vLLM plugin hands this process's model runner to `attach_runner` right
 after vLLM built the connector (through vLLM's own `get_kv_transfer_group()`; see
@@ -49,61 +34,33 @@ after vLLM built the connector (through vLLM's own `get_kv_transfer_group()`; se
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpic.engine.item_press import press_item_entry
 from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.connector.adapter import VllmLayerAdapter
-from mpic.engine.vllm.connector.batched_link import BatchItem, link_batch
-from mpic.engine.vllm.connector.link_job import (
-    LinkJob,
-    MPICConnectorMetadata,
-    joins_batch,
-    load_mode,
-)
+from mpic.engine.vllm.connector.entry_reads import LOAD_ERRORS, EntryReads, off_forward
+from mpic.engine.vllm.connector.link_job import LinkJob, MPICConnectorMetadata, load_mode
 from mpic.engine.vllm.connector.link_pacing import LinkPacer
+from mpic.engine.vllm.connector.linking import RequestLinker
 from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter, guard_runner
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
-from mpic.errors import MPICError
-from mpic.linker.pipeline import link_and_prefill
-from mpic.linker.policies import get_policy
-from mpic.linker.policies.base import Policy
-from mpic.linker.prefix import CachedPrefix, PrefixCache, takes_prefix
-from mpic.linker.recipe import PlannedPrompt
+from mpic.linker.pipeline import LinkedPrefill
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
-from mpic.storage.object_store import ObjectNotFoundError
 from mpic.types import CacheEntry, LinkPlan
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 logger = logging.getLogger(__name__)
-
-LOAD_ERRORS = (ObjectNotFoundError, MPICError, OSError, ValueError, KeyError, RuntimeError)
-"""What a failed entry read or link raises (the request then falls back to recomputation)."""
-
-
-LINK_NICE = 0
-"""Nice value of the entry-read and linking threads: the CPU they share with vLLM's engine core
-and front end goes to those first (a step waits on them; a linked request only on its link)."""
-
-
-@dataclasses.dataclass
-class _Loading:
-    """An async job whose entries are being read."""
-
-    job: LinkJob
-    reads: dict[str, Future]
-    began: float
 
 
 class MPICWorker:
@@ -128,11 +85,6 @@ class MPICWorker:
         link_prefix: bool = True,
     ) -> None:
         self.block_size = block_size
-        self.link_prefix = link_prefix
-        self._prefixes: PrefixCache | None = None
-        self._prefix_lock = threading.Lock()
-        """One context prefill at a time (the step and the linking thread may both link)."""
-        self.batch_links = batch_links
         self.mode = load_mode(async_loads)
         self._last_forward = 0.0
         self._pacer = LinkPacer(link_share, self._decoding)
@@ -144,16 +96,13 @@ class MPICWorker:
         self._adapter: VllmLayerAdapter | None = None
         self._store: EntryStore | None = None
         self._capture: vllm_upload.KVCapture | None = None
-        self._pool = ThreadPoolExecutor(
-            fetch_threads, thread_name_prefix="mpic-entry-read", initializer=self._off_forward
-        )
         self._main_cpus: set[int] = set()
+        self._reads = EntryReads(self.store, fetch_threads, lambda: self._main_cpus)
         self._link_thread = ThreadPoolExecutor(
             1, thread_name_prefix="mpic-link", initializer=self._on_linking_thread
         )
         self._lock = threading.Lock()
         """Guards what the linking thread reports (`_recved`, `_failed`, `_dropped`, stats)."""
-        self._loading: dict[str, _Loading] = {}
         self._ready: list[tuple[LinkJob, list[CacheEntry]]] = []
         """Async jobs whose entries are in memory, waiting for the linking thread."""
         self._linking: set[str] = set()
@@ -173,6 +122,9 @@ class MPICWorker:
             "link_passes": 0,
             "linked_requests": 0,
             "largest_pass": 0,
+            "scout_passes": 0,
+            "scouted_requests": 0,
+            "largest_scout_pass": 0,
             "failed": 0,
             "link_ms_in_step": 0.0,
             "link_ms_background": 0.0,
@@ -181,11 +133,22 @@ class MPICWorker:
             "prefix_tokens": 0,
             "prefix_contexts": 0,
         }
-        """Counters; `link_ms_*`: wall time of link passes inside steps / on the linking
-        thread; `link_spans`: the last 64 link batches (start, end, requests, "step" or
-        "thread"); `read_spans`: the last 64 async jobs' reads (start, all entries in memory,
-        entries), both in `time.perf_counter` (CLOCK_MONOTONIC: comparable across this host's
-        processes; `mpic bench linking` lays them beside the decoders' tokens)."""
+        """Counters; `scout_passes`: one per link pass with scouting requests (`scouted_requests`);
+        `link_ms_*`: wall time of link passes inside steps / on the linking thread;
+        `link_spans`: the last 64 link batches (start, end, requests, "step" or "thread");
+        `read_spans`: the last 64 async jobs' reads (start, all entries in memory, entries),
+        both in `time.perf_counter` (CLOCK_MONOTONIC: comparable across this host's processes;
+        `mpic bench linking` lays them beside the decoders' tokens)."""
+        self._linker = RequestLinker(
+            block_size,
+            link_prefix,
+            batch_links,
+            self.adapter,
+            self.store,
+            lambda: self._kv_caches,  # registered after this
+            self.stats,
+            self._lock,
+        )
         self._shifted: list[PagedLinkedKV] = []
         """Linked KV whose keys are shifted for this step's forward (restored after it)."""
 
@@ -247,35 +210,31 @@ class MPICWorker:
         in_step: list[tuple[LinkJob, list[CacheEntry]]] = []
         for job in meta.jobs:
             if job.load_async:
-                self._start_reads(job)
+                self._reads.start(job)
                 continue
             try:  # synchronous (or a second phase): read now unless read ahead
                 held = self._held.pop(job.req_id, None)
                 in_step.append((job, held or [self.store().get(e) for e in job.entry_ids]))
             except LOAD_ERRORS as exc:
                 self._fail(job, exc)
-        for rid, loading in list(self._loading.items()):
-            if not all(r.done() for r in loading.reads.values()):
-                continue
-            del self._loading[rid]
-            try:
-                got = {e: r.result() for e, r in loading.reads.items()}
-            except LOAD_ERRORS as exc:
-                self._fail(loading.job, exc)
+        for loaded in self._reads.finished():
+            rid = loaded.job.req_id
+            if loaded.error is not None:
+                self._fail(loaded.job, loaded.error)
                 continue
             now = time.perf_counter()
-            logger.debug("MPIC: %s entries in memory in %.1f ms", rid, 1e3 * (now - loading.began))
-            self._span("read_spans", (loading.began, now, len(loading.reads)))
-            entries = [got[e] for e in loading.job.entry_ids]
-            if loading.job.phase2 == "link":  # linked in its last token's step
+            logger.debug("MPIC: %s entries in memory in %.1f ms", rid, 1e3 * (now - loaded.began))
+            self._span("read_spans", (loaded.began, now, loaded.reads))
+            entries = loaded.entries
+            if loaded.job.phase2 == "link":  # linked in its last token's step
                 self._held[rid] = entries
                 with self._lock:
                     self._recved.add(rid)
                     self.stats["read_ahead"] += 1
             elif self.mode == "background":
-                self._ready.append((loading.job, entries))
+                self._ready.append((loaded.job, entries))
             else:
-                in_step.append((loading.job, entries))
+                in_step.append((loaded.job, entries))
         if in_step:
             began = time.perf_counter()
             self._link_all(in_step)
@@ -289,27 +248,9 @@ class MPICWorker:
         with self._lock:  # a new list: a copy of `stats` being sent never sees it change
             self.stats[key] = [*self.stats.get(key, [])[-63:], span]
 
-    def _start_reads(self, job: LinkJob) -> None:
-        store = self.store()
-        reads = {}
-        for e in dict.fromkeys(job.entry_ids):
-            if e in store.memory:  # a memory hit waits on nothing: read it now
-                reads[e] = Future()
-                try:
-                    reads[e].set_result(store.get(e))
-                except LOAD_ERRORS as exc:
-                    reads[e].set_exception(exc)
-            else:  # disk or the object store: in the background
-                reads[e] = self._pool.submit(store.get, e)
-        self._loading[job.req_id] = _Loading(job, reads, time.perf_counter())
-
     def _drop(self, rid: str) -> None:
         """A request ended while its async job was with this worker."""
-        loading = self._loading.pop(rid, None)
-        if loading is not None:
-            for read in loading.reads.values():
-                read.cancel()
-        else:
+        if not self._reads.cancel(rid):
             with self._lock:
                 if rid in self._linking:  # on the linking thread: reported when linked
                     self._drop_when_linked.add(rid)
@@ -330,32 +271,11 @@ class MPICWorker:
             self._linking = {job.req_id for job, _ in ready}
         self._linking_future = self._link_thread.submit(self._link_in_background, ready)
 
-    def _off_forward(self) -> set[int]:
-        """Move the calling (read or linking) thread off the cores of vLLM's forward, at a low
-        priority (nice `LINK_NICE`, this thread only): vLLM
-        binds its forward's OpenMP threads to a core list and leaves the rest to its other
-        processes, and a thread inherits its creator's binding, so without this the entry
-        reads and the linking would run on the forward's core. Returns the cores it moved to
-        (empty where vLLM took every core: the thread then shares them)."""
-        try:  # below vLLM's engine core and front end, which share the free cores
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LINK_NICE)
-        except OSError as exc:
-            logger.info("MPIC: %s keeps its priority (%s)", threading.current_thread().name, exc)
-        others = set(range(os.cpu_count() or 1)) - self._main_cpus
-        if not self._main_cpus or not others:
-            return set()
-        try:
-            os.sched_setaffinity(0, others)
-        except OSError as exc:
-            logger.info("MPIC: %s keeps vLLM's cores (%s)", threading.current_thread().name, exc)
-            return set()
-        return others
-
     def _on_linking_thread(self) -> None:
         """The linking thread off the forward's cores. Its OpenMP thread count stays as it is:
         that count is process-wide here, and changing it changed the forward's numerics (a
         greedy answer diverged after a preemption in `test_vllm_linking.py`)."""
-        self._off_forward()
+        off_forward(self._main_cpus)
         self.stats["linking_thread_cores"] = len(os.sched_getaffinity(0))
 
     def _link_in_background(self, ready: list[tuple[LinkJob, list[CacheEntry]]]) -> None:
@@ -410,153 +330,37 @@ class MPICWorker:
         return time.perf_counter() - self._last_forward < 0.05
 
     def _link_all(self, ready: list[tuple[LinkJob, list[CacheEntry]]], paced: bool = False) -> None:
+        """Link `ready` (`RequestLinker.link`); on the linking thread (`paced`) one layer at a
+        time between vLLM's steps."""
         adapter: Any = self.adapter()
-        if paced:  # the linking thread: one layer at a time between vLLM's steps
+        if paced:
             pacer = self._pacer if self._pacer.share < 1 else None
             adapter = YieldingAdapter(adapter, self._model_lock, pacer)
-        layers = [adapter.attention_layer(i) for i in range(adapter.num_layers)]
-        caches = [self._kv_caches[layer.layer_name] for layer in layers]
-        batch: list[tuple[LinkJob, BatchItem]] = []
-        for job, entries in ready:
-            began = time.perf_counter()
-            try:
-                plan = job.plan()
-                policy = get_policy(job.policy)
-                prefix = self._prefix(job, policy, plan, entries)
-                if job.press is None and joins_batch(policy):
-                    plan = self._fit(job, plan)
-                    kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
-                    item = BatchItem(plan, entries, kv, job.block_ids, policy, prefix)
-                    batch.append((job, item))
-                    continue
-                self._link_one(job, plan, entries, layers, caches, adapter, prefix)
-            except LOAD_ERRORS as exc:
-                self._fail(job, exc)
-                continue
-            self._linked([job], began)
-        groups = [batch] if self.batch_links else [[one] for one in batch]
-        for group in groups if batch else []:
-            began = time.perf_counter()
-            try:
-                items = [item for _, item in group]
-                plans = link_batch(adapter, items, layers, caches, self.block_size)
-                for (job, item), plan in zip(group, plans, strict=True):
-                    self._shift_last_query(job, item.kv, plan)
-            except LOAD_ERRORS as exc:
-                for job, _ in group:
-                    self._fail(job, exc)
-                continue
-            self._linked([job for job, _ in group], began)
-
-    def _prefix(
-        self, job: LinkJob, policy: Policy, plan: LinkPlan, entries: list[CacheEntry]
-    ) -> CachedPrefix | None:
-        """The request's template/system prefix, linked exactly (module docstring), or None:
-        `link_prefix` off, a compression request, a policy that takes none (`full`, `prefix`,
-        two-step and in-pass-hook policies), no entry context in common, or a failed context
-        prefill (logged; the prefix is then recomputed)."""
-        if not self.link_prefix or job.press is not None:
-            return None
-        if not takes_prefix(policy, plan, self.adapter().num_layers):
-            return None  # these recompute it (`mpic.linker.pipeline`)
-        if self._prefixes is None:
-            self._prefixes = PrefixCache(self.adapter())
-        cache = self._prefixes
-        try:
-            with self._prefix_lock, torch.inference_mode():
-                prefix = cache.lookup(plan, entries)
-        except (RuntimeError, ValueError) as exc:
-            logger.warning("MPIC: %s recomputes its prefix: %s", job.req_id, exc)
-            return None
-        with self._lock:
-            self.stats["prefix_contexts"] = cache.prefills
-            if prefix is not None:
-                self.stats["prefix_linked"] += 1
-                self.stats["prefix_tokens"] += prefix.length
-        return prefix
-
-    def _fit(self, job: LinkJob, plan: LinkPlan) -> LinkPlan:
-        """The plan cut before the last token when that token has no block yet (an async claim
-        of N-1 tokens allocates blocks for N-1 only): vLLM's forward computes it."""
-        if job.num_tokens <= len(job.block_ids) * self.block_size:
-            return plan
-        n = job.num_tokens - 1
-        return dataclasses.replace(
-            plan,
-            token_ids=plan.token_ids[:n],
-            positions=plan.positions[..., :n],
-            source_entry=plan.source_entry[:n],
-            source_offset=plan.source_offset[:n],
-            recompute_depth=plan.recompute_depth[:n],
-        )
-
-    def _link_one(
-        self,
-        job: LinkJob,
-        plan: LinkPlan,
-        entries: list[CacheEntry],
-        layers: list,
-        caches: list[torch.Tensor],
-        adapter: Any,
-        prefix: CachedPrefix | None = None,
-    ) -> None:
-        """The linker's `link_and_prefill` over the whole prompt, into the request's blocks
-        (with `prefix`: its tokens linked exactly, `mpic.linker.prefix`).
-
-        Token N-1 runs too (its block exists), so in-pass selections see the same tokens as in
-        the reference runner; vLLM's forward then recomputes it identically. The plan's depths
-        are the front end's (`mpic.linker.recipe` applied the policy once); the policy object
-        only drives two-step passes and in-pass hooks here. A corrected request's keys are
-        shifted for vLLM's forward of token N-1: now when that forward is this step's, else
-        (linked in the background) in the step that schedules it (`bind`)."""
-        policy = get_policy(job.policy)
-        planned = PlannedPrompt(plan, entries, policy, refs=[], prefix=prefix)
-        kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
-        kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
-        if job.press is not None:  # the item's canonical prefill, observed; compressed entry
-            entry = press_item_entry(adapter, planned, kv, job.press.press, job.press.budget)
-            self.store().put(entry)
-            return
-        link_and_prefill(adapter, planned, kv)
-        self._shift_last_query(job, kv, plan)
-
-    def _paged_kv(
-        self,
-        job: LinkJob,
-        policy: Policy,
-        plan: LinkPlan,
-        layers: list,
-        caches: list[torch.Tensor],
-        adapter: Any,
-    ) -> PagedLinkedKV:
-        """The request's blocks as linked KV, with the dense mirrors its pass reads on a layout
-        that cannot be read (CPU): keys for CacheBlend's hook and the presses, keys and values
-        for the linked-key correction."""
-        mirror = values = None
-        shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
-        if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:
-            mirror = torch.zeros(shape, dtype=adapter.dtype)
-        if policy.corrects:
-            mirror = torch.zeros(shape, dtype=adapter.dtype)
-            values = torch.zeros(shape, dtype=adapter.dtype)
-        return PagedLinkedKV(
-            layers, caches, job.block_ids, self.block_size, keys=mirror, values=values
-        )
+        self._linker.link(ready, adapter, self._fail, self._linked, self._shift_last_query)
 
     def _shift_last_query(self, job: LinkJob, kv: PagedLinkedKV, plan: LinkPlan) -> None:
-        """A corrected request's keys shifted for vLLM's forward of token N-1 (`_link_one`):
-        now when that forward is this step's, else in the step that schedules it."""
+        """A corrected request's keys shifted for vLLM's forward of token N-1
+        (`RequestLinker._link_one`): now when that forward is this step's, else in the step
+        that schedules it."""
         if job.phase2 == "shift":
             with self._lock:
                 self._to_shift[job.req_id] = (kv, plan.num_tokens - 1)
         elif kv.shift_for_last_query(plan.num_tokens - 1):  # vLLM's forward of token N-1
             self._shifted.append(kv)
 
-    def _linked(self, jobs: list[LinkJob], began: float) -> None:
+    def _linked(
+        self, jobs: list[LinkJob], began: float, outs: Sequence[LinkedPrefill] = ()
+    ) -> None:
+        """One link pass done (`outs`: its requests' outcomes, for the scouting counters)."""
+        scouted = sum(1 for out in outs if out.scout is not None and out.scout.layers_run)
         with self._lock:
             self.stats["link_passes"] += 1
             self.stats["linked_requests"] += len(jobs)
             self.stats["largest_pass"] = max(self.stats["largest_pass"], len(jobs))
+            if scouted:  # the pass's one scouting pass, over all its scouting requests
+                self.stats["scout_passes"] += 1
+                self.stats["scouted_requests"] += scouted
+                self.stats["largest_scout_pass"] = max(self.stats["largest_scout_pass"], scouted)
             for job in jobs:
                 if job.load_async:
                     self._report(job, failed=False)
@@ -600,5 +404,5 @@ class MPICWorker:
         return failed
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._reads.shutdown()
         self._link_thread.shutdown(wait=True, cancel_futures=True)

@@ -1,6 +1,7 @@
 """The MPIC connector's scheduler half and the batched pass's request routing, without an engine
 (fast): which claims are asynchronous, what each step ships, the drop protocol of requests that
-end while their entries load, and how a batch splits queries into per-request runs."""
+end while their entries load, how a batch splits queries into per-request runs, and a batch of
+scouting requests linked by `link_batch` (one scouting pass) equal to each linked alone."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import torch
 
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
-from mpic.engine.vllm.connector.batched_link import BatchedPagedKV, BatchItem
+from mpic.engine.vllm.connector.batched_link import BatchedPagedKV, BatchItem, link_batch
 from mpic.engine.vllm.connector.link_job import LinkJob, batchable, joins_batch, needs_last_token
+from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps
+from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.engine.vllm.connector.scheduler import MPICScheduler
+from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.pipeline import link_and_prefill
+from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
+from mpic.linker.recipe import with_policy
 from mpic.types import LinkPlan
+from tests.engine.vllm.test_paged_kv_layout import BLOCK, vllm_cache
+from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
 BS = 32
 
@@ -197,6 +206,50 @@ def test_batch_splits_queries_by_request_and_maps_slots() -> None:
         9 * BS + 4,
     ]
     assert kv._tables.tolist() == [[7, 3], [9, 0]]
+
+
+def test_a_batch_of_scouting_requests_links_as_each_alone() -> None:
+    # the connector's batched pass over paged blocks (CPU tensors in the FlashAttention layout;
+    # every request mirrored, so each request's own KV serves its rows): the scouting requests
+    # share one scouting pass and select what each selects alone
+    adapter = ToyAdapter(num_layers=6)
+    store = toy_entries(adapter)
+    prompts = [
+        (CONTEXT + [10, IMAGE_ID, 12, IMAGE_ID, 13, 14], ["img-a", "img-b"], "auto"),
+        (CONTEXT + [IMAGE_ID, 20, 21], ["img-b"], "mpic-2"),
+        (CONTEXT + [11, IMAGE_ID, 9, IMAGE_ID, 15], ["img-b", "img-a"], "scout-0.6:s0.8"),
+        (CONTEXT + [IMAGE_ID, 16, 17, 18], ["img-a"], "auto-0.3"),
+    ]
+    caches = [vllm_cache("nhd", 10, 2, 8) for _ in range(adapter.num_layers)]
+    items, refs = [], []
+    for r, (prompt, ids, name) in enumerate(prompts):
+        found = resolve_entries(ids, store)
+        plan = build_plan(toy_spec(adapter), prompt, found)
+        planned = with_policy(plan, unique_entries(plan, found), name, adapter.num_layers)
+        dense = DenseLinkedKV(adapter.num_layers, plan.num_tokens, 2, 8, backend="sdpa_runs")
+        refs.append((link_and_prefill(adapter, planned, dense), dense))
+        block_ids = [2 * r + 1, 2 * r]
+        shape = (adapter.num_layers, len(block_ids) * BLOCK, 2, 8)
+        ops = FlashPagedOps(caches, torch.tensor(block_ids), BLOCK, 8)
+        kv = PagedLinkedKV(
+            [],
+            caches,
+            block_ids,
+            BLOCK,
+            keys=torch.zeros(shape),
+            ops=ops,
+            values=torch.zeros(shape),
+        )
+        items.append(BatchItem(planned.plan, planned.entries, kv, block_ids, planned.policy))
+    outs = link_batch(adapter, items, [], caches, BLOCK)
+    for item, out, (ref, dense) in zip(items, outs, refs, strict=True):
+        assert torch.equal(out.plan.recompute_depth, ref.plan.recompute_depth)
+        assert out.result.logits is None  # vLLM's forward computes the last token
+        index = torch.arange(item.plan.num_tokens)
+        for layer in range(adapter.num_layers):
+            keys = item.kv.read_keys(layer, index)
+            torch.testing.assert_close(keys, dense.keys[layer], rtol=1e-5, atol=1e-5)
+    assert [out.scout.requests if out.scout else 0 for out in outs] == [3, 0, 3, 3]
 
 
 def test_link_job_round_trips_the_plan() -> None:

@@ -180,6 +180,10 @@ def test_the_default_in_flight_together_equals_one_at_a_time(setup: Setup) -> No
         after["link_passes"] - before["link_passes"]
         < after["linked_requests"] - before["linked_requests"]
     )
+    # issue 33 item 1: the scouts of a pass share one scouting pass
+    scouted = after["scouted_requests"] - before["scouted_requests"]
+    assert scouted == after["linked_requests"] - before["linked_requests"]
+    assert after["scout_passes"] - before["scout_passes"] < scouted
     expected = setup.ref.generate(pairs[0][0], name, max_new_tokens=12)
     assert together[0].token_ids == expected.tokens
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -52,6 +53,18 @@ def test_linked_in_the_background_then_reported_received(tmp_path) -> None:
     out = w.transfer_results()
     assert out.finished_recving == {"a"} and out.finished_sending == {"b"}
     assert seen[0].startswith("mpic-link") and w.stats["linked_requests"] == 2
+    w.shutdown()
+
+
+def test_a_pass_counts_its_one_scouting_pass(tmp_path) -> None:
+    w = _worker(tmp_path, None)
+    scouted = SimpleNamespace(scout=SimpleNamespace(layers_run=3))
+    plain = SimpleNamespace(scout=None)
+    w._linked([_job("a"), _job("b"), _job("c")], time.perf_counter(), [scouted, plain, scouted])
+    w._linked([_job("d")], time.perf_counter(), [plain])
+    assert w.stats["link_passes"] == 2 and w.stats["linked_requests"] == 4
+    assert w.stats["scout_passes"] == 1 and w.stats["scouted_requests"] == 2
+    assert w.stats["largest_scout_pass"] == 2
     w.shutdown()
 
 
