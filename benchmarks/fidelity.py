@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from mpic.benchmarks.noise_floor import kl_text
+from mpic.engine.answers import exact_prefix, token_agreement
 from mpic.linker.prompt import tokenizer_of
 
 if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
@@ -282,28 +283,6 @@ def _lcs_length(a: list[str], b: list[str]) -> int:
             row[j] = prev + 1 if x == y else max(row[j], row[j - 1])
             prev = cur
     return row[-1]
-
-
-def token_agreement(tokens: list[int], ref: list[int], length: int, eos: int | None) -> float:
-    """Share of the first `length` positions with equal tokens (a sequence that stopped is padded
-    with `eos`)."""
-    a, b = _padded(tokens, length, eos), _padded(ref, length, eos)
-    return sum(x == y for x, y in zip(a, b, strict=True)) / length
-
-
-def exact_prefix(tokens: list[int], ref: list[int], length: int, eos: int | None) -> int:
-    """How many leading tokens (of at most `length`) equal the reference's."""
-    count = 0
-    for x, y in zip(_padded(tokens, length, eos), _padded(ref, length, eos), strict=True):
-        if x != y:
-            break
-        count += 1
-    return count
-
-
-def _padded(tokens: list[int], length: int, eos: int | None) -> list[int]:
-    pad = -1 if eos is None else eos
-    return (list(tokens) + [pad] * length)[:length]
 
 
 def run_fidelity(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import typer
 
-from mpic.benchmarks.linking_load import png
+from mpic.benchmarks.linking_requests import png
 
 WORDS = (
     "river stone harbor signal lantern orchard meadow copper violet engine window ledger canyon "

@@ -179,7 +179,8 @@ def command(
     import os
 
     from mpic.cli.serve_flags import FlagError, ServeFlags, api_keys, apply_flags, key_env
-    from mpic.deployments.config import DEPLOYMENT_NAMES, load_config
+    from mpic.deployments.config import load_config
+    from mpic.deployments.deployment_config import DEPLOYMENT_NAMES
     from mpic.deployments.local import start_local, stop_local
     from mpic.errors import MPICError
 

@@ -14,7 +14,8 @@ from ray import serve
 from ray.serve import Application
 
 from mpic.deployments.client_errors import answering_client_errors
-from mpic.deployments.config import DeploymentConfig, ServeAppConfig, deployment_options
+from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.deployment_config import DeploymentConfig, deployment_options
 from mpic.deployments.http.ingress import Ingress
 from mpic.deployments.serve.admission import WORKER_SIDE_CALLS, worker_capacity
 from mpic.deployments.serve.policy_check import model_layers

@@ -2,8 +2,10 @@
 
 `ServeAppConfig` is loaded from YAML (`deployments/serve_config.yaml` carries it under
 `applications[0].args`, the k8s RayService under `serveConfigV2`) and passed down unchanged to
-every deployment; `deployment_options(...)` turns one `DeploymentConfig` into the keyword
-arguments of `serve.deployment(...)` (Ray Serve LLM style).
+every deployment. This module holds the root object, where API keys come from, the engine config
+(a union by `kind`) and the live fidelity guarantee's settings; two sections have modules of
+their own: each deployment's resources and scaling (`mpic.deployments.deployment_config`) and
+the request limits (`mpic.deployments.limits_config`).
 """
 
 from __future__ import annotations
@@ -14,69 +16,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
+from mpic.deployments.deployment_config import DeploymentConfig
+from mpic.deployments.limits_config import LimitsConfig
 from mpic.engine.vllm.config import VllmOptions
 from mpic.errors import InvalidRequestError
 from mpic.storage.config import StorageConfig
-
-DEPLOYMENT_NAMES = ("Ingress", "Encoder", "Retriever", "Resolver", "LLMWorker")
-"""The Serve deployment names; the k8s test checks serveConfigV2 against this tuple."""
-
-
-class AutoscalingOptions(BaseModel):
-    """Ray Serve in-tree autoscaling of one deployment (`autoscaling_config`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
-    max_replicas: int = Field(1, ge=1, description="Most replicas Serve may start.")
-    target_ongoing_requests: float = Field(
-        2.0, gt=0, description="Ongoing requests per replica Serve aims for (Ray >= 2.60 name)."
-    )
-    upscale_delay_s: float = Field(3.0, ge=0, description="How long load must stay high.")
-    downscale_delay_s: float = Field(60.0, ge=0, description="How long load must stay low.")
-    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas report load.")
-    look_back_period_s: float = Field(5.0, gt=0, description="Window the load is averaged over.")
-
-
-class DeploymentConfig(BaseModel):
-    """Resources and scaling of one deployment."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per replica (fractions ok).")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (LLM worker on GPU nodes).")
-    max_ongoing_requests: int = Field(
-        16,
-        ge=1,
-        description="Concurrent requests per replica. Unset on the LLM worker: its engine "
-        "budget (limits.max_requests_in_flight, vLLM's max_num_seqs + engine_queue_seqs) + 8, so "
-        "the budget, not Serve's queue, refuses first (deployments/app.py).",
-    )
-    max_queued_requests: int = Field(
-        64,
-        ge=-1,
-        description="Requests a caller may queue for this deployment beyond max_ongoing_requests "
-        "(Serve's bound; past it HTTP 429 engine_overloaded with Retry-After); -1: unbounded. "
-        "Unset, the deployments on the generation path get -1 while the ingress's TTFT "
-        "admission is on (it bounds what enters; deployments/app.py).",
-    )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources per replica (pins replicas to nodes that offer them).",
-    )
-    autoscaling: AutoscalingOptions = Field(
-        default_factory=AutoscalingOptions, description="Replica range and scaling target."
-    )
-    health_check_period_s: float = Field(
-        2.0,
-        gt=0,
-        description="Serve calls each replica's `check_health` this often; 3 failures in a row "
-        "replace the replica (an LLM worker whose engine died is replaced ~3 periods after; "
-        "Serve's own default is 10 s).",
-    )
-    health_check_timeout_s: float = Field(
-        10.0, gt=0, description="A health check slower than this counts as failed (Serve: 30 s)."
-    )
 
 
 class AuthConfig(BaseModel):
@@ -212,81 +156,6 @@ def engine_config(**fields: Any) -> EngineConfig:
     return TypeAdapter(EngineConfig).validate_python(fields)
 
 
-class LimitsConfig(BaseModel):
-    """Upload and request limits enforced by the ingress."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_upload_bytes: int = Field(
-        8 << 20, ge=1, description="Larger uploads get HTTP 413 (counted while reading)."
-    )
-    max_body_bytes: int = Field(
-        16 << 20,
-        ge=1,
-        description="Larger request bodies (JSON routes, inline images included) get HTTP 413, "
-        "counted while reading.",
-    )
-    max_messages: int = Field(256, ge=1, description="Messages per chat request (else 400).")
-    max_content_parts: int = Field(64, ge=1, description="Content parts per message (else 400).")
-    max_text_chars: int = Field(
-        262144,
-        ge=1,
-        description="Characters of text per chat request (else 400, before any tokenization).",
-    )
-    max_image_pixels: int = Field(
-        16 << 20,
-        ge=1,
-        description="Pixels per image, read from its header before decoding (else HTTP 413).",
-    )
-    max_image_side: int = Field(
-        8192, ge=1, description="Pixels per image side, read from its header (else HTTP 400)."
-    )
-    max_image_aspect_ratio: float = Field(
-        20.0,
-        ge=1,
-        description="Longest over shortest side, read from the header before any decode or "
-        "resize (else HTTP 400): a 100,000 x 1 image is under the pixel limit, but a processor "
-        "that scales its short side up to the model's size would allocate gigabytes.",
-    )
-    max_requests_in_flight: int = Field(
-        32,
-        ge=1,
-        description="Generations one LLM-worker replica runs at once (else HTTP 429 "
-        "engine_overloaded); with the vLLM engine at most max_num_seqs + engine_queue_seqs.",
-    )
-    engine_queue_seqs: int | None = Field(
-        None,
-        ge=0,
-        description="vLLM engine: requests one LLM-worker replica lets wait in vLLM's queue "
-        "beside the max_num_seqs it runs (past them HTTP 429 engine_overloaded, not a wait past "
-        "the TTFT target); None: max_num_seqs (one batch waits).",
-    )
-    max_tokens_in_flight: int = Field(
-        65536,
-        ge=1,
-        description="Estimated prompt + max_tokens of the generations one LLM-worker replica "
-        "runs at once (else HTTP 429).",
-    )
-    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 from the budget.")
-    ttft_target_s: float = Field(
-        10.0,
-        ge=0,
-        description="TTFT the ingress keeps admitted generations under: a request is admitted "
-        "while those waiting for their first token are fewer than ttft_target_s x the measured "
-        "first-token rate (Little's law, mpic.deployments.http.shedding), else HTTP 429 "
-        "server_overloaded with Retry-After; 0: no shedding by the ingress.",
-    )
-    shed_initial_rate: float = Field(
-        2.0, gt=0, description="First tokens per second assumed until the rate is measured."
-    )
-    max_pending_requests: int = Field(
-        1024,
-        ge=1,
-        description="Most requests one ingress replica holds; its Serve max_ongoing_requests is "
-        "raised to this so the application, not Serve's proxy, sheds (with a JSON body).",
-    )
-
-
 class FidelityConfig(BaseModel):
     """The live fidelity guarantee (`mpic.deployments.monitoring.fidelity_monitor`,
     docs/fidelity.md): shadow exact prefills of a sampled fraction of served requests, and the
@@ -308,6 +177,15 @@ class FidelityConfig(BaseModel):
         "requests are admitted on the LLM-worker replica (running or waiting for the engine).",
     )
     max_pending: int = Field(1, ge=1, description="Shadows in flight per replica at most.")
+    answer_tokens: int = Field(
+        16,
+        ge=0,
+        le=256,
+        description="A sampled greedy request's shadow also decodes the exact answer, up to "
+        "this many tokens (and the request's max_tokens), and the share of the served answer's "
+        "positions equal to it goes to /metrics (mpic_fidelity_answer_agreement); 0: the first "
+        "token only.",
+    )
     idle_s: float = Field(
         0.5,
         ge=0,
@@ -413,27 +291,6 @@ class ServeAppConfig(BaseModel):
         "tier and eviction; mpic.deployments.serve.router) or Serve's default power-of-two "
         "choices.",
     )
-
-
-def deployment_options(name: str, cfg: DeploymentConfig) -> dict[str, Any]:
-    """Keyword arguments of `serve.deployment(cls, **opts)` for one deployment."""
-    a = cfg.autoscaling
-    if a.min_replicas > a.max_replicas:
-        raise InvalidRequestError(f"{name}: min_replicas {a.min_replicas} > max {a.max_replicas}")
-    actor: dict[str, Any] = {"num_cpus": cfg.num_cpus}
-    if cfg.num_gpus:
-        actor["num_gpus"] = cfg.num_gpus
-    if cfg.resources:
-        actor["resources"] = dict(cfg.resources)
-    return {
-        "name": name,
-        "ray_actor_options": actor,
-        "max_ongoing_requests": cfg.max_ongoing_requests,
-        "max_queued_requests": cfg.max_queued_requests,
-        "autoscaling_config": {**a.model_dump(), "initial_replicas": max(a.min_replicas, 1)},
-        "health_check_period_s": cfg.health_check_period_s,
-        "health_check_timeout_s": cfg.health_check_timeout_s,
-    }
 
 
 def load_config(path: str | Path | None) -> ServeAppConfig:

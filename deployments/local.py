@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 from mpic.config import MPICHome
-from mpic.deployments.config import DEPLOYMENT_NAMES, ServeAppConfig
+from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.deployment_config import DEPLOYMENT_NAMES
 from mpic.deployments.local_runs import (
     end_orphans,
     end_run,

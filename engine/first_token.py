@@ -32,6 +32,10 @@ class FirstToken:
     """Top-k kind: the token ids of `logprobs` (vLLM)."""
     logprobs: list[float] | None = None
     """Top-k kind: log-probabilities of `token_ids` under the full softmax."""
+    answer: list[int] | None = None
+    """The pass's answer tokens, first one included (the served pass's whole answer, set by
+    `mpic.engine.request_flow.generate`; an exact shadow's greedy continuation when asked for);
+    None when not captured."""
 
     @classmethod
     def from_logits(cls, logits: torch.Tensor) -> FirstToken:

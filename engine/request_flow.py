@@ -161,6 +161,8 @@ async def generate(
     if prefill is None:
         return
     tokens = text.tokens
+    if prefill.first_token is not None:  # a captured pass: the monitor compares its answer too
+        prefill.first_token.answer = list(tokens)
     ended = bool(tokens) and tokens[-1] in engine.spec.end_token_ids
     length = len(tokens) >= request.max_tokens and not (ended and not request.sampling.ignore_eos)
     yield DoneEvent(

@@ -117,15 +117,20 @@ class ServeEngine(ABC):
         return int(limit or 4096)
 
     supports_fidelity: bool = False
-    """True when `generate` honours `LinkedPrompt.capture_first_token` and
-    `exact_first_token` runs (the live fidelity monitor, docs/fidelity.md)."""
+    """True when `generate` honours `LinkedPrompt.capture_first_token` and `exact_pass` runs
+    (the live fidelity monitor, docs/fidelity.md)."""
 
-    async def exact_first_token(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    async def exact_pass(
+        self,
+        prompt: LinkedPrompt,
+        entries: dict[str, CacheEntry],
+        served: FirstToken,
+        answer_tokens: int = 0,
     ) -> FirstToken:
-        """The first-token distribution of an exact prefill (policy `full`) of `prompt`, off
-        the critical path: logits [V], or the logprobs of `served.token_ids` where the engine
-        returns logprobs only (vLLM)."""
+        """An exact pass (policy `full`) of `prompt`, off the critical path: its first-token
+        distribution (logits [V], or the logprobs of `served.token_ids` where the engine
+        returns logprobs only: vLLM) and, with `answer_tokens` > 0, its greedy answer of that
+        many tokens at most (`FirstToken.answer`, stopping after an end id)."""
         raise NotImplementedError(f"{type(self).__name__} runs no fidelity shadows")
 
 

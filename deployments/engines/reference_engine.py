@@ -115,12 +115,17 @@ class ReferenceServeEngine(ServeEngine):
 
     supports_fidelity = True
 
-    async def exact_first_token(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    async def exact_pass(
+        self,
+        prompt: LinkedPrompt,
+        entries: dict[str, CacheEntry],
+        served: FirstToken,
+        answer_tokens: int = 0,
     ) -> FirstToken:
         """Policy `full` over the same prompt (its system prompt, entries and inline images):
-        the first-token logits [V], on a thread under the runner's lock."""
-        return await asyncio.to_thread(self._exact_first_token, prompt, entries)
+        the first-token logits [V] and, when asked, the greedy answer; on a thread under the
+        runner's lock."""
+        return await asyncio.to_thread(self._exact_pass, prompt, entries, answer_tokens)
 
     def request_of(self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]) -> GenerateRequest:
         """The backend's request: `entries` plus the prompt's inline images' entries, computed
@@ -131,17 +136,22 @@ class ReferenceServeEngine(ServeEngine):
 
         return generate_request(prompt, self.cfg.system_prompt, entries, inline_entry)
 
-    def _exact_first_token(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
+    def _exact_pass(
+        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], answer_tokens: int
     ) -> FirstToken:
         request = self.request_of(prompt, entries)
         with self.engine.held() as runner:
-            pre = runner.prefill(
-                request.parts,
-                "full",
-                0,
-                system_prompt=request.system_prompt,
-                entries=request.entries,
-                raw=request.raw,
+            steps = list(
+                runner.stream(
+                    request.parts,
+                    "full",
+                    max(answer_tokens, 1),
+                    system_prompt=request.system_prompt,
+                    entries=request.entries,
+                    raw=request.raw,
+                )
             )
-        return FirstToken.from_logits(pre.logits)
+        exact = FirstToken.from_logits(steps[0][1].logits)
+        if answer_tokens > 0:
+            exact.answer = [token for token, _ in steps]
+        return exact

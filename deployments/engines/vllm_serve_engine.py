@@ -155,29 +155,40 @@ class VllmServeEngine(ServeEngine):
 
     supports_fidelity = True
 
-    async def exact_first_token(
-        self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], served: FirstToken
+    async def exact_pass(
+        self,
+        prompt: LinkedPrompt,
+        entries: dict[str, CacheEntry],
+        served: FirstToken,
+        answer_tokens: int = 0,
     ) -> FirstToken:
         """The exact prompt (the linked request's own exact fallback: every token computed by
-        vLLM, press off), one greedy token, with the raw logprobs of exactly the served pass's
-        top-k token ids (`logprob_token_ids`): vLLM returns logprobs, not logits."""
-        assert self.vllm is not None, "exact_first_token runs in the LLM worker"
+        vLLM, press off), greedy, with the raw first-token logprobs of exactly the served pass's
+        top-k token ids (`logprob_token_ids`: vLLM returns logprobs, not logits) and, when
+        asked, its answer of `answer_tokens` tokens at most."""
+        assert self.vllm is not None, "exact_pass runs in the LLM worker"
         plain = dataclasses.replace(prompt, press=None, budget=None, capture_first_token=False)
         request = await asyncio.to_thread(self.request_of, plain, entries)
         _, linked = await asyncio.to_thread(self.vllm.linked, request)
         exact = await asyncio.to_thread(resolve_fallback, linked)
         ids = list(served.token_ids or [served.top1])
         sampling = {"temperature": 0.0, "logprobs": len(ids), "logprob_token_ids": ids}
-        stream = self.vllm.stream(exact, 1, sampling)
+        first, answer = None, []
+        stream = self.vllm.stream(exact, max(answer_tokens, 1), sampling)
         try:
             async for result in stream:
-                if result.token_ids and (steps := result.extra.get("logprobs")):
+                answer = list(result.token_ids)
+                if first is None and answer and (steps := result.extra.get("logprobs")):
                     step = steps[0]
-                    return FirstToken(
-                        top1=int(result.token_ids[0]),
+                    first = FirstToken(
+                        top1=int(answer[0]),
                         token_ids=ids,
                         logprobs=[float(step[t].logprob) for t in ids],
                     )
         finally:
             await stream.aclose()
-        raise RuntimeError("vLLM returned no first-token logprobs for the exact pass")
+        if first is None:
+            raise RuntimeError("vLLM returned no first-token logprobs for the exact pass")
+        if answer_tokens > 0:
+            first.answer = answer
+        return first

@@ -26,6 +26,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
+from mpic.deployments.chat_request import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FilePart,
+    FileRef,
+    MPICOptions,
+    TextPart,
+)
+from mpic.deployments.http.answer_schemas import PromptTokensDetails, Usage
 from mpic.deployments.http.completion_schemas import (
     Completion,
     CompletionChoice,
@@ -39,16 +48,6 @@ from mpic.deployments.http.completion_schemas import (
 )
 from mpic.deployments.http.http_errors import error_body, status_of
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
-from mpic.deployments.schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    FilePart,
-    FileRef,
-    MPICOptions,
-    PromptTokensDetails,
-    TextPart,
-    Usage,
-)
 from mpic.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ Per served request (`FidelityMonitor`):
    before it starts, after `fidelity.idle_s`, it is shed too if any request arrived meanwhile or
    the load grew (back-to-back traffic whose next request is still in the ingress is not yet
    admitted here; the arrival count sees it).
-3. The shadow: `ServeEngine.exact_first_token` (policy `full`, max 1 token) and `compare`:
+3. The shadow: `ServeEngine.exact_pass` (policy `full`) and `compare`:
    - reference engine: both passes' full first-token logits [V]; KL(exact || served) in float64
      exactly as `mpic bench fidelity` computes it, and top-1 agreement;
    - vLLM: vLLM returns logprobs, not logits. The served pass asks for its top-k raw logprobs
@@ -23,11 +23,19 @@ Per served request (`FidelityMonitor`):
      `topk` KL is KL(p_S || q_S) with both distributions renormalised over the served top-k set
      S (not the full-vocabulary KL: the served pass's probabilities outside S are not returned);
      top-1 agreement is exact (served rank-1 token vs the exact greedy token).
+   - the answer (greedy requests: temperature 0, no penalties, no logit bias): the shadow also
+     decodes the exact greedy answer, `fidelity.answer_tokens` tokens at most (and the
+     request's `max_tokens`), and the served answer's agreement with it is the share of those
+     L positions with the same token (`mpic.engine.answers.token_agreement`, `mpic bench
+     fidelity`'s `agreement_32` at L; an answer that ended is padded past its end token, so
+     two answers that end together agree from there on). The first token alone says whether
+     the answer starts right; this says whether it stays with the exact one.
 4. Results: histograms `mpic_fidelity_kl{policy}` (full-vocabulary KL), `mpic_fidelity_topk_kl`
    (vLLM's top-k KL), `mpic_fidelity_top1_agreement{policy}` (0 or 1 per sample: its mean is
-   the agreement rate); `mpic_fidelity_shadows{outcome}` counts run / shed_load / shed_pending
-   / failed; `mpic_fidelity_recompute_budget` is the loop's current default budget. `policy` is
-   the policy family (`mpic`, `cacheblend`, ...), bounded whatever a request names. One INFO log
+   the agreement rate), `mpic_fidelity_answer_agreement{policy}` (the answer's agreement);
+   `mpic_fidelity_shadows{outcome}` counts run / shed_load / shed_pending / failed;
+   `mpic_fidelity_recompute_budget` is the loop's current default budget. `policy` is the
+   policy family (`mpic`, `cacheblend`, ...), bounded whatever a request names. One INFO log
    line per sample names the request id. With `fidelity.fidelity_target` set, the samples of
    requests served at the default budget (they named neither a policy nor a budget) feed the
    `BudgetController` (`mpic.deployments.monitoring.fidelity_control`).
@@ -51,6 +59,7 @@ from mpic.deployments.monitoring.fidelity_control import (
     budget_policy,
 )
 from mpic.deployments.monitoring.metrics import policy_label
+from mpic.engine.answers import token_agreement
 from mpic.engine.first_token import FirstToken, compare
 
 if TYPE_CHECKING:
@@ -78,6 +87,9 @@ class FidelitySample:
     """The request was served at the default budget (only these samples feed the loop)."""
     token_ids: list[int] | None = None
     """`topk` kind: the served top-k token ids the KL runs over."""
+    answer_agreement: float | None = None
+    """Share of the first `answer_tokens` positions of the served greedy answer equal to the
+    exact one's; None when not compared (a sampled request, or `answer_tokens` 0)."""
 
 
 class _Metrics:
@@ -104,6 +116,13 @@ class _Metrics:
             "mpic_fidelity_top1_agreement",
             description="1 when the served first token's argmax equals the exact one's, else 0.",
             boundaries=[0.5],
+            tag_keys=("policy",),
+        )
+        self.answer = Histogram(
+            "mpic_fidelity_answer_agreement",
+            description="Share of a sampled greedy answer's first tokens (fidelity."
+            "answer_tokens) equal to the exact answer's.",
+            boundaries=[0.1, 0.25, 0.5, 0.75, 0.9, 0.99],
             tag_keys=("policy",),
         )
         self.shadows = RayCounter(
@@ -230,8 +249,12 @@ class FidelityMonitor:
                 self._count("shed_load")
                 return None
             self._count("run")
-            exact = await self.engine.exact_first_token(prompt, entries, served)
+            length = self._answer_length(prompt, served)
+            exact = await self.engine.exact_pass(prompt, entries, served, length)
             kl, agree, kind = compare(exact, served)
+            answer = None
+            if length and exact.answer is not None and served.answer is not None:
+                answer = token_agreement(served.answer, exact.answer, length, None)
         except Exception as exc:  # noqa: BLE001 - a shadow never hurts serving
             self._count("failed")
             logger.warning("request %s: fidelity shadow failed: %s", prompt.request_id, exc)
@@ -240,9 +263,19 @@ class FidelityMonitor:
             self._pending -= 1
         ids = served.token_ids if kind == "topk" else None
         sample = FidelitySample(
-            prompt.request_id, prompt.policy, kl, agree, kind, prompt.policy_defaulted, ids
+            prompt.request_id, prompt.policy, kl, agree, kind, prompt.policy_defaulted, ids, answer
         )
         return self.record(sample)
+
+    def _answer_length(self, prompt: LinkedPrompt, served: FirstToken) -> int:
+        """How many answer tokens the shadow compares: `fidelity.answer_tokens` capped by the
+        request's `max_tokens`; 0 for a sampled (not greedy) request or no captured answer."""
+        s = prompt.sampling
+        greedy = s.temperature == 0 and not s.logit_bias
+        greedy &= s.presence_penalty == 0 and s.frequency_penalty == 0
+        if not greedy or served.answer is None:
+            return 0
+        return min(self.cfg.answer_tokens, prompt.max_tokens)
 
     def record(self, sample: FidelitySample) -> FidelitySample:
         """Metrics, log line and the budget loop for one sample."""
@@ -251,19 +284,26 @@ class FidelityMonitor:
             sample.kl, tags={"policy": family}
         )
         self.metrics.top1.observe(float(sample.top1_agree), tags={"policy": family})
+        if sample.answer_agreement is not None:
+            self.metrics.answer.observe(sample.answer_agreement, tags={"policy": family})
         self.samples.append(sample)
+        answer = (
+            "" if sample.answer_agreement is None else f", answer {sample.answer_agreement:.2f}"
+        )
         logger.info(
-            "request %s: fidelity %s KL %.6g, top-1 %s (policy %s)",
+            "request %s: fidelity %s KL %.6g, top-1 %s%s (policy %s)",
             sample.request_id,
             sample.kind,
             sample.kl,
             "agrees" if sample.top1_agree else "differs",
+            answer,
             sample.policy,
             extra={
                 "request_id": sample.request_id,
                 "fidelity_kl": sample.kl,
                 "fidelity_kind": sample.kind,
                 "fidelity_top1_agree": sample.top1_agree,
+                "fidelity_answer_agreement": sample.answer_agreement,
                 "policy": sample.policy,
             },
         )
@@ -284,6 +324,9 @@ class FidelityMonitor:
         if self.samples:
             out["kl_mean"] = sum(s.kl for s in self.samples) / len(self.samples)
             out["top1_agreement"] = sum(s.top1_agree for s in self.samples) / len(self.samples)
+            answers = [s.answer_agreement for s in self.samples if s.answer_agreement is not None]
+            if answers:
+                out["answer_agreement"] = sum(answers) / len(answers)
         if self.controller is not None:
             out["recompute_budget"] = self.controller.budget
         return out

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
-from mpic.deployments.schemas import FileList, FileObject
+from mpic.deployments.file_schemas import FileList, FileObject
 from mpic.documents import document_suffix_type
 from mpic.errors import ExpiredError, InvalidRequestError, NotFoundError
 from mpic.storage.config import StorageConfig

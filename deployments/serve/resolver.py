@@ -20,11 +20,7 @@ import re
 
 from ray.serve.handle import DeploymentHandle
 
-from mpic.deployments.client_errors import raising
-from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
-from mpic.deployments.monitoring.replica_logs import use_serve_logging
-from mpic.deployments.schemas import (
+from mpic.deployments.chat_request import (
     ChatCompletionRequest,
     ChatMessage,
     FilePart,
@@ -32,6 +28,10 @@ from mpic.deployments.schemas import (
     MPICOptions,
     TextPart,
 )
+from mpic.deployments.client_errors import raising
+from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.messages import LinkedPrompt, LinkedTurn, Segment
+from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.serve.files import FileCatalog
 from mpic.deployments.serve.policy_check import check_policy
 from mpic.errors import InvalidRequestError, PayloadTooLargeError

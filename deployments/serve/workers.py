@@ -22,12 +22,12 @@ from typing import Any, Literal
 from mpic.deployments.config import ServeAppConfig
 from mpic.deployments.engines.engine import build_engine
 from mpic.deployments.engines.tokenization import detokenize, tokenize_chat, tokenize_text
+from mpic.deployments.file_schemas import FileObject
 from mpic.deployments.messages import DoneEvent, EncodedImage, LinkedPrompt, Segment, TokenEvent
 from mpic.deployments.monitoring.fidelity_monitor import FidelityMonitor
 from mpic.deployments.monitoring.metrics import CompileMetricsExporter, StoreMetricsExporter
 from mpic.deployments.monitoring.replica_logs import use_serve_logging
 from mpic.deployments.monitoring.vllm_metrics import RunningGauge
-from mpic.deployments.schemas import FileObject
 from mpic.deployments.serve.admission import (
     EngineBudget,
     EngineHealth,

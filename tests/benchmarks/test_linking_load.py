@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from mpic.benchmarks.linking_load import batching, head_of_line
+from mpic.benchmarks.linking_batching import batching
+from mpic.benchmarks.linking_hol import head_of_line
 
 pytestmark = pytest.mark.slow
 

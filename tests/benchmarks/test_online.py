@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpic.benchmarks import online, online_workload
-from mpic.benchmarks.online import RatePoint, SystemCurve, summary
+from mpic.benchmarks import online, online_results, online_workload
+from mpic.benchmarks.online_results import RatePoint, SystemCurve, summary
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,8 @@ def test_summary_ratio_and_half_prefix_point() -> None:
 def test_json_round_trip_rebuilds_the_curves(tmp_path: Path) -> None:
     c = _curve(100, [(0.25, 150, 190), (0.5, 150, 250)])
     c.points[0].ttfts_ms = [1.5, 2.5]
-    online.write_outputs({"m": [c]}, {"seed": 0}, tmp_path)
-    results, meta = online.load_results(tmp_path / "online.json")
+    online_results.write_outputs({"m": [c]}, {"seed": 0}, tmp_path)
+    results, meta = online_results.load_results(tmp_path / "online.json")
     assert meta == {"seed": 0} and results == {"m": [c]}
     assert (tmp_path / "online.png").stat().st_size > 1000
 

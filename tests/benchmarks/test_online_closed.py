@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpic.benchmarks import online_closed, online_workload
-from mpic.benchmarks.online_closed import ClosedCurve, Level, level_of, summary
+from mpic.benchmarks.online_closed_results import ClosedCurve, Level, level_of, summary
 
 
 class StubEngine:

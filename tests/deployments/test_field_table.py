@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mpic.deployments.schemas import REJECTED_FIELDS, ChatCompletionRequest, MPICOptions
+from mpic.deployments.chat_request import REJECTED_FIELDS, ChatCompletionRequest, MPICOptions
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 SECTION = "### Chat request fields"

@@ -25,7 +25,8 @@ import jsonschema
 import pytest
 import yaml
 
-from mpic.deployments.config import DEPLOYMENT_NAMES, ServeAppConfig, deployment_options
+from mpic.deployments.config import ServeAppConfig
+from mpic.deployments.deployment_config import DEPLOYMENT_NAMES, deployment_options
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -376,3 +377,21 @@ def test_readiness_probes_ask_whether_every_deployment_can_serve(rayservice) -> 
         (container,) = group["template"]["spec"]["containers"]
         probe = container["readinessProbe"]["httpGet"]
         assert probe == {"path": "/readyz", "port": port}
+
+
+def test_proxies_gate_the_start_up_as_mpic_serve_does(rayservice) -> None:
+    """Every node runs a Serve proxy (`proxy_location: EveryNode`): the head and the GPU workers
+    set the proxy-callback variable `mpic serve` sets (`start_local`), so every route answers
+    JSON 503 `not_ready` until the proxy can route to a running Ingress (`startup_gate`), and
+    the import path it names resolves to the gate's hook."""
+    from mpic.deployments.http.startup_gate import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    assert serve["proxy_location"] == "EveryNode"
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get(PROXY_CALLBACK_ENV) == PROXY_CALLBACK, container["name"]
+    module, _, attr = PROXY_CALLBACK.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))

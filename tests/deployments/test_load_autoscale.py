@@ -57,7 +57,8 @@ def test_low_target_ongoing_requests_adds_a_replica(serve_app: ServeApp) -> None
 
 
 def test_short_load_run(serve_app: ServeApp, tmp_path) -> None:
-    from mpic.benchmarks.load import run_load_async, upload_images, write_outputs
+    from mpic.benchmarks.load import run_load_async, upload_images
+    from mpic.benchmarks.load_report import write_outputs
 
     ids = upload_images(serve_app.url, "alice-key", 2)
     res = asyncio.run(

@@ -113,7 +113,7 @@ def test_vllm_engine_logprob_bytes(qwen_tokenizer) -> None:
     raw = TokenBytes(qwen_tokenizer)  # what the vLLM Serve engine passes
     (item,) = token_logprobs(steps, [BYTE_TOKEN], 2, qwen_tokenizer.decode, raw)
     assert item.raw == bytes([0xBE]) and item.top_raw == [bytes([0xBE]), piece]
-    from mpic.deployments.http.ingress import _logprobs
+    from mpic.deployments.http.chat_routes import chat_logprobs
 
-    (content,) = _logprobs([item]).content
+    (content,) = chat_logprobs([item]).content
     assert content.bytes == [190] and content.top_logprobs[1].bytes == list(piece)

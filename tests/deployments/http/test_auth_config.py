@@ -11,13 +11,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
-from mpic.deployments.config import (
-    AuthConfig,
-    DeploymentConfig,
-    ServeAppConfig,
-    deployment_options,
-    load_config,
-)
+from mpic.deployments.config import AuthConfig, ServeAppConfig, load_config
+from mpic.deployments.deployment_config import DeploymentConfig, deployment_options
 from mpic.deployments.http.auth import DEV_ADMIN_KEY, DEV_KEYS, KeyRing
 from mpic.deployments.http.http_errors import install_error_handlers
 from mpic.errors import (
@@ -30,7 +25,7 @@ from mpic.errors import (
     UnreadableMediaError,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_production_mode_has_no_builtin_keys() -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.deployments.conftest import ADMIN_KEY, KEYS, png
+from tests.deployments.http.test_hardening import _app, _is_error, _png_header
 from tests.deployments.inprocess import fake_config, in_process_app
-from tests.deployments.test_hardening import _app, _is_error, _png_header
 
 
 def _chat(app, key: str = "alice-key", **body):

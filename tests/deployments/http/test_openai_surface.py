@@ -236,7 +236,7 @@ class FailingEngine(FakeServeEngine):
 
 
 def test_error_after_stream_start_is_an_sse_error_event(tmp_path: Path) -> None:
-    kind = "tests.deployments.test_openai_surface:FailingEngine"
+    kind = "tests.deployments.http.test_openai_surface:FailingEngine"
     with in_process_app(fake_config(tmp_path, kind=kind), KEYS, [ADMIN_KEY]) as app:
         body = {
             "model": "mpic",

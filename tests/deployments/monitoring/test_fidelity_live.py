@@ -72,6 +72,7 @@ def test_sampled_kl_equals_offline_kl_on_the_trained_model(
 ) -> None:
     from mpic.benchmarks.fidelity import passages, question_parts
     from mpic.benchmarks.offline import kl_divergence
+    from mpic.engine.answers import token_agreement
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import DocumentRef
 
@@ -82,6 +83,9 @@ def test_sampled_kl_equals_offline_kl_on_the_trained_model(
     full = runner.prefill(parts, "full")
     served = runner.prefill(parts, policy)
     offline_kl = kl_divergence(full.logits, served.logits)
+    exact_answer = runner.generate(parts, "full", 8).tokens
+    served_answer = runner.generate(parts, policy, 8).tokens
+    offline_agreement = token_agreement(served_answer, exact_answer, 8, None)
     assert offline_kl > 0.05  # the documents' reuse moves the answer: the check measures
 
     cfg = _app_config(tmp_path / "store", llava_smollm2_dir, sample_rate=1.0)
@@ -94,13 +98,15 @@ def test_sampled_kl_equals_offline_kl_on_the_trained_model(
                 content.append({"type": "file", "file": {"file_id": fid}})
             else:
                 content.append({"type": "text", "text": part})
-        body = _chat(app, content, "fid-kl", policy)
+        body = _chat(app, content, "fid-kl", policy, max_tokens=8)
         assert body["usage"]["prompt_tokens"] == served.plan.num_tokens  # the same prompt
         sample = _sample(app.worker, "fid-kl")
     print(f"{policy}: sampled KL {sample.kl:.6f}, offline KL {offline_kl:.6f}")
     assert sample.kind == "full" and sample.policy == policy
     assert abs(sample.kl - offline_kl) < 1e-3
     assert sample.top1_agree == (int(full.logits.argmax()) == int(served.logits.argmax()))
+    print(f"answer agreement: sampled {sample.answer_agreement}, offline {offline_agreement}")
+    assert sample.answer_agreement == pytest.approx(offline_agreement)  # over 8 positions
 
 
 @pytest.fixture(scope="module")

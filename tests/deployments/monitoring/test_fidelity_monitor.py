@@ -118,12 +118,16 @@ class StubEngine:
 
     supports_fidelity = True
 
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits, self.calls = logits, 0
+    def __init__(self, logits: torch.Tensor, answer: list[int] | None = None) -> None:
+        self.logits, self.calls, self.answer, self.lengths = logits, 0, answer, []
 
-    async def exact_first_token(self, prompt, entries, served) -> FirstToken:
+    async def exact_pass(self, prompt, entries, served, answer_tokens=0) -> FirstToken:
         self.calls += 1
-        return FirstToken.from_logits(self.logits)
+        self.lengths.append(answer_tokens)
+        exact = FirstToken.from_logits(self.logits)
+        if answer_tokens:
+            exact.answer = (self.answer or [])[:answer_tokens]
+        return exact
 
 
 def _prompt(rid: str, policy: str = "mpic-4", defaulted: bool = False) -> LinkedPrompt:
@@ -210,3 +214,48 @@ def test_monitor_sheds_when_a_request_arrives_while_it_waits() -> None:
 
     asyncio.run(run())
     assert mon.counts == {"shed_load": 1, "run": 1} and engine.calls == 1
+
+
+def test_monitor_compares_greedy_answers_only() -> None:
+    """A greedy request's answer is compared with the exact greedy answer over min(answer_tokens,
+    max_tokens) positions; a sampled one (temperature > 0) and a pass that captured no answer are
+    compared on the first token only."""
+    from mpic.deployments.messages import Sampling
+
+    exact_answer = [5, 6, 7, 2]  # 2: the end id, then both are padded
+    engine = StubEngine(torch.tensor([0.0, 1.0]), answer=exact_answer)
+    cfg = FidelityConfig(sample_rate=1.0, idle_s=0.0, answer_tokens=8)
+    mon = FidelityMonitor(cfg, engine, lambda: 0, None)
+
+    def served(answer: list[int] | None) -> FirstToken:
+        first = FirstToken.from_logits(torch.tensor([0.0, 1.0]))
+        first.answer = answer
+        return first
+
+    async def run(prompt: LinkedPrompt, answer: list[int] | None):
+        assert mon.wants(prompt)
+        return await mon.submit(prompt, {}, served(answer))
+
+    greedy = _prompt("g")  # max_tokens 4: 4 positions compared
+    sample = asyncio.run(run(greedy, [5, 9, 7, 2]))
+    assert sample.answer_agreement == pytest.approx(0.75) and engine.lengths[-1] == 4
+    long = LinkedPrompt(greedy.turns, "mpic-4", 32, request_id="l")  # 8 positions: both ended
+    assert asyncio.run(run(long, [5, 6, 7, 2])).answer_agreement == 1.0
+    assert engine.lengths[-1] == 8
+    early = LinkedPrompt(greedy.turns, "mpic-4", 32, request_id="e")  # ends at position 2
+    assert asyncio.run(run(early, [5, 2])).answer_agreement == pytest.approx(5 / 8)  # 1 + 4 padded
+    sampled = LinkedPrompt(greedy.turns, "mpic-4", 32, sampling=Sampling(temperature=0.7))
+    assert asyncio.run(run(sampled, [5, 6, 7, 2])).answer_agreement is None
+    assert engine.lengths[-1] == 0
+    assert asyncio.run(run(_prompt("n"), None)).answer_agreement is None
+    off = FidelityMonitor(
+        FidelityConfig(sample_rate=1.0, idle_s=0.0, answer_tokens=0), engine, lambda: 0, None
+    )
+
+    async def run_off():
+        p = _prompt("o")
+        assert off.wants(p)
+        return await off.submit(p, {}, served([5]))
+
+    assert asyncio.run(run_off()).answer_agreement is None
+    assert mon.stats()["answer_agreement"] == pytest.approx((0.75 + 1.0 + 5 / 8) / 3)

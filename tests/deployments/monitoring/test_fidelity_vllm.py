@@ -24,6 +24,7 @@ def test_vllm_topk_kl_equals_the_reference_engines(tiny_llava_dir: Path, tmp_pat
     import torch
 
     from mpic.deployments.config import FidelityConfig
+    from mpic.engine.answers import token_agreement
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import ImageRef
 
@@ -82,3 +83,8 @@ def test_vllm_topk_kl_equals_the_reference_engines(tiny_llava_dir: Path, tmp_pat
     print(f"vLLM sampled top-20 KL {sample.kl:.6g}, reference {want:.6g}; stats {stats}")
     assert abs(sample.kl - want) < 1e-3 and want > 0
     assert sample.top1_agree == (int(full.argmax()) == int(served.argmax()))
+    # the answer (greedy, 3 tokens): vLLM's served and exact answers as the reference's
+    exact_answer = offline.generate(parts, "full", 3).tokens
+    served_answer = offline.generate(parts, "full-reuse", 3).tokens
+    want_answer = token_agreement(served_answer, exact_answer, 3, None)
+    assert sample.answer_agreement == pytest.approx(want_answer)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deployments.test_hardening import _app
+from tests.deployments.http.test_hardening import _app
 
 
 def _config(**sections):

@@ -12,8 +12,8 @@ import base64
 import pytest
 import ray.exceptions
 
+from mpic.deployments.chat_request import ChatCompletionRequest
 from mpic.deployments.messages import EncodedImage, LinkedPrompt, LinkedTurn, Segment
-from mpic.deployments.schemas import ChatCompletionRequest
 from mpic.deployments.serve.admission import EngineUnavailableError
 from mpic.deployments.serve.inline import resolve_inline
 from tests.deployments.conftest import png

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from mpic.deployments.chat_request import ChatCompletionRequest
 from mpic.deployments.config import ServeAppConfig
-from mpic.deployments.schemas import ChatCompletionRequest
 from mpic.deployments.serve.resolver import budgeted_policy
 from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy

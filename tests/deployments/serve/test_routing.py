@@ -279,10 +279,16 @@ def test_llm_workers_scale_up_under_load_and_down_when_idle(tiny_llava_dir, tmp_
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = tmp_path / "autoscale.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deployments.test_routing", str(tiny_llava_dir), str(out)],
+        [
+            sys.executable,
+            "-m",
+            "tests.deployments.serve.test_routing",
+            str(tiny_llava_dir),
+            str(out),
+        ],
         cwd=root,
         env={  # no configured keys: its dev-mode app keeps the dev keys (closed otherwise)
             **{

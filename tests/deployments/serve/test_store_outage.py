@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from tests.deployments.conftest import ADMIN_KEY, KEYS, png
+from tests.deployments.http.test_hardening import _is_error
 from tests.deployments.inprocess import in_process_app
-from tests.deployments.test_hardening import _is_error
 
 
 def _config(s3_server, disk: Path):

@@ -17,13 +17,12 @@ from typer.testing import CliRunner
 
 from mpic.benchmarks.fidelity import (
     ROW_KEYS,
-    exact_prefix,
     passages,
     question_parts,
     rouge_l_f1,
     run_fidelity,
-    token_agreement,
 )
+from mpic.engine.answers import exact_prefix, token_agreement
 from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy
 from mpic.linker.prompt import DOCUMENT_PLACEHOLDER, render_prompt_ids
