@@ -202,7 +202,7 @@ def build_prompts(
             ]
             prompts.append(interleaved_prompt(ids))
         return prompts
-    from mpic.benchmarks.fidelity import passages, question_parts
+    from mpic.benchmarks.fidelity_prompts import passages, question_parts
 
     docs = passages(per_prompt * count)
     for p in range(count):

@@ -77,7 +77,7 @@ class VllmCompressBench:
         their entries computed by vLLM."""
         out = []
         if items == "documents":
-            from mpic.benchmarks.fidelity import passages, question_parts
+            from mpic.benchmarks.fidelity_prompts import passages, question_parts
 
             docs = passages(per_prompt * count)
             for p in range(count):

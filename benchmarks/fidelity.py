@@ -37,21 +37,26 @@ results.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
-import re
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mpic.benchmarks.noise_floor import kl_text
-from mpic.engine.answers import exact_prefix, token_agreement
+from mpic.benchmarks.fidelity_prompts import (
+    LAYOUTS,
+    Passage,
+    calibrate_vlcache_on_documents,
+    image_parts,
+    passages,
+    question_parts,
+)
+from mpic.benchmarks.fidelity_report import plot, print_table
+from mpic.engine.answers import exact_prefix, rouge_l_f1, token_agreement
 from mpic.linker.prompt import tokenizer_of
 
 if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
@@ -59,12 +64,10 @@ if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
 
     from mpic.benchmarks.noise_floor import NoiseFloor
     from mpic.engine.hf.reference_runner import ReferenceRunner
-    from mpic.prompt_parts import PromptPart
 
 logger = logging.getLogger(__name__)
 
 GREEDY_TOKENS = 32
-KL_FLOOR = 1e-6
 DEFAULT_POLICIES = (
     "full,full-reuse,cacheblend-15,vlcache-0.1,mpic-32,boundary-16,scout-0.1,scout-0.2,scout-0.3"
 )
@@ -89,200 +92,6 @@ ROW_KEYS = (
 
 WEAK_ITEMS_KL = 0.05
 """Below this KL(full || no items) the items barely change the answer: a warning is printed."""
-
-_MODULES = (
-    "json",
-    "heapq",
-    "difflib",
-    "argparse",
-    "csv",
-    "copy",
-    "configparser",
-    "statistics",
-    "collections",
-    "fileinput",
-    "hashlib",
-    "itertools",
-    "random",
-    "sched",
-    "shelve",
-    "timeit",
-    "uuid",
-    "wave",
-    "plistlib",
-    "struct",
-    "subprocess",
-    "socketserver",
-    "cmd",
-    "tempfile",
-    "unittest",
-    "doctest",
-    "inspect",
-    "tokenize",
-    "smtplib",
-    "ftplib",
-)
-"""Standard-library modules whose docstrings are the passages, in this order (those with too
-short a docstring are skipped)."""
-
-_QUESTIONS = (
-    "What is the {name} module for? Answer in one sentence.",
-    "Summarize the document about the {name} module in two sentences.",
-    "Which functions or classes does the {name} module provide, according to the documents?",
-    "Explain to a beginner when they would use the {name} module.",
-)
-
-
-@dataclass(frozen=True)
-class Passage:
-    """One real text passage: the module it documents and the text."""
-
-    name: str
-    text: str
-
-
-def passages(count: int, chars: int = 700, skip: int = 0) -> list[Passage]:
-    """`count` standard-library docstrings (after skipping `skip` usable ones), each cut at a
-    paragraph (else line) boundary to at most ~`chars` characters. ValueError if the running
-    Python has fewer usable ones."""
-    import importlib
-
-    out: list[Passage] = []
-    usable = 0
-    for name in _MODULES:
-        try:
-            doc = inspect.getdoc(importlib.import_module(name)) or ""
-        except ImportError:
-            continue
-        doc = doc.strip()
-        if len(doc) < chars // 2:
-            continue
-        usable += 1
-        if usable <= skip:
-            continue
-        out.append(Passage(name, _cut(doc, chars)))
-        if len(out) == count:
-            return out
-    raise ValueError(f"only {len(out)} standard-library passages available, {count} needed")
-
-
-def _cut(text: str, chars: int) -> str:
-    """The text up to the last paragraph (or line) end within `chars` characters."""
-    if len(text) <= chars:
-        return text
-    head = text[:chars]
-    for sep in ("\n\n", "\n"):
-        end = head.rfind(sep)
-        if end >= chars // 2:
-            return head[:end].rstrip()
-    return head.rstrip()
-
-
-LAYOUTS = ("user", "system", "two-turn")
-"""Prompt layouts: the items and the question in one user turn; the items in the system turn and
-the question in a user turn; a two-turn conversation whose second user turn links the same items
-again (the first turn asks another question, the assistant's reply is a fixed sentence)."""
-
-_INTRO = "Read the following documents from the Python standard library, then answer the question."
-_REPLY = "I have read the documents."
-
-
-def _item_block(docs: list[Passage], entry_ids: list[str]) -> list[PromptPart]:
-    from mpic.prompt_parts import DocumentRef
-
-    parts: list[PromptPart] = []
-    for i, (doc, entry_id) in enumerate(zip(docs, entry_ids, strict=True), start=1):
-        parts.append(f"\n\nDocument {i} ({doc.name}):\n")
-        parts.append(DocumentRef(entry_id))
-    return parts
-
-
-def _question(docs: list[Passage], question: int) -> str:
-    """Question q asks about document q mod n with template (q + q // n) mod 4, so the first
-    max(n, 4) questions over n documents are distinct prompts (with 4 documents, questions
-    4-7 are not questions 0-3 again)."""
-    n = len(docs)
-    target = docs[question % n]
-    template = _QUESTIONS[(question + question // n) % len(_QUESTIONS)]
-    return "Question: " + template.format(name=target.name)
-
-
-def question_parts(
-    docs: list[Passage], entry_ids: list[str], question: int, layout: str = "user"
-) -> list[PromptPart]:
-    """The prompt of question `question` over `docs` (cached as `entry_ids`) in `layout`
-    (`LAYOUTS`): an introduction, "Document i (module):" before each document, the question
-    last."""
-    from mpic.prompt_parts import Turn
-
-    block = _item_block(docs, entry_ids)
-    if layout == "user":
-        return [_INTRO, *block, "\n\n" + _question(docs, question)]
-    if layout == "system":
-        return [Turn("system"), _INTRO, *block, Turn("user"), _question(docs, question)]
-    if layout == "two-turn":
-        first = _question(docs, question + 1)
-        again = "Here are the same documents again."
-        return [
-            _INTRO,
-            *block,
-            "\n\n" + first,
-            Turn("assistant"),
-            _REPLY,
-            Turn("user"),
-            again,
-            *block,
-            "\n\n" + _question(docs, question),
-        ]
-    raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-
-
-def image_parts(entry_ids: list[str], question: int) -> list[PromptPart]:
-    """A prompt over cached images (LLaVA with the trained language model): the images between
-    short text, then a question about one of them."""
-    from mpic.prompt_parts import ImageRef
-
-    parts: list[PromptPart] = ["Look at the following pictures."]
-    for i, entry_id in enumerate(entry_ids, start=1):
-        parts += [f"\nPicture {i}:\n", ImageRef(entry_id)]
-    asks = (
-        "Describe picture {i}.",
-        "What colours are in picture {i}?",
-        "Compare picture {i} with the others.",
-        "What is shown in picture {i}? Answer briefly.",
-    )
-    i = question % len(entry_ids) + 1
-    parts.append("\n" + asks[question % len(asks)].format(i=i))
-    return parts
-
-
-def rouge_l_f1(candidate: str, reference: str) -> float:
-    """ROUGE-L F1 (beta 1) of two texts over lower-cased word tokens: LCS / len gives recall and
-    precision (Lin 2004). 1.0 for two empty texts, 0.0 if exactly one is empty."""
-    cand, ref = _words(candidate), _words(reference)
-    if not cand or not ref:
-        return float(not cand and not ref)
-    lcs = _lcs_length(cand, ref)
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(cand), lcs / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
-def _lcs_length(a: list[str], b: list[str]) -> int:
-    """Longest common subsequence length (O(len(a) * len(b)) dynamic programme, one row)."""
-    row = [0] * (len(b) + 1)
-    for x in a:
-        prev = 0
-        for j, y in enumerate(b, start=1):
-            cur = row[j]
-            row[j] = prev + 1 if x == y else max(row[j], row[j - 1])
-            prev = cur
-    return row[-1]
 
 
 def run_fidelity(
@@ -415,184 +224,6 @@ def run_fidelity(
             over = base > 0 and row["noise_floor"] is None
             row["kl_over_floor"] = row["kl_first"] / base if over else None
     return rows
-
-
-def calibrate_vlcache_on_documents(
-    runner: ReferenceRunner,
-    target: float,
-    grid: str,
-    documents: int,
-    prompts: int,
-    chars: int = 700,
-    progress: Progress | None = None,
-) -> str:
-    """VLCache's calibrated per-layer schedule for this model (the registry name), measured on
-    `prompts` proxy prompts of `documents` passages disjoint from the benchmark's (VLCache
-    section 4.1, `mpic.linker.vlcache_calibration.calibrate`); its prefill passes are counted
-    on `progress` when given."""
-    from mpic.linker.vlcache_calibration import (
-        ProxyPrompt,
-        calibrate,
-        calibrate_with_progress,
-        parse_grid,
-    )
-
-    # The benchmark uses the first passages; the proxy set takes the ones after its maximum (16).
-    docs = passages(documents * prompts, chars, skip=16)
-    proxies = []
-    for p in range(prompts):
-        chunk = docs[p * documents : (p + 1) * documents]
-        ids = [runner.cache_document(d.text).entry_id for d in chunk]
-        planned = runner.plan(question_parts(chunk, ids, p))
-        proxies.append(ProxyPrompt(planned.plan, planned.entries))
-    levels = parse_grid(grid)
-    if progress is None:
-        cal = calibrate(runner.adapter, proxies, target, levels)
-    else:
-        cal = calibrate_with_progress(runner.adapter, proxies, target, levels, progress)
-    logger.info("calibrated %s: proxy %s", cal.policy, cal.proxy)
-    return cal.policy
-
-
-def over_text(ratio: float | None) -> str:
-    """A KL as a multiple of the noise floor's ("-" where there is none)."""
-    if ratio is None:
-        return "-"
-    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:,.0f}x"
-
-
-def print_table(rows: list[dict[str, Any]], model: str) -> None:
-    """The result table on stdout (with a `KL / floor` column when a noise floor was measured:
-    each row's KL over the first floor's)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    floored = any(r.get("noise_floor") for r in rows)
-    table = Table(title=f"Fidelity vs full recomputation ({model})")
-    cols = ["layout", "items", "policy", "prompt", "recomputed", "KL first"]
-    cols += ["KL / floor"] if floored else []
-    cols += ["KL no items", "effect kept", "agree@32", "exact prefix", "ROUGE-L", "TTFT ms"]
-    for col in [*cols, "scout"]:
-        table.add_column(col, justify="left" if col in ("policy", "layout") else "right")
-    for r in rows:
-        kept = r.get("effect_kept")
-        cells = [
-            r.get("layout", "user"),
-            str(r["documents"]),
-            r["policy"],
-            str(r["prompt_tokens"]),
-            f"{r['recomputed_fraction']:.1%}",
-            kl_text(r["kl_first"]),
-        ]
-        cells += [over_text(r.get("kl_over_floor"))] if floored else []
-        cells += [
-            f"{r['kl_no_items']:.3f}",
-            "-" if kept is None else f"{kept:.1%}",
-            f"{r['agreement_32']:.2f}",
-            f"{r['exact_prefix']:.1f}",
-            f"{r['rouge_l']:.3f}",
-            f"{r['ttft_ms']:.0f}",
-            f"{r['scout_tokens']:.0f} x {r['scout_layers']}" if r["scout_layers"] else "-",
-        ]
-        table.add_row(*cells)
-    Console(width=200).print(table)
-
-
-def _group(row: dict[str, Any]) -> tuple[str, int]:
-    return (row.get("layout", "user"), row["documents"])
-
-
-FLOOR_COLORS = ("crimson", "darkorange", "purple", "teal")
-FLOOR_SPAN = 1e3
-"""A noise floor's KL more than this factor below every policy's is named under the KL axis, not
-drawn (a float32 floor near 1e-11 would squash the policies into a corner of the log axis)."""
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """KL of the first token (log scale; exact rows left out) and ROUGE-L against recomputed
-    fraction: colour = policy, marker = document count; the mpic-k and boundary-k families are
-    joined by a line per document count. Noise-floor rows are horizontal lines across both
-    panels (colour = floor, line style = document count): how far beyond noise a policy lies."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_k, ax_r) = plt.subplots(1, 2, figsize=(14, 5.5))
-    counts = sorted({(r.get("layout", "user"), r["documents"]) for r in rows})
-    markers = dict(zip(counts, "osD^v<>p*", strict=False))
-    floor_rows = [r for r in rows if r.get("noise_floor")]
-    rows = [r for r in rows if not r.get("noise_floor")]
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    cmap = plt.get_cmap("tab20")
-    colors = {p: cmap(i % 20) for i, p in enumerate(policies)}
-    for r in rows:
-        x, kw = r["recomputed_fraction"], {"color": colors[r["policy"]], "s": 36}
-        if r["kl_first"] > 0:
-            ax_k.scatter(x, r["kl_first"], marker=markers[_group(r)], **kw)
-        ax_r.scatter(x, r["rouge_l"], marker=markers[_group(r)], **kw)
-    for family, style in (("mpic-", "-"), ("boundary-", "--"), ("scout-", ":")):
-        for n in counts:
-            line = sorted(
-                (r for r in rows if _group(r) == n and r["policy"].startswith(family)),
-                key=lambda r: r["recomputed_fraction"],
-            )
-            if len(line) > 1:
-                xs = [r["recomputed_fraction"] for r in line]
-                ax_k.plot(xs, [max(r["kl_first"], KL_FLOOR) for r in line], "k" + style, lw=0.7)
-                ax_r.plot(xs, [r["rouge_l"] for r in line], "k" + style, lw=0.7)
-    handles = [
-        plt.Line2D([], [], color=colors[p], marker="o", ls="", label=p) for p in policies
-    ] + [
-        plt.Line2D([], [], color="grey", marker=markers[n], ls="", label=f"{n[0]}, {n[1]} items")
-        for n in counts
-    ]
-    floor_handles, notes = _plot_floors(ax_k, ax_r, floor_rows, rows, counts, plt)
-    handles += floor_handles
-    ax_k.set_yscale("log")
-    ax_k.set_xlabel("\n".join(["recomputed fraction of prompt tokens", *notes]))
-    ax_k.set_ylabel("first-token KL vs full (nats; exact policies not shown)")
-    ax_r.set_xlabel("recomputed fraction of prompt tokens")
-    ax_r.set_ylabel("ROUGE-L F1 vs the exact 32-token answer")
-    ax_r.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(
-        "Fidelity against recomputed tokens (lines: mpic-k solid, boundary-k dashed, scout dotted"
-        + ("; horizontal: noise floors)" if floor_rows else ")")
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _plot_floors(
-    ax_k: Any,
-    ax_r: Any,
-    floor_rows: list[dict[str, Any]],
-    rows: list[dict[str, Any]],
-    counts: list[tuple[str, int]],
-    plt: Any,
-) -> tuple[list[Any], list[str]]:
-    """Draw the noise floors as horizontal lines; their legend handles and notes for the floors
-    whose KL is not drawn (far below every policy's, or 0)."""
-    names = list(dict.fromkeys(r["policy"] for r in floor_rows))
-    color = {p: FLOOR_COLORS[i % len(FLOOR_COLORS)] for i, p in enumerate(names)}
-    style = {n: ("-", "--", "-.", ":")[i % 4] for i, n in enumerate(counts)}
-    policy_kls = [r["kl_first"] for r in rows if r["kl_first"] > 0]
-    lowest = min(policy_kls) / FLOOR_SPAN if policy_kls else 0.0
-    notes = []
-    handles = []
-    for r in floor_rows:
-        kw = {"color": color[r["policy"]], "ls": style[_group(r)], "lw": 1.0}
-        label = f"{r['policy']}, {r.get('layout', 'user')} {r['documents']}"
-        if r["kl_first"] > lowest:
-            ax_k.axhline(r["kl_first"], **kw)
-        elif r["kl_first"] > 0:
-            notes.append(f"{label}: KL {r['kl_first']:.1e} (below the axis)")
-        else:
-            notes.append(f"{label}: KL 0 (bit-identical)")
-        ax_r.axhline(r["rouge_l"], **kw)
-        handles.append(plt.Line2D([], [], label=label, **kw))
-    return handles, notes
 
 
 def command(

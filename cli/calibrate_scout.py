@@ -56,7 +56,7 @@ def command(
         raise typer.Exit(code=2)
     import torch
 
-    from mpic.benchmarks.fidelity import passages, question_parts
+    from mpic.benchmarks.fidelity_prompts import passages, question_parts
     from mpic.benchmarks.offline import kl_divergence
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.linker.policies.scout import ScoutPolicy

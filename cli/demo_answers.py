@@ -71,7 +71,7 @@ class AnswerRow:
 
 def documents() -> list[tuple[str, str]]:
     """(module name, text) of the cached documents, the code planted in document `TARGET`."""
-    from mpic.benchmarks.fidelity import passages
+    from mpic.benchmarks.fidelity_prompts import passages
     from mpic.benchmarks.fidelity_task import plant
 
     docs = [(p.name, p.text) for p in passages(DOCUMENTS)]

@@ -11,7 +11,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mpic.benchmarks.fidelity import ROW_KEYS, passages, print_table, run_fidelity
+from mpic.benchmarks.fidelity import ROW_KEYS, run_fidelity
+from mpic.benchmarks.fidelity_prompts import passages
+from mpic.benchmarks.fidelity_report import print_table
 from mpic.benchmarks.fidelity_task import run_task
 from mpic.benchmarks.noise_floor import NOISE_FLOORS, floor_label, make_floor, parse_floors
 

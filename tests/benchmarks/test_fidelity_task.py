@@ -33,7 +33,7 @@ def test_the_prompt_names_every_document_and_asks_last():
 
 
 def test_full_prefill_finds_the_code_the_bare_prompt_cannot(smollm2_runner):
-    from mpic.benchmarks.fidelity import passages
+    from mpic.benchmarks.fidelity_prompts import passages
 
     docs = passages(2, 400)
     rows = run_task(smollm2_runner, docs, [2], ["full", "mpic-32"], trials=2)
