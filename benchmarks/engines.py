@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from mpic.benchmarks.first_token import FirstToken
+from mpic.benchmarks.timed_prefill import TimedPrefill
 from mpic.linker.prompt import PromptPart
 from mpic.types import CacheEntry
 
@@ -44,7 +44,7 @@ class BenchEngine(Protocol):
         """Compute the image's entry and keep it in memory (`Engine.cache_image`'s contract)."""
         ...
 
-    def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
+    def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedPrefill:
         """Prefill `parts` under `policy` and time the first token."""
         ...
 
@@ -96,10 +96,10 @@ class ReferenceBenchEngine:
         """The cached image's entry."""
         return self.runner.cache_image(media)
 
-    def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
+    def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedPrefill:
         """Timed prefill (entries already in memory)."""
         out = self.runner.prefill(parts, policy)
-        return FirstToken(
+        return TimedPrefill(
             out.ttft_s, out.logits, out.plan.num_tokens, out.recomputed_tokens, out.cpu_s
         )
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from tempfile import mkdtemp
 
-from mpic.benchmarks.first_token import FirstToken
+from mpic.benchmarks.timed_prefill import TimedPrefill
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import EngineRequest
 from mpic.linker.prompt import PromptPart
@@ -63,7 +63,7 @@ class VllmBenchEngine:
             return request, plan.num_tokens, plan.num_tokens
         return request, plan.num_tokens, _recomputed(plan, planned.policy.two_step)
 
-    def first_token(self, parts: Sequence[PromptPart], policy: str) -> FirstToken:
+    def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedPrefill:
         """Time one first token; see the module docstring for how each policy is run."""
         timed = parts
         if policy == "prefix":  # a new opening text each time (paper Fig. 3)
@@ -80,7 +80,7 @@ class VllmBenchEngine:
             recomputed -= result.num_cached_tokens
         request, prompt_tokens, _ = self._request(parts, policy)
         (scored,) = self.engine.generate([request], max_tokens=1, logprobs=True)
-        return FirstToken(
+        return TimedPrefill(
             ttft_s=ttft,
             logits=scored.logprobs,
             prompt_tokens=prompt_tokens,

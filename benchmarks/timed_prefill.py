@@ -1,6 +1,7 @@
 """One timed prefill as a benchmark engine reports it (CLI process): the record every bench
-engine returns from `first_token` (`mpic.benchmarks.engines.BenchEngine`). Its own module so
-that engines in other modules (`vllm_engine`) import it without importing the registry."""
+engine returns from `first_token` (`mpic.benchmarks.engines.BenchEngine`; not the serving
+side's first-token distribution, `mpic.engine.first_token.FirstToken`). Its own module so that
+engines in other modules (`vllm_engine`) import it without importing the registry."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 
 @dataclass
-class FirstToken:
+class TimedPrefill:
     """One timed prefill."""
 
     ttft_s: float
