@@ -29,7 +29,8 @@ backend):
 - on CPU, **two fused calls**: PyTorch's CPU flash-attention kernel (the one `F.sdpa` runs
   there), which also returns each row's log-sum-exp, over the linked keys and over the rest
   (keys gathered per group, causal-by-prompt-index masks built once per query set), merged by
-  `merge_groups`: about the cost of one plain attention call;
+  `merge_groups`: about the cost of one plain attention call (`attend_groups` takes the groups'
+  K/V already gathered: the vLLM worker reads them straight from its paged cache);
 - on CUDA the `flex` backend (the default there) runs two compiled FlexAttention calls that
   return their log-sum-exps, merged the same way (`FlexBackend.attend_corrected`; written after
   the H100 run in docs/kernels.md "GPU" and not yet run on a GPU; a call that fails to lower
@@ -209,16 +210,33 @@ def _two_calls(
 ) -> torch.Tensor:
     """The CPU path: one flash-attention call per group (its log-sum-exp returned), merged by
     `merge_groups` in float32. q [S, H, D], keys/values [N, H_kv, D] -> [S, H, D] in q's dtype."""
+    group_a = keys.index_select(0, groups.index_a), values.index_select(0, groups.index_a)
+    group_b = keys.index_select(0, groups.index_b), values.index_select(0, groups.index_b)
+    return attend_groups(q, group_a, group_b, s, scale, groups)
+
+
+def attend_groups(
+    q: torch.Tensor,
+    group_a: tuple[torch.Tensor, torch.Tensor],
+    group_b: tuple[torch.Tensor, torch.Tensor],
+    s: float,
+    scale: float,
+    groups: Groups,
+) -> torch.Tensor:
+    """The two-call CPU path over K/V already split into the groups: group_a = the keys and
+    values at `groups.index_a` ([N_A, H_kv, D] each), group_b likewise at `groups.index_b`
+    (a caller that reads them straight from its own cache, e.g. a paged one, gathers only these
+    rows). Same result as `corrected_attention` over the full K/V with the same `groups`."""
     flash = _flash_with_lse()
     qh = q.float().transpose(0, 1)[None]  # [1, H, S, D]
     parts = []
-    for index, mask in ((groups.index_a, groups.mask_a), (groups.index_b, groups.mask_b)):
-        if index.numel() == 0:  # an empty group: weight 0 (lse -inf)
+    for (keys, values), mask in ((group_a, groups.mask_a), (group_b, groups.mask_b)):
+        if keys.shape[0] == 0:  # an empty group: weight 0 (lse -inf)
             lse = torch.full(qh.shape[1:3], -math.inf)
             parts.append((torch.zeros(qh.shape[1:]), lse))
             continue
-        k = keys.index_select(0, index).float().transpose(0, 1)[None]  # [1, H_kv, N_g, D]
-        v = values.index_select(0, index).float().transpose(0, 1)[None]
+        k = keys.float().transpose(0, 1)[None]  # [1, H_kv, N_g, D]
+        v = values.float().transpose(0, 1)[None]
         out, lse = flash(qh, k, v, attn_mask=mask, scale=scale)
         parts.append((out[0], lse[0]))
     (out_a, lse_a), (out_b, lse_b) = parts

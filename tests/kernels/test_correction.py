@@ -207,3 +207,27 @@ def test_fused_flex_correction_on_cuda(dtype, dim):
         )
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_attend_groups_over_pre_gathered_groups_is_the_two_call_path():
+    # a caller that reads each group's rows itself (the vLLM worker, from its paged cache) gets
+    # the very numbers of `corrected_attention` over the full K/V
+    if correction._flash_with_lse() is None:
+        pytest.skip("no CPU flash kernel with log-sum-exps")
+    g = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim = 40, 4, 2, 16
+    keys, values = (
+        torch.randn(n, kv_heads, dim, generator=g),
+        torch.randn(n, kv_heads, dim, generator=g),
+    )
+    q_index = torch.tensor([3, 4, 17, 30, 31, 39])
+    q = torch.randn(q_index.numel(), heads, dim, generator=g)
+    linked = torch.zeros(n, dtype=torch.bool)
+    linked[5:28] = True
+    state = correction.prepare_corrected(q_index, linked, n)
+    groups = state.groups
+    assert groups is not None
+    split = [(keys[i], values[i]) for i in (groups.index_a, groups.index_b)]
+    got = correction.attend_groups(q, split[0], split[1], 0.8, dim**-0.5, groups)
+    want = corrected_attention(q, q_index, keys, values, linked, 0.8, dim**-0.5, state)
+    assert torch.equal(got, want)

@@ -17,11 +17,15 @@ them. `BatchedPagedKV` routes the two cache operations per layer:
   so each query sees exactly its own request's keys up to its own prompt index (a per-request
   causal mask over its own blocks, the exact mask of the one-request pass).
 
-On other devices (CUDA), and when a request of the batch carries the linked-key correction
-(its corrected attention reads its own K/V mirrors), the two operations loop over the requests'
-`PagedLinkedKV`s (one call each: `mpic.linker.stacked_kv.StackedLinkedKV`); the layer compute
-is still shared. Policies whose pass needs the whole prompt to itself link in a pass of their
-own (`link_job.joins_batch`: two-step policies, in-pass hooks), as do compression requests.
+A request of the batch that carries the linked-key correction attends through its own
+`PagedLinkedKV` at its corrected layers (`PagedLinkedKV.corrects_at`: the corrected kernel over
+its K/V read from its blocks, one call per request and layer), the other requests' rows still
+in the one `cpu_attention_with_kv_cache` call; writes stay one call. On other devices (CUDA),
+and where a request keeps dense mirrors (a CPU layout that could not be learnt), the two
+operations loop over the requests' `PagedLinkedKV`s (one call each:
+`mpic.linker.stacked_kv.StackedLinkedKV`); the layer compute is still shared. Policies whose
+pass needs the whole prompt to itself link in a pass of their own (`link_job.joins_batch`:
+two-step policies, in-pass hooks), as do compression requests.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from mpic.types import CacheEntry, LinkPlan
 @dataclass
 class BatchItem:
     """One request of a batch: its plan (the front end's depths), entries, policy and paged
-    KV (with K/V mirrors when the policy corrects: `PagedLinkedKV.set_correction`)."""
+    KV (its correction, when the policy corrects, set by the pass:
+    `PagedLinkedKV.set_correction`)."""
 
     plan: LinkPlan
     entries: Sequence[CacheEntry]
@@ -81,9 +86,11 @@ class BatchedPagedKV(StackedLinkedKV):
             slots.append(blocks[p // block_size] * block_size + p % block_size)
         device = caches[0].device
         self._slots = torch.cat(slots).to(device)
-        # one CPU op call per layer for all requests, unless a request attends through its own
-        # mirrors (the correction): then, as on CUDA, each request's KV serves its rows
+        # one CPU op call per layer for all requests, unless a request keeps dense mirrors
+        # (an opaque layout): then, as on CUDA, each request's KV serves its rows
         self._cpu = device.type == "cpu" and not any(it.kv.mirrored for it in self._items)
+        self._plain: tuple[torch.Tensor, frozenset[int], list, torch.Tensor] | None = None
+        """(index, corrected requests, their pieces, the other rows) of the last split."""
         if self._cpu:
             width = max(len(it.block_ids) for it in self._items)
             table = torch.zeros(len(self._items), width, dtype=torch.int32)
@@ -110,7 +117,40 @@ class BatchedPagedKV(StackedLinkedKV):
         request's keys [0, p]."""
         if not self._cpu:  # one call per request over all its rows
             return super().attend(layer, q, index)
-        pieces = self._pieces(index)
+        corrected = frozenset(
+            r for r, kv in enumerate(self._kvs) if getattr(kv, "corrects_at", _never)(layer)
+        )
+        if not corrected:
+            return self._attend_plain(layer, q, index, self._pieces(index))
+        held = self._plain
+        if held is None or held[0] is not index or held[1] != corrected:
+            pieces = [p for p in self._pieces(index) if p[2] not in corrected]
+            rows = [torch.arange(a, b) for a, b, _ in pieces]
+            picked = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+            held = (index, corrected, pieces, picked)
+            self._plain = held
+        _, _, pieces, rows = held
+        out = torch.empty_like(q)
+        if pieces:  # the plain requests' rows: one call, their pieces renumbered
+            starts, kept = 0, []
+            for a, b, r in pieces:
+                kept.append((starts, starts + b - a, r))
+                starts += b - a
+            out[rows] = self._attend_plain(layer, q[rows], index[rows], kept)
+        for a, b, r, local in self._by_request(index):
+            if r in corrected:  # the corrected kernel over the request's own blocks
+                out[a:b] = self._kvs[r].attend(layer, q[a:b], local)
+        return out
+
+    def _attend_plain(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        index: torch.Tensor,
+        pieces: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        """ONE `cpu_attention_with_kv_cache` call: each piece (rows [a, b) of q, request r) a
+        virtual sequence over request r's block table."""
         host = index.cpu()
         starts = torch.tensor([0] + [b for _, b, _ in pieces], dtype=torch.int32)
         seq_lens = torch.tensor(
@@ -120,6 +160,11 @@ class BatchedPagedKV(StackedLinkedKV):
         return cpu_attend_sequences(
             self._layers[layer], self._caches[layer], q, starts, seq_lens, block_table
         )
+
+
+def _never(layer: int) -> bool:
+    """`corrects_at` of a linked KV that has no correction."""
+    return False
 
 
 def link_batch(

@@ -7,7 +7,8 @@
 linker's `link_pass`, one scouting pass for the scouting requests, one selective pass for all);
 the others (two-step policies, in-pass hooks) one at a time through the same pass as a batch of
 one (`link_and_prefill`); both with vLLM's modules (`VllmLayerAdapter`) into their paged blocks
-(`PagedLinkedKV`, with dense K/V mirrors where the pass reads them on the CPU layout). A
+(`PagedLinkedKV`, read straight from the blocks; dense K/V mirrors only where a CPU layout
+could not be learnt). A
 request whose params carry `mpic_press` is an item's canonical prompt: its prefill is observed
 and the item's compressed entry written to the store (`mpic.engine.vllm.presses`).
 
@@ -37,7 +38,7 @@ from mpic.engine.vllm.connector.adapter import VllmLayerAdapter
 from mpic.engine.vllm.connector.batched_link import BatchItem, link_batch
 from mpic.engine.vllm.connector.entry_reads import LOAD_ERRORS
 from mpic.engine.vllm.connector.link_job import LinkJob, joins_batch
-from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
+from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV, paged_ops
 from mpic.linker.pipeline import LinkedPrefill, link_and_prefill
 from mpic.linker.policies import get_policy
 from mpic.linker.policies.base import Policy
@@ -212,16 +213,21 @@ class RequestLinker:
         caches: list[torch.Tensor],
         adapter: Any,
     ) -> PagedLinkedKV:
-        """The request's blocks as linked KV, with the dense mirrors its pass reads on a layout
-        that cannot be read (CPU): keys for CacheBlend's hook and the presses, keys and values
-        for the linked-key correction."""
+        """The request's blocks as linked KV. Its pass reads the cache where a policy needs
+        linked K/V (CacheBlend's hook and the presses: keys; the linked-key correction: keys and
+        values): straight from the blocks where the layout is readable (CUDA, and vLLM's CPU
+        cache through its learnt layout, `paged_cpu.cpu_layout`), else from dense mirrors
+        [L, N, H_kv, D] kept here (a CPU layout that could not be learnt)."""
+        blocks = torch.tensor(job.block_ids, dtype=torch.int64, device=caches[0].device)
+        ops = paged_ops(layers, caches, blocks, self.block_size)
         mirror = values = None
-        shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
-        if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:
-            mirror = torch.zeros(shape, dtype=adapter.dtype)
-        if policy.corrects:
-            mirror = torch.zeros(shape, dtype=adapter.dtype)
-            values = torch.zeros(shape, dtype=adapter.dtype)
+        if not ops.readable:
+            shape = (adapter.num_layers, plan.num_tokens, adapter.num_kv_heads, adapter.head_dim)
+            if policy.layer_hook(plan, adapter.num_layers) is not None or job.press is not None:
+                mirror = torch.zeros(shape, dtype=adapter.dtype)
+            if policy.corrects:
+                mirror = torch.zeros(shape, dtype=adapter.dtype)
+                values = torch.zeros(shape, dtype=adapter.dtype)
         return PagedLinkedKV(
-            layers, caches, job.block_ids, self.block_size, keys=mirror, values=values
+            layers, caches, job.block_ids, self.block_size, keys=mirror, ops=ops, values=values
         )

@@ -98,12 +98,23 @@ class FlashPagedOps(PagedKVOps):
         slots = slots.to(key.device)
         return key[slots // self._block_size, slots % self._block_size]
 
-    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The request's blocks by the block table: keys, values [B * bs, H_kv, D]."""
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` straight from the cache."""
+        key, value = self._views[layer]
+        slots = slots.to(key.device)
+        block, offset = slots // self._block_size, slots % self._block_size
+        return key[block, offset], value[block, offset]
+
+    def gather(self, layer: int, num_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's blocks by the block table (those holding [0, num_keys) when given: a
+        host int, no device read): keys, values [B' * bs, H_kv, D]."""
         key, value = self._views[layer]
         heads, dim = key.shape[-2], key.shape[-1]
-        keys = key.index_select(0, self._blocks).reshape(-1, heads, dim)
-        values = value.index_select(0, self._blocks).reshape(-1, heads, dim)
+        blocks = self._blocks
+        if num_keys is not None:
+            blocks = blocks[: -(-num_keys // self._block_size)]
+        keys = key.index_select(0, blocks).reshape(-1, heads, dim)
+        values = value.index_select(0, blocks).reshape(-1, heads, dim)
         return keys, values
 
     def scale(self, layer: int) -> float | None:

@@ -12,6 +12,8 @@ keys, attend), one implementation per layout, picked from the tensors vLLM regis
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from mpic.engine.vllm.connector.paged_cpu import CpuPagedOps
 from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps
 from mpic.engine.vllm.connector.paged_ops import PagedKVOps
 from mpic.kernels.attention import SelectiveAttention
+from mpic.kernels.correction import Groups, attend_groups, prepare_corrected
 from mpic.linker.correction import LinkCorrection
 
 
@@ -38,8 +41,10 @@ class PagedLinkedKV:
 
     `layers[l]` is vLLM's `Attention` module of decoder layer l, `caches[l]` its KV tensor,
     `block_ids` the request's blocks in order; `ops` overrides the layout's ops (tests). `keys`
-    [L, N, H_kv, D] is a dense mirror of the linked keys, updated by every write, that
-    `read_keys` uses where the layout cannot be read directly (CPU); ignored otherwise.
+    (and `values`) [L, N, H_kv, D] are dense mirrors of the linked K/V, updated by every write,
+    that reads use where the layout cannot be read (`PagedKVOps.readable` False: a CPU cache
+    whose layout `paged_cpu.cpu_layout` could not learn); a readable layout needs none (the
+    worker gives none there: `linking.RequestLinker._paged_kv`).
     """
 
     def __init__(
@@ -63,10 +68,15 @@ class PagedLinkedKV:
         self._num_layers = len(caches)
         self._correction: LinkCorrection | None = None
         self._corrected = SelectiveAttention("sdpa_runs")  # mpic.kernels.correction
-        self._last_q: dict[int, tuple[int, torch.Tensor]] = {}
-        """layer -> (prompt index, q [H, D]) of the last query a corrected layer saw."""
-        self._shifted: list[tuple[int, torch.Tensor]] = []
-        """(layer, slots) whose keys `shift_for_last_query` moved (undone by `restore`)."""
+        self._grouped: tuple[torch.Tensor, torch.Tensor, int, Groups, Any, Any] | None = None
+        """(index, linked, N, the two groups, where each group's rows lie) of the last query
+        set whose groups are read straight from the blocks (`attend`)."""
+        self._last_q: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """layer -> (prompt index int64 [1], q [H, D]) of the last query a corrected layer saw
+        (tensors on the queries' device: no host read per layer)."""
+        self._shifted: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        """(layer, prompt indices, their true keys or None with mirrors) whose keys
+        `shift_for_last_query` moved (undone by `restore`)."""
 
     @property
     def mirrored(self) -> bool:
@@ -111,36 +121,79 @@ class PagedLinkedKV:
             raise RuntimeError("PagedLinkedKV built without a key mirror cannot read keys")
         return self._keys[layer, index.to(self._keys.device)]
 
+    def corrects_at(self, layer: int) -> bool:
+        """True when `attend` of `layer` runs the corrected attention (S != 1 there)."""
+        corr = self._correction
+        return corr is not None and corr.active and corr.scale_at(layer) != 1.0
+
     def set_correction(self, correction: LinkCorrection | None) -> None:
         """Apply the APE-style correction of linked keys in `attend` (None: plain). vLLM's CPU
         attention op returns no log-sum-exp, so corrected layers attend through
-        `mpic.kernels.correction` (the reference runner's code) over the request's K/V: gathered
-        from the blocks where the layout is readable, else from the dense mirrors (`keys` and
-        `values`), which must then have been given. Exact against the dense linked KV (same f32
-        inputs, same code)."""
+        `mpic.kernels.correction` (the reference runner's code) over the request's K/V: read
+        from its blocks where the layout is readable (CPU through the learnt layout, CUDA
+        directly), else from the dense mirrors (`keys` and `values`), which must then have been
+        given. Exact against the dense linked KV (the same K/V values, the same code)."""
         if correction is not None and correction.active:
             readable = self._ops.readable and self._values is None
             if not readable and (self._keys is None or self._values is None):
                 raise RuntimeError("the correction on an opaque paged layout needs K/V mirrors")
         self._correction = correction
 
+    def _kv(self, layer: int, num_keys: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's keys and values of `layer` by prompt index, at least [0, num_keys)
+        (None: all its blocks): the mirrors, else read from the blocks."""
+        if self._values is not None and self._keys is not None:
+            return self._keys[layer], self._values[layer]
+        gathered = self._ops.gather(layer, num_keys)
+        assert gathered is not None, "checked by set_correction"
+        return gathered
+
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending prompt indices `index` -> [S, H, D], causal by index."""
-        corr = self._correction
-        if corr is None or not corr.active or corr.scale_at(layer) == 1.0:
+        if not self.corrects_at(layer):
             return self._ops.attend(layer, q, index)
-        if self._values is not None and self._keys is not None:
-            keys, values = self._keys[layer], self._values[layer]
-        else:
-            gathered = self._ops.gather(layer)
-            assert gathered is not None, "checked by set_correction"
-            keys, values = gathered
+        corr = self._correction
+        assert corr is not None
+        # host indices (CPU): read only the blocks up to the last query; on a device, all of
+        # them (reading the last index would wait for the device at every layer)
+        num_keys = int(index[-1]) + 1 if index.device.type == "cpu" else None
+        if num_keys is not None and not self.mirrored and self._ops.readable:
+            grouped = self._attend_groups(layer, q, index, num_keys)
+            if grouped is not None:
+                return grouped
+        keys, values = self._kv(layer, num_keys)
         index = index.to(keys.device)
         linked = corr.linked(layer, int(keys.shape[0]), keys.device)
-        self._last_q[layer] = (int(index[-1]), q[-1].detach().clone())
+        self._last_q[layer] = (index[-1:].detach(), q[-1].detach().clone())
         return self._corrected(
             q, index, keys, values, self._scale(layer), linked=linked, s=corr.scale_at(layer)
         )
+
+    def _attend_groups(
+        self, layer: int, q: torch.Tensor, index: torch.Tensor, num_keys: int
+    ) -> torch.Tensor | None:
+        """The CPU corrected attention reading only its two groups' rows from the blocks
+        (`mpic.kernels.correction.attend_groups`: the linked keys and the rest, each row read
+        once, located once per query set); None where the kernel takes another path."""
+        corr = self._correction
+        assert corr is not None
+        linked = corr.linked(layer, num_keys, index.device)
+        held = self._grouped
+        if held is None or held[0] is not index or held[1] is not linked or held[2] != num_keys:
+            groups = prepare_corrected(index, linked, num_keys).groups
+            if groups is None:  # no CPU flash kernel with log-sum-exps: the general path
+                return None
+            where_a = self._ops.locate(self.slots(groups.index_a))
+            where_b = self._ops.locate(self.slots(groups.index_b))
+            held = (index, linked, num_keys, groups, where_a, where_b)
+            self._grouped = held
+        _, _, _, groups, where_a, where_b = held
+        self._last_q[layer] = (index[-1:].detach(), q[-1].detach().clone())
+        group_a = self._ops.read_located(layer, where_a)
+        group_b = self._ops.read_located(layer, where_b)
+        scale = self._scale(layer)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return attend_groups(q, group_a, group_b, corr.scale_at(layer), scale, groups)
 
     def _scale(self, layer: int) -> float | None:
         scale = self._ops.scale(layer)
@@ -163,15 +216,12 @@ class PagedLinkedKV:
         if corr is None or not corr.active:
             return 0
         self._shifted = []
-        for layer, (index, q) in sorted(self._last_q.items()):
+        seen = sorted(self._last_q.items())
+        lasts = torch.cat([i.cpu() for _, (i, _) in seen]).tolist() if seen else []  # one read
+        for (layer, (_, q)), index in zip(seen, lasts, strict=True):
             if index != last_index:
                 continue
-            if self._values is not None and self._keys is not None:
-                keys, values = self._keys[layer], self._values[layer]
-            else:
-                gathered = self._ops.gather(layer)
-                assert gathered is not None
-                keys, values = gathered
+            keys, values = self._kv(layer, index + 1)
             n = index + 1
             linked = corr.linked(layer, n, keys.device)
             slots = torch.nonzero(linked).flatten()
@@ -190,15 +240,19 @@ class PagedLinkedKV:
             delta = (qd.transpose(1, 2) @ coef)[..., 0]  # [H_kv, D]
             shifted = (k_linked + delta[None]).to(keys.dtype)
             self._ops.write(layer, self.slots(slots), shifted, values[slots])
-            self._shifted.append((layer, slots))
+            # without mirrors the true keys of the moved rows are kept until `restore`
+            true_keys = None if self.mirrored else keys[slots]
+            self._shifted.append((layer, slots, true_keys))
         return len(self._shifted)
 
     def restore(self) -> None:
         """Write the true linked keys back where `shift_for_last_query` moved them."""
-        for layer, slots in self._shifted:
-            if self._values is not None and self._keys is not None:
-                keys, values = self._keys[layer], self._values[layer]
-            else:
-                raise RuntimeError("restoring shifted keys needs the K/V mirrors")
-            self._ops.write(layer, self.slots(slots), keys[slots], values[slots])
+        for layer, slots, true_keys in self._shifted:
+            cache_slots = self.slots(slots)
+            if true_keys is None:  # the mirrors hold them
+                assert self._keys is not None and self._values is not None
+                keys, values = self._keys[layer][slots], self._values[layer][slots]
+            else:  # values never moved: read them back from the blocks
+                keys, values = true_keys, self._ops.read(layer, cache_slots)[1]
+            self._ops.write(layer, cache_slots, keys, values)
         self._shifted = []

@@ -6,6 +6,7 @@ implementation per layout: `paged_cpu.CpuPagedOps`, `paged_cuda.FlashPagedOps`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -28,9 +29,25 @@ class PagedKVOps(ABC):
         """Keys at `slots` of `layer` [S, H_kv, D], or None where the layout is opaque."""
         return None
 
-    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The request's keys and values of `layer` by prompt index ([B * bs, H_kv, D] each), or
-        None where the layout is opaque (CPU: the linked-key correction then reads mirrors)."""
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` of `layer` [S, H_kv, D] each (readable layouts only)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read its cache")
+
+    def locate(self, slots: torch.Tensor) -> Any:
+        """Where `slots` lie in any layer's cache, for `read_located` (kept across layers: the
+        caches share one shape). Default: the slots themselves."""
+        return slots
+
+    def read_located(self, layer: int, where: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` at slots already located by `locate`."""
+        return self.read(layer, where)
+
+    def gather(
+        self, layer: int, num_keys: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The request's keys and values of `layer` by prompt index ([B * bs, H_kv, D] each;
+        with `num_keys`, at least the blocks holding [0, num_keys) may be all that is read), or
+        None where the layout is opaque (the linked-key correction then reads mirrors)."""
         return None
 
     def scale(self, layer: int) -> float | None:
