@@ -85,11 +85,11 @@ class SelectiveAttention:
         s: float = 1.0,
     ) -> torch.Tensor:
         """See `AttentionBackend.attend`; `q_index` int64 [S] ascending on the keys' device.
-        With `linked` (bool [N]) and s != 1: `AttentionBackend.attend_corrected`."""
+        With `linked` (bool [N]) and s != 1: `AttentionBackend.attend_corrected`. Each state is
+        prepared when first needed: a pass whose every layer is corrected (`auto`) builds no
+        plain mask."""
         num_keys = int(keys.shape[0])
-        if q_index is not self._index or num_keys != self._num_keys:
-            self._state = self.backend.prepare(q_index, num_keys)
-            self._index, self._num_keys = q_index, num_keys
+        fresh = q_index is self._index and num_keys == self._num_keys
         if linked is not None and s != 1.0:
             held = self._corrected
             stale = held is None or held[0] is not q_index or held[1] is not linked
@@ -97,9 +97,13 @@ class SelectiveAttention:
                 prepared = self.backend.prepare_corrected(q_index, linked, num_keys)
                 held = (q_index, linked, num_keys, prepared)
                 self._corrected = held
+            plain = self._state if fresh else None  # the backends' corrected paths ignore it
             return self.backend.attend_corrected(
-                self._state, q, q_index, keys, values, linked, s, scale, held[3]
+                plain, q, q_index, keys, values, linked, s, scale, held[3]
             )
+        if not fresh:
+            self._state = self.backend.prepare(q_index, num_keys)
+            self._index, self._num_keys = q_index, num_keys
         return self.backend.attend(self._state, q, keys, values, scale)
 
 

@@ -57,7 +57,9 @@ class AttentionBackend(ABC):
         """`attend` with the APE-style correction (`mpic.kernels.correction`): the log-sum-exp
         of each query's attention over the `linked` keys (bool [N]) multiplied by `s` before
         merging with the rest. Default: the torch path (materialised scores per query chunk);
-        `corrected_state` from `prepare_corrected`, kept by `SelectiveAttention` across layers."""
+        `corrected_state` from `prepare_corrected`, kept by `SelectiveAttention` across layers;
+        `state` (`prepare`'s) may be None: `SelectiveAttention` prepares it only for plain
+        layers."""
         from mpic.kernels.correction import corrected_attention
 
         return corrected_attention(q, q_index, keys, values, linked, s, scale, corrected_state)

@@ -338,8 +338,11 @@ class FlexBackend(AttentionBackend):
         elif return_lse:
             kwargs["return_lse"] = True
         qh = q.transpose(0, 1)[None]  # [1, H, S, D]
-        kh = keys[: shape.padded_kv].transpose(0, 1)[None]  # [1, H_kv, <= padded_kv, D]
-        vh = values[: shape.padded_kv].transpose(0, 1)[None]
+        if shape.padded_kv < keys.shape[0]:  # else all keys: no slice op
+            keys, values = keys[: shape.padded_kv], values[: shape.padded_kv]
+        # [1, H_kv, <= padded_kv, D]: contiguous (no copy below) when the linked KV is stored
+        # heads-major and every key is read (device indices: `DenseLinkedKV(heads_major=True)`)
+        kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         compiled = self._compiled_for(q)
         head_pad = (1 << (head_dim - 1).bit_length()) - head_dim if compiled else 0
         row_pad, key_pad = shape.padded_rows - shape.rows, shape.padded_kv - kh.shape[2]

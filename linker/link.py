@@ -72,10 +72,13 @@ def linked_items(
             continue
         offsets = plan.source_offset[slots]
         slot_parts.append(slots)
-        old_parts.append(entry.positions.cpu()[..., offsets])
-        offsets = offsets.to(entry.keys.device)
-        key_parts.append(entry.keys[:, offsets].to(target))  # [L, S_e, H_kv, D]
-        value_parts.append(entry.values[:, offsets].to(target))
+        rows = _rows(offsets, entry.keys.device)
+        positions = (
+            entry.positions if entry.positions.device.type == "cpu" else entry.positions.cpu()
+        )
+        old_parts.append(positions[..., rows if isinstance(rows, slice) else offsets])
+        key_parts.append(_to(entry.keys[:, rows], target))  # [L, S_e, H_kv, D]
+        value_parts.append(_to(entry.values[:, rows], target))
     slots = torch.cat(slot_parts)
     keys = rotate_keys(
         torch.cat(key_parts, dim=1),
@@ -84,6 +87,23 @@ def linked_items(
         rope,
     )
     return LinkedItems(slots, keys, torch.cat(value_parts, dim=1))
+
+
+def _rows(offsets: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+    """An entry's rows to link (host int64 offsets, ascending): a slice when they are one
+    contiguous range (mpic-k, full reuse: every row from the k-th on), so the entry's K/V are
+    read in place by the one `cat` of all entries instead of being gathered first; else the
+    offsets on the entry's device (a gather)."""
+    n = int(offsets.numel())
+    first = int(offsets[0])
+    if int(offsets[-1]) - first + 1 == n and torch.equal(offsets, torch.arange(first, first + n)):
+        return slice(first, first + n)
+    return offsets.to(device)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` (no op where it is)."""
+    return t if t.device == device else t.to(device)
 
 
 def link_entries(
@@ -104,21 +124,41 @@ def link_entries(
 def gather_input_embeds(
     adapter: LayerAdapter, plan: LinkPlan, entries: Sequence[CacheEntry], index: torch.Tensor
 ) -> torch.Tensor:
-    """Input embeddings [S, hidden] of the tokens at prompt indices `index` (int64 [S])."""
-    # Row positions are found on the host and written with integer indices: a boolean index on
-    # the device would read its positions back (a sync per entry).
+    """Input embeddings [S, hidden] of the tokens at prompt indices `index` (int64 [S]).
+
+    The rows fall into runs (consecutive text rows; rows of one entry at consecutive offsets:
+    the first k tokens of an image), found on the host; each run is a slice of the text
+    embeddings or of its entry's `input_embeds`, and ONE `cat` joins them: no index tensor is
+    copied to the device and nothing is gathered or scattered row by row (a boolean index on
+    the device would even read its positions back: a sync)."""
     index = index.cpu()  # the plan's tensors live on the host
     src = plan.source_entry[index]
+    offsets = plan.source_offset[index]
     text = src < 0
-    text_rows = text.nonzero().squeeze(1)
     text_embeds = adapter.embed_tokens(plan.token_ids[index][text].to(adapter.device))
-    out = torch.empty(
-        (index.shape[0], text_embeds.shape[-1]), dtype=adapter.dtype, device=adapter.device
-    )
-    out[text_rows.to(adapter.device)] = text_embeds.to(adapter.dtype)
-    offsets_all = plan.source_offset[index]
-    for e_idx in torch.unique(src[~text]).tolist():
-        rows = (src == e_idx).nonzero().squeeze(1)
-        embeds = entries[e_idx].input_embeds[offsets_all[rows]].to(adapter.device, adapter.dtype)
-        out[rows.to(adapter.device)] = embeds
-    return out
+    text_embeds = _cast(text_embeds, adapter.device, adapter.dtype)
+    n = int(index.shape[0])
+    if n == 0:
+        return text_embeds
+    cut = (src[1:] != src[:-1]) | (~text[1:] & (offsets[1:] != offsets[:-1] + 1))
+    edges = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), n]
+    starts = torch.tensor(edges[:-1])
+    pieces, t = [], 0
+    for (a, b), e, o in zip(
+        zip(edges[:-1], edges[1:], strict=True),
+        src[starts].tolist(),
+        offsets[starts].tolist(),
+        strict=True,
+    ):
+        if e < 0:
+            pieces.append(text_embeds[t : t + b - a])
+            t += b - a
+        else:
+            rows = entries[e].input_embeds[o : o + b - a]
+            pieces.append(_cast(rows, adapter.device, adapter.dtype))
+    return torch.cat(pieces)
+
+
+def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`t` on `device` in `dtype` (no op where it is)."""
+    return t if t.device == device and t.dtype == dtype else t.to(device, dtype)

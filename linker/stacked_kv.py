@@ -89,8 +89,9 @@ class StackedLinkedKV:
 
     def attend(self, layer: int, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """q [S, H, D] at ascending global indices -> [S, H, D], each row over its own
-        request's keys [0, p] (one call per request present)."""
-        out = torch.empty_like(q)
-        for a, b, r, local in self._by_request(index):
-            out[a:b] = self._kvs[r].attend(layer, q[a:b], local)
-        return out
+        request's keys [0, p] (one call per request present; their outputs joined by one
+        `cat`, none for a single request)."""
+        parts = [
+            self._kvs[r].attend(layer, q[a:b], local) for a, b, r, local in self._by_request(index)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -213,6 +213,7 @@ class ReferenceRunner:
             a.dtype,
             a.device,
             backend=self.attention_backend,
+            heads_major=True,  # each layer's K/V as the kernels read them: no copy per layer
         )
         if req is None:
             out = link_and_prefill(a, planned, kv)

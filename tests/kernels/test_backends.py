@@ -109,6 +109,34 @@ def test_mask_prepared_once_per_query_set():
     torch.testing.assert_close(outs[0], selected_attention(q, index, k, v))
 
 
+def test_corrected_layers_prepare_no_plain_mask():
+    """A query set whose layers are all corrected builds only the corrected state; a plain
+    layer later builds the plain mask once."""
+    calls = []
+
+    class Counting(FlexBackend):
+        def prepare(self, q_index, num_keys):
+            calls.append("plain")
+            return super().prepare(q_index, num_keys)
+
+        def prepare_corrected(self, q_index, linked, num_keys):
+            calls.append("corrected")
+            return super().prepare_corrected(q_index, linked, num_keys)
+
+    attention = SelectiveAttention(Counting())
+    index = _mpic_like_index(200)
+    q, k, v = _case(200, 4, 2, 64, index, torch.float32)
+    linked = torch.zeros(k.shape[0], dtype=torch.bool)
+    linked[1::3] = True
+    linked[index] = False
+    for _ in range(3):
+        attention(q, index, k, v, linked=linked, s=0.8)
+    assert calls == ["corrected"]
+    plain = [attention(q, index, k, v) for _ in range(2)]
+    assert calls == ["corrected", "plain"]
+    torch.testing.assert_close(plain[0], selected_attention(q, index, k, v))
+
+
 def test_default_backend_by_device_and_environment(monkeypatch):
     monkeypatch.delenv("MPIC_ATTENTION_BACKEND", raising=False)
     assert default_backend_name("cpu") == "sdpa_runs"

@@ -82,3 +82,22 @@ def test_rotation_follows_the_keys_device(rope):
     old = torch.arange(5) if rope.mrope_section is None else torch.arange(5).expand(3, 5)
     out = rotate_keys(keys, old, old + 7, rope)
     assert out.device.type == "meta" and out.shape == keys.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_rotation_bit_identical_to_the_rotate_half_formula(dtype):
+    """The half-by-half rotation (no float32 copy, no rotate-half cat) equals, bit for bit,
+    x.float() * cat(cos, cos) + rotate_half(x.float()) * cat(sin, sin) cast back, with leading
+    (layer) dims and a strided input."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 37, 4, D, generator=g) * 3).to(dtype)
+    angles = torch.randn(37, D // 2, generator=g) * 1000
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+    for xs in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):
+        xf = xs.float()
+        half = torch.cat([-xf[..., D // 2 :], xf[..., : D // 2]], dim=-1)
+        want = (xf * cos + half * sin).to(dtype)
+        got = apply_rotation(xs, angles)
+        assert got.dtype == dtype
+        assert torch.equal(got, want)

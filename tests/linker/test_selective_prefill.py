@@ -168,3 +168,57 @@ def test_bulk_link_equals_entry_by_entry_layer_by_layer(mrope):
     assert linked == count == int((~plan.is_text).sum()) - 1
     torch.testing.assert_close(bulk.keys, loop.keys, rtol=1e-6, atol=1e-6)
     assert torch.equal(bulk.values, loop.values)
+
+
+@pytest.mark.parametrize("backend", ["sdpa_runs", "flex"])
+@pytest.mark.parametrize("name", [*POLICIES, "scout-0.5:s0.9/0.8"])
+def test_heads_major_linked_kv_equals_token_major(backend, name):
+    """`DenseLinkedKV(heads_major=True)` (K/V stored [L, H_kv, N, D], each layer's keys read by
+    the kernels without a copy) runs the same pass to the same numbers, the correction of a
+    scouting policy included."""
+    adapter, plan, entries = _setup(True)
+    outs = {}
+    for heads_major in (False, True):
+        kv = DenseLinkedKV(
+            adapter.num_layers, plan.num_tokens + 2, 2, 8, backend=backend, heads_major=heads_major
+        )
+        planned = with_policy(plan, entries, name, adapter.num_layers)
+        outs[heads_major] = (link_and_prefill(adapter, planned, kv), kv)
+    (ref, ref_kv), (out, kv) = outs[False], outs[True]
+    assert kv.keys.shape == ref_kv.keys.shape
+    assert kv.keys[1].transpose(0, 1).is_contiguous()  # [H_kv, N, D]: the kernels' layout
+    assert torch.equal(out.result.recompute_depth, ref.result.recompute_depth)
+    torch.testing.assert_close(out.result.logits, ref.result.logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kv.keys, ref_kv.keys, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kv.values, ref_kv.values, rtol=1e-6, atol=1e-6)
+    index = torch.tensor([0, 3, plan.num_tokens - 1])
+    assert torch.equal(kv.read_keys(1, index), ref_kv.read_keys(1, index))
+
+
+def test_linked_rows_slice_a_contiguous_range_and_gather_the_rest():
+    """An entry's rows to link are read in place when they are one contiguous range."""
+    from mpic.linker.link import _rows
+
+    cpu = torch.device("cpu")
+    assert _rows(torch.arange(4, 9), cpu) == slice(4, 9)
+    for offsets in ([4, 5, 7], [0, 1, 2, 0, 1, 2], [2, 1, 3]):
+        rows = _rows(torch.tensor(offsets), cpu)
+        assert isinstance(rows, torch.Tensor) and rows.tolist() == offsets
+
+
+@pytest.mark.parametrize("pick", ["all", "sparse", "none"])
+def test_gathered_input_embeds_equal_row_by_row(pick):
+    """The runs-and-one-cat gather gives every row's own embedding (text, entry rows at any
+    offsets, an entry linked twice, an empty index)."""
+    from mpic.linker.link import gather_input_embeds
+
+    adapter, plan, entries = _setup(False)
+    index = {
+        "all": torch.arange(plan.num_tokens),
+        "sparse": torch.tensor([0, 2, 3, 4, 6, 7, 9, 12, 13, 15, plan.num_tokens - 1]),
+        "none": torch.zeros(0, dtype=torch.int64),
+    }[pick]
+    got = gather_input_embeds(adapter, plan, entries, index)
+    want = _plain_embeds(adapter, plan, entries)[index]
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
