@@ -94,6 +94,28 @@ def serve_config(model_dir: Path, store_dir: Path):
     )
 
 
+FIRST_ON_THE_SHARED_APP = ("tests/deployments/test_load_autoscale.py",)
+"""Tests that need the shared app (`serve_app`) at one LLM-worker replica: another test's load
+may scale it to two, which stay for the 600 s downscale delay, so these run first in this
+package (the rooms' folders sort before the top-level files)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Move `FIRST_ON_THE_SHARED_APP` to the front of this package's tests."""
+    here = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/deployments/")]
+    first = [items[i] for i in here if item_file(items[i]) in FIRST_ON_THE_SHARED_APP]
+    if not here or not first:
+        return
+    rest = [item for item in items if item not in first]
+    start = rest.index(items[here[0]]) if items[here[0]] not in first else here[0]
+    items[:] = rest[:start] + first + rest[start:]
+
+
+def item_file(item: pytest.Item) -> str:
+    """The test file of `item`, as its node id names it."""
+    return item.nodeid.split("::", 1)[0]
+
+
 @pytest.fixture(scope="package")
 def serve_app(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeApp]:
     """Start Ray (2 CPUs) + Serve + the application once; shut everything down after the last
