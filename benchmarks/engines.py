@@ -76,11 +76,14 @@ class ReferenceBenchEngine:
         dtype: str = "float32",
         attention: str | None = None,
     ) -> None:
+        from mpic.engine.hf.engine import ReferenceEngine
         from mpic.engine.hf.reference_runner import ReferenceRunner
 
         self.runner = ReferenceRunner(
             model_dir, device=device, dtype=DTYPES[dtype], attention_backend=attention
         )
+        self.engine = ReferenceEngine(self.runner)
+        """The runner as the engine protocol's backend (`greedy` generates through it)."""
 
     @property
     def num_layers(self) -> int:
@@ -110,14 +113,13 @@ class ReferenceBenchEngine:
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Greedy tokens after the policy's prefill, generated through the engine protocol
         (`mpic.engine.hf.engine.ReferenceEngine.decode`, as the Serve engine generates)."""
-        from mpic.engine.hf.engine import ReferenceEngine
         from mpic.engine.protocol import GenerateRequest, Sampling
         from mpic.engine.request_flow import decoded_ids
 
         request = GenerateRequest(
             parts, self.runner.entries, policy, Sampling(ignore_eos=True), max_new_tokens
         )
-        ids, _ = asyncio.run(decoded_ids(ReferenceEngine(self.runner), request))
+        ids, _ = asyncio.run(decoded_ids(self.engine, request))
         return ids
 
     @torch.inference_mode()
