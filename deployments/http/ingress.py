@@ -122,6 +122,7 @@ class Ingress(ChatRoutes, FileRoutes, AdminRoutes, VllmRoutes):
         replica_metrics().model_name = config.engine.served_names[0]
         # the context length is asked of the LLM worker as soon as the app is ready
         self.readiness = AppReadiness(replica_probe(), on_ready=self._length_pending)
+        self.readiness.start()  # polled from the replica's start, not from its first request
 
     def _auth(self, authorization: str | None) -> Principal:
         return self.keys.authenticate(authorization)

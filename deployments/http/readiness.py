@@ -107,7 +107,7 @@ class AppReadiness:
         self.on_ready = on_ready
         self.deployments: dict[str, bool] = {}
         self._ready = probe is None
-        self._checked = 0.0
+        self._began_last = float("-inf")  # when the last finished poll began
         self._served_at = float("-inf")
         self._task: asyncio.Task | None = None
 
@@ -146,33 +146,47 @@ class AppReadiness:
             # flipped a serving app to 503); before that, not ready.
             logger.debug("readiness probe failed: %s", exc)
             if self._ready:
-                self._checked = time.monotonic()
                 return
             states = {}
         ready = bool(states) and all(states.values())
         if not ready and began < self._served_at:  # older than a served chat: stale
-            self._checked = time.monotonic()
             return
         if ready != self._ready:
             logger.info("application %s (%s)", "ready" if ready else "not ready", states)
-        self.deployments, self._checked = states, time.monotonic()
+        self.deployments = states
         self._set_ready(ready)
 
     async def _loop(self) -> None:
         while True:
+            began = time.monotonic()
             await self._poll_once()
+            self._began_last = began
             await asyncio.sleep(self.ready_period_s if self._ready else self.period_s)
 
+    def start(self) -> None:
+        """Start polling now if an event loop runs in this thread (the Ingress constructor in a
+        Serve replica): each replica then follows the application from its own start, so two
+        ingress replicas turn ready within one poll of each other, not when the first request
+        reaches the second one. Without a running loop the first `check` starts it."""
+        if self._probe is None or (self._task is not None and not self._task.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._task = loop.create_task(self._loop())
+
     async def check(self) -> bool:
-        """Readiness now: starts the polling task on first use (waiting at most
-        `probe_timeout_s` for its first answer), then reads the cached answer."""
+        """Readiness now: starts the polling task on first use; while the answer is not ready,
+        waits (at most `probe_timeout_s`) for a poll that began after this call, so a request
+        reads the freshest answer, then reads the cached answer."""
         if self._probe is None:
             return True
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-            deadline = time.monotonic() + self.probe_timeout_s
-            while not self._checked and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+        asked = time.monotonic()
+        self.start()
+        deadline = asked + self.probe_timeout_s
+        while not self._ready and self._began_last < asked and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         return self._ready
 
     async def require(self) -> None:

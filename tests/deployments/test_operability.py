@@ -78,13 +78,22 @@ def test_two_ingress_replicas_metrics_and_sigterm(tmp_path: Path) -> None:
         assert tree, "Ray's processes run under mpic serve"
         h = {"Authorization": "Bearer mpic-dev-alice"}
         body = {"model": "mpic", "messages": [{"role": "user", "content": "red cat"}]}
+        # Each ingress replica follows readiness itself: the one that answered /readyz can be one
+        # poll ahead of the other, whose 503 not_ready says Retry-After (as OpenAI's client
+        # retries a 503) for the first seconds after start.
+        deadline = time.monotonic() + 60
         for i in range(N_REQUESTS):
-            r = httpx.post(
-                f"{url}/v1/chat/completions",
-                json=body,
-                headers={**h, "X-Request-ID": f"req-{i}"},
-                timeout=30,
-            )
+            while True:
+                r = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    headers={**h, "X-Request-ID": f"req-{i}"},
+                    timeout=30,
+                )
+                if r.status_code != 503 or time.monotonic() > deadline:
+                    break
+                assert r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"]
+                time.sleep(1)
             assert r.status_code == 200 and r.headers["x-request-id"] == f"req-{i}", r.text
             assert r.json()["mpic"]["request_id"] == f"req-{i}"
         files = {"file": ("x.png", png(1), "image/png")}
