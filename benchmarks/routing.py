@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 import typer
 
-from mpic.benchmarks.load import make_png
+from mpic.benchmarks.load.bench import make_png
 
 ROUTERS = ("power-of-two", "cache-aware")
 

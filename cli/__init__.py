@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import typer
 
-from mpic.benchmarks import compress as bench_compress
-from mpic.benchmarks import fidelity as bench_fidelity
-from mpic.benchmarks import linking_load as bench_linking
-from mpic.benchmarks import load as bench_load
-from mpic.benchmarks import offline as bench_offline
-from mpic.benchmarks import online as bench_online
 from mpic.benchmarks import retriever as bench_retriever
 from mpic.benchmarks import routing as bench_routing
 from mpic.benchmarks import storage as bench_storage
+from mpic.benchmarks.compress import bench as bench_compress
+from mpic.benchmarks.fidelity import bench as bench_fidelity
+from mpic.benchmarks.linking import bench as bench_linking
+from mpic.benchmarks.load import bench as bench_load
+from mpic.benchmarks.offline import bench as bench_offline
+from mpic.benchmarks.online import bench as bench_online
 from mpic.cli import calibrate_scout, calibrate_vlcache, demo
 from mpic.cli import serve as serve_command
 from mpic.engine.tiny import models as tiny_models

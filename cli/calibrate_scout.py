@@ -56,8 +56,8 @@ def command(
         raise typer.Exit(code=2)
     import torch
 
-    from mpic.benchmarks.fidelity_prompts import passages, question_parts
-    from mpic.benchmarks.offline import kl_divergence
+    from mpic.benchmarks.fidelity.prompts import passages, question_parts
+    from mpic.benchmarks.offline.bench import kl_divergence
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.linker.policies.scout import ScoutPolicy
     from mpic.linker.scout_calibration import TABLE_FILE, calibrate_scale

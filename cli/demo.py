@@ -198,8 +198,8 @@ def command(
         return
     import torch
 
-    from mpic.benchmarks.engines import ReferenceBenchEngine
-    from mpic.benchmarks.offline import print_table, run_offline
+    from mpic.benchmarks.offline.bench import print_table, run_offline
+    from mpic.benchmarks.offline.engines import ReferenceBenchEngine
     from mpic.cli.demo_answers import offline_answers, print_answers
 
     torch.set_grad_enabled(False)

@@ -2,9 +2,9 @@
 asked with each policy over HTTP (`http_answers`) or in-process (`offline_answers`).
 
 The documents are the first four standard-library passages of `mpic bench fidelity`
-(`mpic.benchmarks.fidelity.passages`, ~700 characters each: json, heapq, difflib, argparse),
+(`mpic.benchmarks.fidelity.prompts.passages`, ~700 characters each: json, heapq, difflib, argparse),
 cached as text documents. "The secret code is 4821." is planted at the middle paragraph
-boundary of document 2 (`fidelity_task.plant`) and the question is `mpic bench fidelity --task
+boundary of document 2 (`task.plant`) and the question is `mpic bench fidelity --task
 needle`'s ("What is the secret code? Answer with the number only.", `needle_parts`), answered in
 at most 12 greedy tokens. The prompt without the documents cannot know the code, so a right
 answer comes from the cached documents. The trained SmolLM2-135M-Instruct answers "The secret
@@ -71,8 +71,8 @@ class AnswerRow:
 
 def documents() -> list[tuple[str, str]]:
     """(module name, text) of the cached documents, the code planted in document `TARGET`."""
-    from mpic.benchmarks.fidelity_prompts import passages
-    from mpic.benchmarks.fidelity_task import plant
+    from mpic.benchmarks.fidelity.prompts import passages
+    from mpic.benchmarks.fidelity.task import plant
 
     docs = [(p.name, p.text) for p in passages(DOCUMENTS)]
     name, text = docs[TARGET]
@@ -82,7 +82,7 @@ def documents() -> list[tuple[str, str]]:
 
 def question(entry_ids: Sequence[str]) -> list[PromptPart]:
     """The prompt parts over the cached documents `entry_ids` (in `documents()`'s order)."""
-    from mpic.benchmarks.fidelity_task import needle_parts
+    from mpic.benchmarks.fidelity.task import needle_parts
 
     return needle_parts([name for name, _ in documents()], list(entry_ids))
 

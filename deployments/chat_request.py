@@ -110,6 +110,13 @@ class MPICOptions(BaseModel):
     budget: float | None = Field(
         None, gt=0, le=1, description="Fraction of the prompt's KV the press keeps, in (0, 1]."
     )
+    exact_decode: bool | None = Field(
+        None,
+        description="Decode the tokens after the first over the prompt's exact KV: the first "
+        "token comes from the policy's selective prefill (its time to first token), then the "
+        "prompt is prefilled exactly once more and the answer is full prefill's given that "
+        "token (docs/fidelity.md); with a press: 400. Absent: the server's default_exact_decode.",
+    )
 
     @field_validator("press")
     @classmethod

@@ -239,6 +239,12 @@ class ServeAppConfig(BaseModel):
     default_budget: float = Field(
         1.0, gt=0, le=1, description="Press budget when `mpic.budget` is absent (1.0: none)."
     )
+    default_exact_decode: bool = Field(
+        False,
+        description="Exact decoding when `mpic.exact_decode` is absent: the policy's pass gives "
+        "the first token, the tokens after it are decoded over the prompt's exact KV (one full "
+        'prefill per request after the first token; docs/fidelity.md "Exact decoding").',
+    )
     sweep_interval_s: float = Field(
         300.0,
         ge=0,

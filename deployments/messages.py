@@ -3,12 +3,14 @@
 Torch-free, so the HTTP ingress can import them without loading torch: an `EncodedImage` carries
 a tensor from the Encoder to the LLM worker, but only its type is named here. The Resolver hands
 the worker a `LinkedPrompt` (chat turns with every file reference resolved to a content-addressed
-entry id in the caller's namespace); the worker streams `TokenEvent`s, then one `DoneEvent`
-(the engines' vocabulary, `mpic.engine.protocol`, re-exported here with `Sampling`).
+entry id in the caller's namespace, and the policy it parsed, as a `CarriedPolicy`); the worker
+streams `TokenEvent`s, then one `DoneEvent` (the engines' vocabulary, `mpic.engine.protocol`,
+re-exported here with `Sampling`).
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,6 +18,44 @@ from mpic.engine.protocol import DoneEvent, Sampling, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
     import torch
+
+    from mpic.linker.policies import Policy
+
+
+class CarriedPolicy:
+    """A parsed `mpic.linker.policies.Policy` on its way from the Resolver, which parsed it, to
+    the LLM worker, through the Ingress (Ray pickles what the deployments hand each other).
+
+    It pickles as the policy's own pickle, made once, and unpickles to those bytes alone: the
+    policy object is rebuilt only where `get` is called (the worker), so the torch-free Ingress
+    relays it without importing the linker (or torch). Immutable: copies of a prompt share it."""
+
+    __slots__ = ("_blob", "_policy")
+
+    def __init__(self, policy: Policy | None = None, blob: bytes | None = None) -> None:
+        if (policy is None) == (blob is None):
+            raise ValueError("a CarriedPolicy holds a policy or its pickle")
+        self._policy, self._blob = policy, blob
+
+    def get(self) -> Policy:
+        """The policy (unpickled on the first call in this process; never parsed again)."""
+        if self._policy is None:
+            self._policy = pickle.loads(self._blob)  # noqa: S301 - from the Resolver replica
+        return self._policy
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        if self._blob is None:
+            self._blob = pickle.dumps(self._policy, protocol=pickle.HIGHEST_PROTOCOL)
+        return _carried, (self._blob,)
+
+    def __repr__(self) -> str:
+        shown = self._policy.name if self._policy is not None else "(pickled)"
+        return f"CarriedPolicy({shown})"
+
+
+def _carried(blob: bytes) -> CarriedPolicy:
+    """A `CarriedPolicy` from its pickle (the policy is rebuilt only on `get`)."""
+    return CarriedPolicy(blob=blob)
 
 
 @dataclass
@@ -54,6 +94,8 @@ class LinkedPrompt:
 
     turns: list[LinkedTurn]
     policy: str
+    """The name of the policy the request is served by, as resolved (`mpic.policy`, the budget's
+    `auto-<b>` or the server's default): what responses and metrics report."""
     max_tokens: int
     retrieved: list[str] = field(default_factory=list)
     """Entry ids the retriever added (reported back to the client)."""
@@ -64,15 +106,26 @@ class LinkedPrompt:
     """KV press applied after the prefill (`mpic.presses`), None for none."""
     budget: float | None = None
     """The press's budget, a fraction of the prompt's KV in (0, 1]."""
+    exact_decode: bool = False
+    """Decode after the first token over the exact KV (`GenerateRequest.exact_decode`)."""
     raw: bool = False
     """A completion prompt (`/v1/completions`): rendered without the chat template
     (`mpic.linker.raw_prompt`); text and documents only."""
     policy_defaulted: bool = False
     """The request named neither a policy nor a recompute budget: the server's default applies
     (the fidelity loop may move it, `mpic.deployments.monitoring.fidelity_monitor`)."""
+    parsed_policy: CarriedPolicy | None = None
+    """`policy` parsed and checked, once, by the Resolver (`mpic.deployments.serve.policy_check`);
+    the worker serves it without parsing the name again. None: a prompt built elsewhere (tests,
+    tools), whose name the engine parses."""
     capture_first_token: bool = False
     """Set by the LLM worker for a request sampled by the fidelity monitor: the engine returns
     the served pass's first-token distribution in `DoneEvent.first_token`."""
+
+    def serve_by(self, name: str, policy: Policy) -> None:
+        """Serve this prompt by `policy`, parsed from `name` (the Resolver's check, the fidelity
+        loop's budget): both fields at once."""
+        self.policy, self.parsed_policy = name, CarriedPolicy(policy)
 
     @property
     def entry_ids(self) -> list[str]:
@@ -96,6 +149,7 @@ class EncodedImage:
 
 
 __all__ = [
+    "CarriedPolicy",
     "DoneEvent",
     "EncodedImage",
     "LinkedPrompt",

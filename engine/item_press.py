@@ -16,7 +16,7 @@ import torch
 
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan
-from mpic.linker.policies import get_policy
+from mpic.linker.policies.full import FullPolicy
 from mpic.linker.positions import next_position
 from mpic.linker.prompt import DOCUMENT_PLACEHOLDER
 from mpic.linker.recipe import PlannedPrompt
@@ -60,7 +60,7 @@ def canonical_planned(spec: ModelSpec, entry: CacheEntry) -> PlannedPrompt:
         raise ValueError(f"entry {entry.entry_id!r} records no canonical context")
     placeholder = DOCUMENT_PLACEHOLDER if entry.media_type == "text" else spec.image_token_id
     plan = build_plan(spec, [*context, placeholder], [entry])
-    policy = get_policy("full")
+    policy = FullPolicy()
     return PlannedPrompt(policy.apply(plan, [entry], spec.num_layers), [entry], policy, refs=[])
 
 

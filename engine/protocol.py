@@ -13,8 +13,9 @@ Each writes `decode` (token ids as they are decoded); `generate`, the whole gene
 written once (`mpic.engine.request_flow.generate`) and inherited from
 `mpic.engine.request_flow.EngineBase`. Everything around them is a
 thin adapter: the Serve engines (`mpic.deployments.engines.engine.ServeEngine`), the offline
-benchmark's engines (`mpic.benchmarks.engines`, `mpic.benchmarks.vllm_engine`) and the
-compression benchmarks (`mpic.benchmarks.compress`, `mpic.benchmarks.compress_vllm`).
+benchmark's engines (`mpic.benchmarks.offline.engines`, `mpic.benchmarks.offline.vllm_engine`)
+and the compression benchmarks (`mpic.benchmarks.compress.bench`,
+`mpic.benchmarks.compress.vllm_bench`).
 
 Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabulary through
 `mpic.deployments.messages` without loading torch.
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from mpic.linker.policies import Policy
     from mpic.linker.recipe import PlannedPrompt
     from mpic.model_spec import ModelSpec
     from mpic.prompt_parts import PromptPart
@@ -105,7 +107,9 @@ class GenerateRequest:
     parts: Sequence[PromptPart]
     entries: Mapping[str, CacheEntry]
     """Every entry `parts` links (by id): linkable for this request only."""
-    policy: str = "full"
+    policy: str | Policy = "full"
+    """A policy name (the backend parses it once, against its model's scout scales) or a parsed
+    policy (the Serve worker's, from the Resolver replica: taken as given)."""
     sampling: Sampling = field(default_factory=Sampling)
     max_tokens: int = 16
     system_prompt: str | None = None
@@ -121,6 +125,14 @@ class GenerateRequest:
     capture_first_token: bool = False
     """Report the served pass's first-token distribution in `Prefill.first_token`."""
     request_id: str = ""
+    exact_decode: bool = False
+    """Decode over the prompt's EXACT KV: the policy's pass gives the first token (and the
+    time to it), then the prompt and that token are prefilled under `full` and decoding goes
+    on from there (`mpic.engine.request_flow.decode_steps`): the answer is full prefill's
+    given the first token, at the cost of one full prefill per request after the first token."""
+    continue_from: Sequence[int] = ()
+    """Token ids already generated for this prompt: prefilled after it (exactly: the policy
+    must be `full`), not yielded again; decoding yields what follows them, `max_tokens` more."""
 
 
 @dataclass

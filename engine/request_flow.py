@@ -14,6 +14,7 @@ runner links and decodes in this process with `mpic.engine.sampling.Sampler`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import torch
 
 from mpic.engine.detokenize import Detokenizer, StopMatcher
 from mpic.engine.protocol import (
+    Decoded,
     DoneEvent,
     Engine,
     GenerateRequest,
@@ -28,7 +30,7 @@ from mpic.engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
-from mpic.linker.policies import Policy
+from mpic.linker.policies import Policy, get_policy
 from mpic.linker.prompt import tokenizer_of
 from mpic.linker.raw_prompt import RawPrompt
 from mpic.linker.recipe import PlannedPrompt, plan_prompt
@@ -45,17 +47,33 @@ def plan_parts(
     processor: Any,
     parts: Sequence[PromptPart],
     entries: Mapping[str, CacheEntry],
-    policy: str | Policy,
+    policy: Policy,
     system_prompt: str | None,
     max_new_tokens: int = 0,
     raw: bool = False,
 ) -> PlannedPrompt:
-    """The finished link plan of `parts` under `policy` (`mpic.linker.recipe.plan_prompt`),
-    rendered with the model's chat template, or as given for a completion prompt (`raw`:
-    `mpic.linker.raw_prompt`). Raises InvalidRequestError (bad parts, too long), NotFoundError
-    (an entry id not in `entries`) or ValueError (bad policy) before any KV is touched."""
+    """The finished link plan of `parts` under `policy` (`mpic.linker.recipe.plan_prompt`; the
+    backend parsed a name once, `policy_of`), rendered with the model's chat template, or as
+    given for a completion prompt (`raw`: `mpic.linker.raw_prompt`). Raises
+    InvalidRequestError (bad parts, too long) or NotFoundError (an entry id not in `entries`)
+    before any KV is touched."""
     renderer = RawPrompt(processor) if raw else processor
     return plan_prompt(spec, renderer, parts, entries, policy, system_prompt, max_new_tokens)
+
+
+def policy_of(policy: str | Policy, scales: Sequence[Sequence[float]] | None = None) -> Policy:
+    """A request's policy, parsed once where the request enters a backend: a name
+    (`mpic.linker.policies.get_policy`, against the model's own scout `scales`) or a policy
+    object as given (ValueError for a bad name, before any KV is touched)."""
+    if isinstance(policy, str):
+        return get_policy(policy, scales=scales)
+    return policy
+
+
+def reported_policy(policy: str | Policy) -> str:
+    """The name a request's `DoneEvent` reports: a name as the request gave it, else the
+    policy's own (canonical) name."""
+    return policy if isinstance(policy, str) else policy.name
 
 
 def pressed_parts(
@@ -135,6 +153,69 @@ def prefill_of(
     )
 
 
+def exact_policy(policy: str | Policy) -> bool:
+    """True for `full` (every token recomputed: its KV is already the exact one)."""
+    return (policy if isinstance(policy, str) else policy.name).strip() == "full"
+
+
+def continued(request: GenerateRequest) -> list[int]:
+    """`request.continue_from`, checked: a continuation is prefilled exactly, so its policy
+    must be `full` (ValueError otherwise: the backends would prefill it differently)."""
+    if request.continue_from and not exact_policy(request.policy):
+        raise ValueError("a continuation (continue_from) is prefilled under the full policy only")
+    return list(request.continue_from)
+
+
+async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterator[Decoded]:
+    """`engine.decode(request)`, or with `request.exact_decode` two passes: the first token
+    from the request's policy (its `Prefill`: TTFT, cached tokens, captured distribution), then
+    the rest decoded by `full` over the prompt and that token (`continue_from`), i.e. over the
+    prompt's exact KV: the answer is full prefill's whenever the first token is. Sampling runs
+    in both passes with the request's settings (a seed restarts in the second: seeded answers
+    stay reproducible, not equal to a one-pass run). Measured: docs/fidelity.md "Exact
+    decoding"."""
+    two_pass = request.exact_decode and request.max_tokens > 1
+    if not two_pass or exact_policy(request.policy):
+        steps = engine.decode(dataclasses.replace(request, exact_decode=False))
+        try:
+            async for step in steps:
+                yield step
+        finally:
+            await steps.aclose()
+        return
+    head: list[int] = []
+    # the first pass is the whole request (planned, checked and given room as one pass would
+    # be), closed once its first token is out
+    steps = engine.decode(dataclasses.replace(request, exact_decode=False))
+    try:
+        async for step in steps:
+            head.extend(step.token_ids)
+            yield step
+            if head:
+                break
+    finally:
+        await steps.aclose()
+    ended = bool(head) and head[-1] in engine.spec.end_token_ids
+    if not head or (ended and not request.sampling.ignore_eos):
+        return
+    rest = dataclasses.replace(
+        request,
+        policy="full",
+        exact_decode=False,
+        continue_from=[*request.continue_from, *head],
+        max_tokens=request.max_tokens - len(head),
+        capture_first_token=False,
+        press=None,  # the exact KV: the items whole
+        budget=None,
+    )
+    steps = engine.decode(rest)
+    try:
+        async for step in steps:
+            yield Decoded(step.token_ids, step.logprobs)  # the first pass's Prefill stands
+    finally:
+        await steps.aclose()
+
+
 async def generate(
     engine: Engine, request: GenerateRequest
 ) -> AsyncIterator[TokenEvent | DoneEvent]:
@@ -146,7 +227,7 @@ async def generate(
     DoneEvent (nobody waits for one)."""
     text = TextStream(tokenizer_of(engine.processor), request.sampling.stop)
     prefill: Prefill | None = None
-    steps = engine.decode(request)
+    steps = decode_steps(engine, request)
     try:
         async for step in steps:
             prefill = step.prefill or prefill
@@ -172,7 +253,7 @@ async def generate(
         finish_reason=finish_reason(text.stopped, length),
         ttft_s=prefill.ttft_s,
         fallbacks=prefill.fallbacks,
-        policy=request.policy,
+        policy=reported_policy(request.policy),
         first_token=prefill.first_token,
     )
 
@@ -191,7 +272,7 @@ async def decoded_ids(engine: Engine, request: GenerateRequest) -> tuple[list[in
     no text, no stop strings)."""
     ids: list[int] = []
     prefill: Prefill | None = None
-    async for step in engine.decode(request):
+    async for step in decode_steps(engine, request):
         ids.extend(step.token_ids)
         prefill = step.prefill or prefill
     assert prefill is not None, "a decode ended without its prefill"

@@ -48,8 +48,9 @@ def with_policy(
     num_layers: int,
     refs: Sequence[str] = (),
 ) -> PlannedPrompt:
-    """Apply `policy` to a fresh plan from `build_plan` (final depths, except for scouting
-    policies: `link_and_prefill` re-applies them and lets the scout set the final depths)."""
+    """Apply `policy` (a name is parsed here: tests, benchmarks) to a fresh plan from
+    `build_plan` (final depths, except for scouting policies: `link_and_prefill` re-applies
+    them and lets the scout set the final depths)."""
     rule = get_policy(policy) if isinstance(policy, str) else policy
     return PlannedPrompt(rule.apply(plan, entries, num_layers), list(entries), rule, list(refs))
 
@@ -59,15 +60,15 @@ def plan_prompt(
     tokenizer: ChatTokenizer,
     parts: Sequence[PromptPart],
     entries: Mapping[str, CacheEntry],
-    policy: str | Policy,
+    policy: Policy,
     system_prompt: str | None,
     max_new_tokens: int = 0,
 ) -> PlannedPrompt:
-    """The finished plan of `parts` under `policy`; raises `InvalidRequestError` (bad parts,
-    too long), `NotFoundError` (an entry id not in `entries`) or `ValueError` (bad policy)."""
-    rule = get_policy(policy) if isinstance(policy, str) else policy
+    """The finished plan of `parts` under `policy` (parsed by the caller, once per request);
+    raises `InvalidRequestError` (bad parts, too long) or `NotFoundError` (an entry id not in
+    `entries`)."""
     token_ids = render_prompt_ids(tokenizer, parts, system_prompt)
     refs = image_refs(parts)
     items = resolve_entries(refs, entries)
     plan = build_plan(spec, token_ids, items, max_new_tokens)
-    return with_policy(plan, unique_entries(plan, items), rule, spec.num_layers, refs)
+    return with_policy(plan, unique_entries(plan, items), policy, spec.num_layers, refs)

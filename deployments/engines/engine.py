@@ -88,8 +88,9 @@ class ServeEngine(ABC):
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry]
     ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Async generator, the same for every engine: `request_of` (on a thread), then the
-        backend's `Engine.generate` (link `entries`, prefill selectively by `prompt.policy`,
-        decode by `prompt.sampling`: every field honoured), one TokenEvent per piece as it is
+        backend's `Engine.generate` (link `entries`, prefill selectively by the prompt's policy:
+        the Resolver's parse, `LinkedPrompt.parsed_policy`, else its name; decode by
+        `prompt.sampling`: every field honoured), one TokenEvent per piece as it is
         decoded and a closing DoneEvent (its `fallbacks`: entries the backend recomputed; the
         worker adds its tier_hits and own fallbacks). Closing it stops the backend's work.
         InvalidRequestError for a prompt over the context length."""

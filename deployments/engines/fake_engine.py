@@ -34,7 +34,7 @@ from mpic.deployments.engines.engine import Role, ServeEngine
 from mpic.deployments.engines.prompting import INLINE_PREFIX, generate_request, identify_image
 from mpic.deployments.messages import EncodedImage, LinkedPrompt
 from mpic.engine.protocol import Decoded, GenerateRequest, Prefill
-from mpic.engine.request_flow import EngineBase
+from mpic.engine.request_flow import EngineBase, continued
 from mpic.engine.sampling import Sampler
 from mpic.errors import InvalidRequestError, UnreadableMediaError
 from mpic.linker.recipe import PlannedPrompt
@@ -195,7 +195,8 @@ class FakeEngine(EngineBase):
         )
         noise = torch.rand(len(vocab), generator=base)
         prefill = None
-        for n in range(request.max_tokens):
+        done = len(continued(request))  # a continuation's words were already echoed
+        for n in range(done, done + request.max_tokens):
             logits = noise.clone()
             logits[index[echo[n]] if n < len(echo) else 0] += ECHO_BONUS
             token = sampler(logits)

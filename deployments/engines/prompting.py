@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from mpic.deployments.messages import EncodedImage, LinkedPrompt
 from mpic.engine.detokenize import Detokenizer, StopMatcher, token_events
@@ -19,6 +20,9 @@ from mpic.engine.sampling import Sampler
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart, Turn
 from mpic.types import CacheEntry
 
+if TYPE_CHECKING:
+    from mpic.linker.policies import Policy
+
 __all__ = [
     "INLINE_PREFIX",
     "Detokenizer",
@@ -27,6 +31,7 @@ __all__ = [
     "generate_request",
     "identify_image",
     "prompt_parts",
+    "served_policy",
     "stored_linked_tokens",
     "token_events",
 ]
@@ -77,12 +82,17 @@ def generate_request(
     entries: Mapping[str, CacheEntry],
     inline_entry: Callable[[EncodedImage], CacheEntry],
     media: Mapping[str, bytes | Callable[[], bytes]] | None = None,
+    scales: Sequence[Sequence[float]] | None = None,
 ) -> GenerateRequest:
     """The engine request of a served prompt: its parts (`prompt_parts`; `system_prompt` unless
     the conversation has its own), linking `entries` and its inline images' entries
     (`inline_entry(image)`, computed for this request alone), and every request field
     (policy, sampling, max_tokens, completion form, press, fidelity capture). media: what an
-    exact fallback reads (entry id -> bytes or a reader), where the engine has one."""
+    exact fallback reads (entry id -> bytes or a reader), where the engine has one.
+
+    The policy is the one the Resolver parsed (`LinkedPrompt.parsed_policy`), under the served
+    model's own scout table `scales` (`Policy.with_scales`: what parsing its name against the
+    model gives, without parsing it again); a prompt without one hands the engine its name."""
     table = dict(entries)
 
     def inline(image: EncodedImage) -> str:
@@ -94,14 +104,25 @@ def generate_request(
     return GenerateRequest(
         parts=parts,
         entries=table,
-        policy=prompt.policy,
+        policy=served_policy(prompt, scales),
         sampling=prompt.sampling,
         max_tokens=prompt.max_tokens,
         system_prompt=system,
         raw=prompt.raw,
         press=prompt.press,
         budget=prompt.budget,
+        exact_decode=prompt.exact_decode,
         media=media,
         capture_first_token=prompt.capture_first_token,
         request_id=prompt.request_id,
     )
+
+
+def served_policy(
+    prompt: LinkedPrompt, scales: Sequence[Sequence[float]] | None = None
+) -> str | Policy:
+    """The policy an engine serves `prompt` by: the Resolver's parsed `Policy` under the model's
+    scout table `scales`, else (a prompt built without the Resolver) its name."""
+    if prompt.parsed_policy is None:
+        return prompt.policy
+    return prompt.parsed_policy.get().with_scales(scales)

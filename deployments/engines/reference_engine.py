@@ -29,6 +29,7 @@ from mpic.engine.hf.reference_runner import ReferenceRunner
 from mpic.engine.hf.vision import encode
 from mpic.engine.items import load_image
 from mpic.engine.protocol import GenerateRequest
+from mpic.linker.policies.full import FullPolicy
 from mpic.linker.prompt import canonical_context_ids, tokenizer_of
 from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
@@ -134,7 +135,10 @@ class ReferenceServeEngine(ServeEngine):
         def inline_entry(image: EncodedImage) -> CacheEntry:
             return self.compute_entry(INLINE_PREFIX + image.content_hash, image)
 
-        return generate_request(prompt, self.cfg.system_prompt, entries, inline_entry)
+        scales = self.runner.scout_scales
+        return generate_request(
+            prompt, self.cfg.system_prompt, entries, inline_entry, scales=scales
+        )
 
     def _exact_pass(
         self, prompt: LinkedPrompt, entries: dict[str, CacheEntry], answer_tokens: int
@@ -144,7 +148,7 @@ class ReferenceServeEngine(ServeEngine):
             steps = list(
                 runner.stream(
                     request.parts,
-                    "full",
+                    FullPolicy(),
                     max(answer_tokens, 1),
                     system_prompt=request.system_prompt,
                     entries=request.entries,

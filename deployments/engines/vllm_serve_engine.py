@@ -151,7 +151,10 @@ class VllmServeEngine(ServeEngine):
             media[entry.entry_id] = lambda: image.media
             return entry
 
-        return generate_request(prompt, self.cfg.system_prompt, entries, inline_entry, media)
+        scales = getattr(self.vllm, "scout_scales", None)
+        return generate_request(
+            prompt, self.cfg.system_prompt, entries, inline_entry, media, scales=scales
+        )
 
     supports_fidelity = True
 

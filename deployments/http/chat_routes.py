@@ -92,6 +92,7 @@ def _mpic_info(prompt: LinkedPrompt, done: DoneEvent, ttft: float) -> dict:
         "tier_hits": done.tier_hits,
         "fallbacks": done.fallbacks,
         "retrieved": prompt.retrieved,
+        "exact_decode": prompt.exact_decode,
     }
 
 

@@ -13,18 +13,20 @@ window holds `min_samples`, one decision is taken on its mean m and the window i
 So the budget never leaves [min_budget, max_budget], moves at most `step` per `min_samples`
 samples, and a drift inside the dead band [target * (1 - hysteresis), target] leaves it alone (no
 oscillation around the target). The budget is a fraction of the prompt recomputed; it becomes a
-policy name through `budget_policy` (the linker's budgeted policy when the registry has one).
+policy through `budgeted` (the linker's budgeted policy when the registry has one; parsed once per
+budget, not per request).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from mpic.linker.policies import get_policy
+from mpic.linker.policies import Policy, get_policy
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +98,20 @@ class BudgetController:
 
 
 def budget_policy(budget: float) -> str:
-    """The policy name that recomputes about `budget` (a fraction of the prompt): the linker's
-    best selection for a budget (`auto-<fraction>`, else `scout-<fraction>`) when the registry
-    knows it, else `vlcache-<fraction>` (every text token plus the first `fraction` of each
-    item's tokens, at every layer)."""
+    """The name of the policy that recomputes about `budget` (`budgeted`)."""
+    return budgeted(budget).name
+
+
+@functools.lru_cache(maxsize=256)
+def budgeted(budget: float) -> Policy:
+    """The policy that recomputes about `budget` (a fraction of the prompt): the linker's best
+    selection for a budget (`auto-<fraction>`, else `scout-<fraction>`) when the registry knows
+    it, else `vlcache-<fraction>` (every text token plus the first `fraction` of each item's
+    tokens, at every layer). Parsed once per budget (the loop moves it in steps, between
+    bounds) and shared by the requests served at it (policies hold no per-request state)."""
     for name in (f"auto-{budget:g}", f"scout-{budget:g}", f"vlcache-{budget:g}"):
         try:
-            return get_policy(name).name
+            return get_policy(name)
         except ValueError:
             continue
     raise ValueError(f"no budgeted policy accepts recompute budget {budget}")

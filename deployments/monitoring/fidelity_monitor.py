@@ -56,7 +56,7 @@ from mpic.deployments.messages import LinkedPrompt
 from mpic.deployments.monitoring.fidelity_control import (
     BudgetController,
     ControllerBounds,
-    budget_policy,
+    budgeted,
 )
 from mpic.deployments.monitoring.metrics import policy_label
 from mpic.engine.answers import token_agreement
@@ -187,10 +187,12 @@ class FidelityMonitor:
     def default_policy(self, prompt: LinkedPrompt) -> None:
         """A request that named neither a policy nor a budget is served at the default
         recompute budget: the loop's current one, else the configured `recompute_budget`
-        (`prompt.policy` rewritten in place; neither: the resolver's `default_policy` stays)."""
+        (the prompt's policy replaced in place by `budgeted`'s, parsed once per budget;
+        neither: the resolver's `default_policy` stays)."""
         budget = self.controller.budget if self.controller is not None else self.start_budget
         if budget is not None and prompt.policy_defaulted:
-            prompt.policy = budget_policy(budget)
+            policy = budgeted(budget)
+            prompt.serve_by(policy.name, policy)
 
     def wants(self, prompt: LinkedPrompt) -> bool:
         """Draw whether this request gets a shadow; marks the prompt to capture its served

@@ -3,13 +3,15 @@ it needs, read when the application is built (CLI process or Serve controller).
 
 A chat names its policy (`mpic.policy`, `mpic.recompute_budget` or the server's default,
 `mpic.deployments.serve.resolver.budgeted_policy`); `check_policy` parses that name once into the
-linker's `Policy` and answers 400 (`mpic.policy`, the message listing the valid names) for an
-unknown or malformed one, a number over `MAX_POLICY_NUMBER`, or more VLCache per-layer ratios
-than the served model has layers. The layer count comes from the model's own `config.json`,
-read by `model_layers` in the app builder and bound into the Resolver, so validating a policy
-asks no other deployment: a chat is two Ray calls (Resolver, then LLM worker). Where the builder
-cannot read it (the model folder exists on the GPU nodes only, as in `k8s/rayservice.yaml`),
-the LLM worker checks the layers at `generate` from its own read, still within those two calls.
+linker's `Policy` (the one the prompt carries to the worker, `LinkedPrompt.parsed_policy`) and
+answers 400 (`mpic.policy`, the message listing the valid names) for an unknown or malformed
+one, a number over `MAX_POLICY_NUMBER`, or more VLCache per-layer ratios than the served model
+has layers. The layer count comes from the model's own `config.json`, read by `model_layers` in
+the app builder and bound into the Resolver, so validating a policy asks no other deployment: a
+chat is two Ray calls (Resolver, then LLM worker). Where the builder cannot read it (the model
+folder exists on the GPU nodes only, as in `k8s/rayservice.yaml`), the LLM worker checks the
+layers of the parsed policy at `generate` from its own read (`check_layers`, no parse), still
+within those two calls.
 """
 
 from __future__ import annotations
@@ -48,12 +50,22 @@ def check_policy(name: str, num_layers: int | None) -> Policy:
             )
     try:
         policy = get_policy(name)
-        layer_ratios = getattr(policy, "layer_ratios", None)
-        if num_layers is not None and layer_ratios is not None:
-            layer_ratios(num_layers)  # e.g. more vlcache ratios than the model's layers
     except (ValueError, OverflowError) as exc:
         raise InvalidRequestError(str(exc), param="mpic.policy") from None
+    check_layers(policy, num_layers)
     return policy
+
+
+def check_layers(policy: Policy, num_layers: int | None) -> None:
+    """InvalidRequestError (400, param `mpic.policy`) when a parsed policy's per-layer ratios
+    do not fit a model of `num_layers` layers (None: unknown, unchecked)."""
+    layer_ratios = getattr(policy, "layer_ratios", None)
+    if num_layers is None or layer_ratios is None:
+        return
+    try:
+        layer_ratios(num_layers)  # e.g. more vlcache ratios than the model's layers
+    except (ValueError, OverflowError) as exc:
+        raise InvalidRequestError(str(exc), param="mpic.policy") from None
 
 
 def model_layers(engine: EngineConfig) -> int | None:

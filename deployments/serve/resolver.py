@@ -7,9 +7,11 @@ only (not cached; the Encoder's result travels to the worker as an ObjectRef the
 `mpic.deployments.serve.inline`); MRAG retrieval asks the Retriever deployment and links its hits
 (images, and text passages as documents) before the last user turn's text.
 The policy is parsed and checked here, once (`mpic.deployments.serve.policy_check`, against the
-served model's layer count bound in at build time), so a chat makes two Ray calls: this resolve,
-then the worker's generate. The link plan itself (token ids, positions, policy selection) is built
-in the LLM worker, next to the KV it indexes (docs/design.md "Link plan").
+served model's layer count bound in at build time), and the parsed `Policy` travels in the
+prompt (`LinkedPrompt.parsed_policy`, relayed unread by the Ingress) to the worker, which never
+parses it again; a chat makes two Ray calls: this resolve, then the worker's generate. The link
+plan itself (token ids, positions, policy selection) is built in the LLM worker, next to the KV
+it indexes (docs/design.md "Link plan").
 """
 
 from __future__ import annotations
@@ -58,14 +60,16 @@ class Resolver:
         self.num_layers = num_layers
 
     async def resolve(self, user: str, req: ChatCompletionRequest) -> LinkedPrompt:
-        """Resolve files, inline images and retrieval; validate policy and budget."""
+        """Resolve files, inline images and retrieval; parse and check the policy (once: the
+        prompt carries the parsed policy) and the budget."""
         opts = req.mpic
         policy = opts.policy if opts and "policy" in opts.model_fields_set else None
         policy = budgeted_policy(policy, opts.recompute_budget if opts else None, self.cfg)
         named = opts.model_fields_set if opts is not None else set()
         defaulted = not named & {"policy", "recompute_budget"}  # the server's default applies
-        check_policy(policy, self.num_layers)
+        parsed = check_policy(policy, self.num_layers)
         press, budget = self._press(opts)
+        exact_decode = self._exact_decode(opts, press)
         turns = [await self._turn(user, m) for m in req.messages]
         retrieved: list[str] = []
         if opts is not None and opts.retrieval is not None:
@@ -74,15 +78,18 @@ class Resolver:
                 spec = RetrievalSpec(collection=await self._auto_collection(), mode="auto")
             retrieved = await self._retrieve(turns, spec)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return LinkedPrompt(
+        prompt = LinkedPrompt(
             turns=turns,
             policy=policy,
             retrieved=retrieved,
             max_tokens=max_tokens or self.cfg.engine.max_tokens_default,
             press=press,
             budget=budget,
+            exact_decode=exact_decode,
             policy_defaulted=defaulted,
         )
+        prompt.serve_by(policy, parsed)
+        return prompt
 
     def _press(self, opts: MPICOptions | None) -> tuple[str | None, float | None]:
         """The request's press and budget, else the server's defaults; a press other than at
@@ -103,6 +110,21 @@ class Resolver:
                 param="mpic.press",
             )
         return press, budget
+
+    def _exact_decode(self, opts: MPICOptions | None, press: str | None) -> bool:
+        """The request's `mpic.exact_decode`, else the server's `default_exact_decode`; 400
+        when the request asks for it beside a press (exact decoding reads the items whole,
+        which would undo the press)."""
+        asked = opts.exact_decode if opts is not None else None
+        if asked and press is not None:
+            raise InvalidRequestError(
+                "mpic.exact_decode decodes over the items' whole exact KV: it cannot be "
+                "combined with a KV press (mpic.press / the server's default_press)",
+                param="mpic.exact_decode",
+            )
+        if asked is None:
+            return self.cfg.default_exact_decode and press is None
+        return asked
 
     async def _turn(self, user: str, msg: ChatMessage) -> LinkedTurn:
         if isinstance(msg.content, str):

@@ -4,7 +4,8 @@ Encoder: image bytes -> `EncodedImage` (content hash + input embeddings [T, hidd
 travels to the worker as a Ray ObjectRef (zero-copy inside a node), never through HTTP.
 LLMWorker: computes an upload's entry and registers it in the static library (entries are
 written through to the object store, so other nodes read them by key), and generates from a
-`LinkedPrompt`: it loads the linked entries through the tiered entry store (memory -> disk ->
+`LinkedPrompt` by the policy the Resolver parsed (`LinkedPrompt.parsed_policy`, not parsed here
+again): it loads the linked entries through the tiered entry store (memory -> disk ->
 object store), recomputes any entry that is lost or corrupt from its stored media (a fallback),
 and streams the engine's `TokenEvent`s and final `DoneEvent` (an async generator holding no
 lock: requests in flight reach the engine together; sync methods run on Serve's threads).
@@ -37,7 +38,7 @@ from mpic.deployments.serve.admission import (
 from mpic.deployments.serve.files import FileLostError, Sweeper, file_object, open_library
 from mpic.deployments.serve.image_limits import check_image_pixels
 from mpic.deployments.serve.inline import resolve_inline
-from mpic.deployments.serve.policy_check import check_policy, model_layers
+from mpic.deployments.serve.policy_check import check_layers, check_policy, model_layers
 from mpic.documents import decode_document
 from mpic.errors import MPICError
 from mpic.storage.entry_store import EntryStore
@@ -283,7 +284,10 @@ class LLMWorker:
             raise self.health.unavailable()
         self.fidelity.default_policy(prompt)
         if self.policy_layers is not None:  # the Resolver could not check the layers (400)
-            check_policy(prompt.policy, self.policy_layers)
+            if prompt.parsed_policy is not None:  # its parse, checked here: no second parse
+                check_layers(prompt.parsed_policy.get(), self.policy_layers)
+            else:  # a prompt built without the Resolver
+                check_policy(prompt.policy, self.policy_layers)
         shadow: dict | None = {} if self.fidelity.wants(prompt) else None
         try:
             with self.budget.admit(self.cost(prompt)):
@@ -335,7 +339,7 @@ class LLMWorker:
                     if isinstance(ev, DoneEvent):
                         ev.tier_hits = dict(tiers)
                         ev.fallbacks += len(got.fallbacks) + reencoded
-                        ev.policy = ev.policy or prompt.policy
+                        ev.policy = prompt.policy  # the name it was resolved to
                         if shadow is not None:
                             shadow.update(entries=entries, served=ev.first_token)
                         ev.first_token = None

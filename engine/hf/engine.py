@@ -23,7 +23,7 @@ from typing import Any
 from mpic.engine.first_token import FirstToken
 from mpic.engine.hf.reference_runner import ReferenceRunner
 from mpic.engine.protocol import Decoded, GenerateRequest
-from mpic.engine.request_flow import EngineBase, prefill_of
+from mpic.engine.request_flow import EngineBase, continued, prefill_of
 from mpic.engine.sampling import Sampler
 from mpic.engine.token_bytes import TokenBytes
 from mpic.linker.prompt import tokenizer_of
@@ -152,6 +152,7 @@ class ReferenceEngine(EngineBase):
                     stop_at_eos=not request.sampling.ignore_eos,
                     entries=request.entries,
                     raw=request.raw,
+                    continue_from=continued(request),
                 ):
                     put((token, pre, sampler.take()))
                     if gone.is_set():

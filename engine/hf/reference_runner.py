@@ -29,12 +29,12 @@ from mpic.engine.hf.compress import (
 from mpic.engine.hf.entries import cache_document, cache_image
 from mpic.engine.hf.loader import load_hf_model
 from mpic.engine.protocol import Sampling
-from mpic.engine.request_flow import plan_parts
+from mpic.engine.request_flow import plan_parts, policy_of
 from mpic.engine.sampling import Sampler
 from mpic.kernels.attention_backend import AttentionBackend
 from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
-from mpic.linker.policies import Policy, get_policy
+from mpic.linker.policies import Policy
 from mpic.linker.positions import next_position
 from mpic.linker.prefix import PrefixCache, takes_prefix
 from mpic.linker.prompt import PromptPart
@@ -120,6 +120,12 @@ class ReferenceRunner:
         self.prefixes = PrefixCache(self.adapter, self.spec.family) if link_prefix else None
         """Context KV for `link_prefix` (None: the prefix is recomputed)."""
 
+    def policy_of(self, policy: str | Policy) -> Policy:
+        """A request's policy: a name parsed once, against the model's own scout scales
+        (`scout_scales`), where it enters the runner (`generate`, `stream`, `prefill`, `plan`:
+        the parsed policy is what they hand down); a policy object as given."""
+        return policy_of(policy, self.scout_scales)
+
     def _system(self, system_prompt: str | None) -> str | None:
         """A request's system prompt, or None for the runner's own."""
         return self.system_prompt if system_prompt is None else system_prompt
@@ -169,8 +175,7 @@ class ReferenceRunner:
         .plan_parts`); raises on bad input. system_prompt: this request's, or None for the
         runner's own; entries: the request's linkable entries (default: the runner's table);
         raw: a completion prompt (no chat template)."""
-        if isinstance(policy, str):
-            policy = get_policy(policy, scales=self.scout_scales)
+        policy = self.policy_of(policy)
         table = self.entries if entries is None else entries
         system = self._system(system_prompt)
         planned = plan_parts(
@@ -201,6 +206,7 @@ class ReferenceRunner:
         first decode step; budget 1.0 or no press keeps the dense KV (ValueError for an unknown
         press or a budget outside (0, 1], before any work). entries, raw: as `plan`'s."""
         req = PressRequest.make(press, budget)
+        policy = self.policy_of(policy)
         start, cpu_start = time.perf_counter(), time.process_time()
         planned = self.plan(parts, policy, max_new_tokens, system_prompt, entries=entries, raw=raw)
         plan = planned.plan
@@ -256,24 +262,33 @@ class ReferenceRunner:
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        continue_from: Sequence[int] = (),
     ) -> Iterator[tuple[int, Prefilled]]:
         """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
         temperature is 0, else seeded sampling: `mpic.engine.sampling.Sampler`; `pick(logits
         [V]) -> token id` replaces it, e.g. a Sampler over a request's whole `Sampling`); stops
         after an end id (`ModelSpec.end_token_ids`, the same ids the vLLM engine stops at; the
-        end token is yielded) or `max_new_tokens`. entries, raw: as `plan`'s."""
+        end token is yielded) or `max_new_tokens`. entries, raw: as `plan`'s. continue_from:
+        tokens already generated (`GenerateRequest.continue_from`): decoded first, in place of
+        picks, and not yielded; `max_new_tokens` more follow."""
+        policy = self.policy_of(policy)
+        forced = list(continue_from)
+        total = len(forced) + max_new_tokens
         pre = self.prefill(
-            parts, policy, max_new_tokens, system_prompt, press, budget, entries=entries, raw=raw
+            parts, policy, total, system_prompt, press, budget, entries=entries, raw=raw
         )
         if pick is None:
             pick = Sampler(Sampling(temperature=temperature, seed=seed))
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter
         logits = pre.logits
-        for step in range(max_new_tokens):
-            token = pick(logits)
-            yield token, pre
-            if (stop_at_eos and token in self.spec.end_token_ids) or step == max_new_tokens - 1:
-                return
+        for step in range(total):
+            if step < len(forced):
+                token = forced[step]
+            else:
+                token = pick(logits)
+                yield token, pre
+                if (stop_at_eos and token in self.spec.end_token_ids) or step == total - 1:
+                    return
             pos = torch.tensor([pos0 + step])
             if pre.plan.positions.dim() == 2:
                 pos = pos.expand(3, 1)
@@ -302,6 +317,7 @@ class ReferenceRunner:
         budget: float | None = None,
     ) -> Generation:
         """All of `stream`'s tokens at once."""
+        policy = self.policy_of(policy)
         steps = list(
             self.stream(
                 parts,

@@ -28,7 +28,7 @@ from typing import Any
 
 from mpic.engine.first_token import TOP_K, FirstToken
 from mpic.engine.protocol import Decoded, GenerateRequest
-from mpic.engine.request_flow import EngineBase, prefill_of, pressed_parts
+from mpic.engine.request_flow import EngineBase, continued, prefill_of, pressed_parts
 from mpic.engine.token_bytes import TokenBytes
 from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
 from mpic.engine.vllm.presses import check_press
@@ -138,15 +138,18 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         media = None if request.media is None else dict(request.media)
         if request.press is not None:
             parts = self._pressed(parts, table, media, request.press, request.budget)
+        continuation = continued(request)
         planned, linked = self.prepare(
             parts,
             table,
             request.policy,
             request.system_prompt,
-            request.max_tokens,
+            request.max_tokens + len(continuation),
             raw=request.raw,
             media=media,
+            exact=bool(continuation),  # a continuation: plain vLLM over prompt + its tokens
         )
+        linked.prompt_token_ids = [*linked.prompt_token_ids, *continuation]
         return planned.plan, linked
 
     def _pressed(

@@ -31,7 +31,7 @@ from mpic.engine.items import (
     load_image,
 )
 from mpic.engine.model_dir import resolve_model_dir
-from mpic.engine.request_flow import plan_parts
+from mpic.engine.request_flow import plan_parts, policy_of
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm import upload as vllm_upload
@@ -44,7 +44,8 @@ from mpic.engine.vllm.requests import (
 )
 from mpic.engine.vllm.version import check_vllm_version
 from mpic.errors import CorruptEntryError, InvalidRequestError
-from mpic.linker.policies import get_policy
+from mpic.linker.policies import Policy
+from mpic.linker.policies.full import FullPolicy
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout_calibration import load_table as load_scale_table
 from mpic.model_spec import ModelSpec
@@ -208,24 +209,26 @@ class VllmFrontEnd:
     def plan(
         self,
         parts: Sequence[PromptPart],
-        policy: Any = "full",
+        policy: str | Policy = "full",
         max_new_tokens: int = 0,
         system_prompt: str | None = None,
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
     ) -> PlannedPrompt:
-        """The finished link plan of `parts` (`mpic.engine.request_flow.plan_parts`)."""
+        """The finished link plan of `parts` (`mpic.engine.request_flow.plan_parts`) under
+        `policy` (a name parsed here, `policy_of`)."""
         table = {} if entries is None else entries
+        rule = self.policy_of(policy)
         return plan_parts(
-            self.spec, self.processor, parts, table, policy, system_prompt, max_new_tokens, raw
+            self.spec, self.processor, parts, table, rule, system_prompt, max_new_tokens, raw
         )
 
     def prepare(
         self,
         parts: Sequence[PromptPart],
         entries: Mapping[str, CacheEntry],
-        policy: str,
+        policy: str | Policy,
         system_prompt: str | None = None,
         max_new_tokens: int = 0,
         *,
@@ -234,16 +237,14 @@ class VllmFrontEnd:
         exact: bool = False,
         salt: str | None = None,
     ) -> tuple[PlannedPrompt, EngineRequest]:
-        """(plan, vLLM request) of a prompt: the linked request under `policy` (its exact
-        fallback, built only if the link fails, carries the images of `media` when given), or
-        with `exact` plain vLLM over the prompt planned under `full` with its images (no
-        linking). salt: the prefix-cache salt (a fresh one: no prefix-cache hit)."""
-        if not exact:
-            policy = self.policy_name(policy)
-        planned = self.plan(
-            parts, "full" if exact else policy, max_new_tokens, system_prompt, entries=entries,
-            raw=raw,
-        )  # fmt: skip
+        """(plan, vLLM request) of a prompt: the linked request under `policy` (a name parsed
+        here once, `policy_of`; its canonical name is what the request carries to vLLM's
+        processes), its exact fallback, built only if the link fails, carrying the images of
+        `media` when given; or with `exact` plain vLLM over the prompt planned under `full`
+        with its images (no linking). salt: the prefix-cache salt (a fresh one: no prefix-cache
+        hit)."""
+        rule = FullPolicy() if exact else self.policy_of(policy)
+        planned = self.plan(parts, rule, max_new_tokens, system_prompt, entries=entries, raw=raw)
 
         def exact_form() -> EngineRequest:  # documents' token ids are in the plan's prompt
             return exact_request(planned.plan, self.spec.image_token_id, images())
@@ -263,18 +264,22 @@ class VllmFrontEnd:
             request = exact_form()
         else:
             fallback = exact_form if media is not None else None
-            request = linked_request(planned.plan, policy, self.spec, fallback=fallback)
+            request = linked_request(planned.plan, rule.name, self.spec, fallback=fallback)
         if salt is not None:
             request.cache_salt = salt
         return planned, request
 
-    def policy_name(self, policy: str) -> str:
-        """`policy` with the model's own scout scales spelled out (`auto` -> `scout-0.18:s<S>`)
-        when the model has a table: the connector's halves parse the name again in vLLM's
-        processes, and must use the S the reference runner uses. Unchanged without a table."""
-        if self.scout_scales is None:
-            return policy
-        return get_policy(policy, scales=self.scout_scales).name
+    def policy_of(self, policy: str | Policy) -> Policy:
+        """A request's policy: a name parsed once, against the model's own scout scales
+        (`scout_scales`, as the reference runner parses it); a policy object as given."""
+        return policy_of(policy, self.scout_scales)
+
+    def policy_name(self, policy: str | Policy) -> str:
+        """The name a linked request carries to vLLM's processes (its `kv_transfer_params`,
+        msgpack: names travel, objects do not): the policy's canonical name, the model's own
+        scout scales spelled out (`auto` -> `scout-0.18:s<S>`), so the connector's halves, which
+        parse it once per request in vLLM's processes, use the S the reference runner uses."""
+        return self.policy_of(policy).name
 
     def _run_to_end(self, prompt: dict, sampling: Any) -> None:
         """Run one vLLM request (an upload or a compression) to its end, blocking the calling

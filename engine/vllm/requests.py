@@ -34,6 +34,8 @@ class EngineRequest:
     plan: LinkPlan | None = None
     """Linked requests: the plan with the policy's recompute depths (token ids = the prompt)."""
     policy: str = ""
+    """Linked requests: the policy's canonical name (`VllmFrontEnd.policy_name`), what the
+    request carries to vLLM's processes, where the connector parses it once."""
     fallback: EngineRequest | Callable[[], EngineRequest] | None = None
     """The exact request answering a linked one whose entries cannot be loaded, or a function
     building it (called only then: it may read the images' media from the store)."""
@@ -105,7 +107,8 @@ def linked_request(
     spec: ModelSpec,
     fallback: EngineRequest | Callable[[], EngineRequest] | None = None,
 ) -> EngineRequest:
-    """An `EngineRequest` for a linked prompt (plan depths already set by `policy`)."""
+    """An `EngineRequest` for a linked prompt (plan depths already set by the policy named
+    `policy`, its canonical name)."""
     ids = plan.token_ids.tolist()
     mm = None
     if spec.family in MROPE_FAMILIES:

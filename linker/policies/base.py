@@ -91,6 +91,14 @@ class Policy(ABC):
         default: plain attention)."""
         return None
 
+    def with_scales(self, scales: Sequence[Sequence[float]] | None) -> Policy:
+        """This policy under a model's own (budget, S) table (`mpic model calibrate-scout`;
+        None: the default tables): what `get_policy(name, scales=scales)` gives for the name it
+        was parsed from, without parsing it again (an engine resolves a policy parsed elsewhere,
+        the Resolver replica's, against its model). Itself for every policy whose S, if any, was
+        not taken from the default tables."""
+        return self
+
     def apply(self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int) -> LinkPlan:
         """A copy of `plan` with this policy's depths (last token always at depth L)."""
         depth = self.depths(plan, entries, num_layers).to(torch.int64).clamp(0, num_layers)

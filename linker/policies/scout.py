@@ -31,9 +31,9 @@ More name fields, after S: `:k<K>` recomputes the first K tokens of every item o
 (default 1; `:k8` is what the needle task needs at 8 documents, at a cost in first-token KL:
 docs/fidelity.md), `:d<tau>` sets the offset prior's tau (`:d0`: no prior, attention alone, the
 selection before 2026-11-27). The name is canonical with S spelled out and K / tau spelled when
-not the default (`scout-0.2:s0.9/0.8`, `scout-0.2:s0.9/0.8:k8:d0`), so the vLLM worker, which
-rebuilds the policy from its name, selects with the same fields as the front end that resolved
-it.
+not the default (`scout-0.2:s0.9/0.8`, `scout-0.2:s0.9/0.8:k8:d0`), so the vLLM connector, which
+parses the name it receives once per request, selects with the same fields as the front end that
+resolved it.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ class ScoutPolicy(Policy):
             )
         if not 0.0 <= offset_tau <= 1e6:
             raise ValueError(f"scout's offset prior tau must be in [0, 1e6], got {offset_tau}")
+        self.tabled = scale is None
+        """S came from the default tables (no S given): a model's own table replaces it
+        (`with_scales`)."""
         if scale is None:
             from mpic.linker.scout_calibration import default_scales
 
@@ -171,6 +174,26 @@ class ScoutPolicy(Policy):
             raise ValueError(f"scout's boundary tokens per item must be an integer, got {sinks:g}")
         tau = options.get("d", OFFSET_TAU)
         return cls(float(budget), scale, sinks=int(sinks), late_scale=late, offset_tau=tau)
+
+    def with_scales(self, scales: Sequence[Sequence[float]] | None) -> ScoutPolicy:
+        """With S from a model's table (rows (budget, S) or (budget, S first half, S second
+        half)) when S came from the default tables; the same fields otherwise (as
+        `get_policy(name, scales=scales)` for the name this policy was parsed from)."""
+        if scales is None or not self.tabled:
+            return self
+        from mpic.linker.scout_calibration import table_scales
+
+        early, late = table_scales(scales, self.budget)
+        return ScoutPolicy(
+            self.budget,
+            early,
+            sinks=self.sinks,
+            question_weight=self.question_weight,
+            layers=self.layers,
+            scout_correction=self.scout_correction,
+            late_scale=late,
+            offset_tau=self.offset_tau,
+        )
 
     @property
     def scouts(self) -> bool:

@@ -1,4 +1,4 @@
-"""Load on the session's real Ray Serve instance: a short bounded run of `benchmarks/load.py`
+"""Load on the session's real Ray Serve instance: a short bounded run of `benchmarks/load/bench.py`
 (no errors, TTFT and tokens/s measured) and Serve autoscaling: with the LLM worker's
 `target_ongoing_requests=1`, concurrent streaming clients make Serve add a second replica."""
 
@@ -23,7 +23,7 @@ def _running(deployment: str) -> int:
 
 
 def test_low_target_ongoing_requests_adds_a_replica(serve_app: ServeApp) -> None:
-    from mpic.benchmarks.load import run_load_async, upload_images
+    from mpic.benchmarks.load.bench import run_load_async, upload_images
 
     assert serve_app.config.llm_worker.autoscaling.target_ongoing_requests == 1
     before = _running("LLMWorker")
@@ -57,8 +57,8 @@ def test_low_target_ongoing_requests_adds_a_replica(serve_app: ServeApp) -> None
 
 
 def test_short_load_run(serve_app: ServeApp, tmp_path) -> None:
-    from mpic.benchmarks.load import run_load_async, upload_images
-    from mpic.benchmarks.load_report import write_outputs
+    from mpic.benchmarks.load.bench import run_load_async, upload_images
+    from mpic.benchmarks.load.report import write_outputs
 
     ids = upload_images(serve_app.url, "alice-key", 2)
     res = asyncio.run(

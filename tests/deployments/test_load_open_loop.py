@@ -24,8 +24,8 @@ def _port() -> int:
 def test_open_loop_overload_is_refused_fast(tmp_path: Path) -> None:
     import uvicorn
 
-    from mpic.benchmarks.load import run_load_async, upload_images
-    from mpic.benchmarks.load_report import write_outputs
+    from mpic.benchmarks.load.bench import run_load_async, upload_images
+    from mpic.benchmarks.load.report import write_outputs
     from mpic.deployments.http.ingress import app as fastapi_app
 
     cfg = fake_config(tmp_path / "store", fake_token_delay_s=0.05)

@@ -3,7 +3,11 @@
 
 `LinkJob` is one linked request to materialise: its prompt, its KV blocks, its decoded MPIC
 parameters (policy, entries, the run-length-coded plan of `mpic.engine.vllm.params`) and how it
-is loaded:
+is loaded. The policy travels to vLLM's processes as its canonical name (`kv_transfer_params`
+are msgpack), and is parsed once where the job is built, in the scheduler half (`from_request`):
+the job carries the parsed `Policy`, pickled with it to the worker half, and the scheduler's
+choices (`needs_last_token`, `links_in_its_forward_step`) and the worker's link read that object.
+Loads:
 
 - `load_async` (the default for linked requests): the worker half reads the job's entries from
   the tiered store in the background (`mpic.engine.vllm.connector.worker`) while vLLM keeps
@@ -60,8 +64,12 @@ class LinkJob:
     """The prompt token ids (N)."""
     block_ids: list[int]
     """All the request's KV blocks, in order (block b holds positions [b*bs, (b+1)*bs))."""
-    policy: str
-    """The policy name (its depths are already in the plan)."""
+    policy_name: str
+    """The policy's canonical name, as the request carries it (`kv_transfer_params`)."""
+    policy: Policy | None
+    """The policy (its depths are already in the plan), parsed once from `policy_name` where the
+    job was built (`from_request`); None: the name does not parse (the worker fails the job,
+    `rule`)."""
     entry_ids: tuple[str, ...]
     """Entries the plan links, in plan order (duplicates possible)."""
     plan_body: dict[str, Any]
@@ -74,20 +82,36 @@ class LinkJob:
 
     @classmethod
     def from_request(
-        cls, req_id: str, token_ids: list[int], block_ids: list[int], params: dict[str, Any]
+        cls,
+        req_id: str,
+        token_ids: list[int],
+        block_ids: list[int],
+        params: dict[str, Any],
+        policy: Policy | None = None,
     ) -> LinkJob:
-        """The job of a request with MPIC `kv_transfer_params` (`vllm_params.is_linked`)."""
+        """The job of a request with MPIC `kv_transfer_params` (`vllm_params.is_linked`), its
+        policy parsed from the name they carry (`parse_policy`), unless `policy` gives the one
+        an earlier job of the same request parsed (a two-phase claim's second phase)."""
         body = params[vllm_params.KEY]
         press = params.get(vllm_presses.KEY)
+        name = str(body.get("policy", ""))
         return cls(
             req_id=req_id,
             token_ids=list(token_ids),
             block_ids=list(block_ids),
-            policy=str(body.get("policy", "")),
+            policy_name=name,
+            policy=policy if policy is not None else parse_policy(name),
             entry_ids=tuple(body.get("entry_ids", ())),
             plan_body=body,
             press=PressSpec(str(press["press"]), float(press["budget"])) if press else None,
         )
+
+    def rule(self) -> Policy:
+        """The job's policy; for a name that did not parse, the parse's ValueError (raised
+        again by parsing it: a request no MPIC front end sends, whose link then fails)."""
+        if self.policy is None:
+            return get_policy(self.policy_name)  # raises: `parse_policy` could not parse it
+        return self.policy
 
     def plan(self) -> LinkPlan:
         """The link plan (InvalidRequestError when malformed or not the prompt's length)."""
@@ -137,24 +161,29 @@ def joins_batch(policy: Policy) -> bool:
     return not policy.two_step and type(policy).layer_hook is Policy.layer_hook
 
 
-def links_in_its_forward_step(policy_name: str) -> bool:
+def parse_policy(name: str) -> Policy | None:
+    """The policy a linked request names (its canonical name, `VllmFrontEnd.policy_name`),
+    parsed once per job; None for a name that does not parse (the job fails in the worker)."""
+    try:
+        return get_policy(name)
+    except Exception:  # noqa: BLE001 - an unknown name fails later, in the worker, as before
+        return None
+
+
+def links_in_its_forward_step(policy: Policy | None) -> bool:
     """True for policies with a linked-key correction (`scout-*`): the worker shifts the linked
     keys so that vLLM's plain attention of the last prompt token equals the corrected one and
     restores them after that forward (`PagedLinkedKV.shift_for_last_query`), so the request must
-    be linked in the step that runs that forward: a synchronous claim."""
-    try:
-        return bool(get_policy(policy_name).corrects)
-    except Exception:  # noqa: BLE001 - an unknown name fails later, in the worker, as before
-        return False
+    be linked in the step that runs that forward: a synchronous claim. None (a name that did not
+    parse, `LinkJob.policy`): False."""
+    return policy is not None and bool(policy.corrects)
 
 
-def needs_last_token(policy_name: str) -> bool:
+def needs_last_token(policy: Policy | None) -> bool:
     """True when the policy's pass must include the last prompt token (its selection reads it),
-    so the request cannot be linked before that token has a block."""
-    try:
-        return not batchable(get_policy(policy_name))
-    except Exception:  # noqa: BLE001 - an unknown name fails later, in the worker, as before
-        return True
+    so the request cannot be linked before that token has a block. None (a name that did not
+    parse): True."""
+    return policy is None or not batchable(policy)
 
 
 LOAD_MODES = ("background", "reads", "step")

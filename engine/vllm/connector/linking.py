@@ -40,7 +40,6 @@ from mpic.engine.vllm.connector.entry_reads import LOAD_ERRORS
 from mpic.engine.vllm.connector.link_job import LinkJob, joins_batch
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV, paged_ops
 from mpic.linker.pipeline import LinkedPrefill, link_and_prefill
-from mpic.linker.policies import get_policy
 from mpic.linker.policies.base import Policy
 from mpic.linker.prefix import CachedPrefix, PrefixCache, takes_prefix
 from mpic.linker.recipe import PlannedPrompt
@@ -103,7 +102,7 @@ class RequestLinker:
             began = time.perf_counter()
             try:
                 plan = job.plan()
-                policy = get_policy(job.policy)
+                policy = job.rule()  # parsed once, where the job was built
                 prefix = self._prefix(job, policy, plan, entries)
                 if job.press is None and joins_batch(policy):
                     plan = self._fit(job, plan)
@@ -192,7 +191,7 @@ class RequestLinker:
         are the front end's (`mpic.linker.recipe` applied the policy once); the policy object
         only drives two-step passes and in-pass hooks here. A corrected request's keys are
         shifted for vLLM's forward of token N-1 (`shift`)."""
-        policy = get_policy(job.policy)
+        policy = job.rule()
         planned = PlannedPrompt(plan, entries, policy, refs=[], prefix=prefix)
         kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV

@@ -19,7 +19,9 @@ request in `MPICConnectorMetadata.shift`. A request whose last token has no bloc
 policy whose pass reads it (`link_job.needs_last_token`: an async claim of N-1 tokens allocates
 blocks for N-1 only), or any non-plain policy in load mode `reads`, has its entries read ahead
 and is linked in the step that schedules its last token (shipped again as a synchronous job,
-with `has_sync_kv_loads` set so that the worker links it before the forward).
+with `has_sync_kv_loads` set so that the worker links it before the forward). The policy name the
+request carries is parsed once per claim, by its first job (`LinkJob.from_request`); the second
+phase's job reuses that parse.
 
 A claim that starts after a local prefix-cache hit (an identical linked request, same salt, left
 its blocks cached) is linked in a step in load mode `background` too (`phase2 = "link"`): the
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from mpic.linker.policies import Policy
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,8 +83,9 @@ class MPICScheduler:
         """Requests that ended while loading (blocks held until the worker drops them)."""
         self._requests: dict[str, Request] = {}
         """Requests with an async two-phase claim (their second phase needs them)."""
-        self._phase2: dict[str, tuple[str, Request]] = {}
-        """Two-phase requests received, waiting for the step of their last token."""
+        self._phase2: dict[str, tuple[str, Request, Policy | None]] = {}
+        """Two-phase requests received, waiting for the step of their last token (with the
+        policy their first job parsed: the second reuses it)."""
         self._forget: set[str] = set()
         """Requests that ended between their two phases (the worker drops what it holds)."""
         self._hit: set[str] = set()
@@ -90,11 +95,12 @@ class MPICScheduler:
         params = request.kv_transfer_params or {}
         return self.mode != "step" and vllm_presses.KEY not in params
 
-    def _phase2_of(self, request: Request) -> str:
-        """ "", "link" or "shift" for an async claim (see `LinkJob.phase2`)."""
+    def _phase2_of(self, request: Request, job: LinkJob) -> str:
+        """ "", "link" or "shift" for an async claim (see `LinkJob.phase2`), by the policy
+        its job parsed."""
         if self.mode == "background" and request.request_id in self._hit:
             return "link"  # shared prefix-hit blocks: rewritten in a step, never beside one
-        policy = str((request.kv_transfer_params or {})[vllm_params.KEY].get("policy"))
+        policy = job.policy
         if not needs_last_token(policy):  # a plain pass: linked where its entries are
             return ""
         last_has_block = (request.num_prompt_tokens - 1) % self.block_size != 0
@@ -139,7 +145,7 @@ class MPICScheduler:
                 dict(request.kv_transfer_params or {}),
             )
             job.load_async = True
-            job.phase2 = self._phase2_of(request)
+            job.phase2 = self._phase2_of(request, job)
             if job.phase2:
                 self._requests[rid] = request
             self._async_new[rid] = job
@@ -170,11 +176,11 @@ class MPICScheduler:
             if request is not None:
                 meta.jobs.append(self._sync_job(request, block_ids))
                 continue
-            kind, request = self._phase2.pop(req_id)
+            kind, request, policy = self._phase2.pop(req_id)
             if kind == "shift":
                 meta.shift.add(req_id)
             else:  # linked now, before this step's forward, from the entries read ahead
-                meta.jobs.append(self._sync_job(request, block_ids))
+                meta.jobs.append(self._sync_job(request, block_ids, policy))
                 scheduler_output.has_sync_kv_loads = True
         self._sync.clear()
         meta.jobs.extend(self._async_new.values())
@@ -185,12 +191,14 @@ class MPICScheduler:
         return meta
 
     @staticmethod
-    def _sync_job(request: Request, block_ids: list[int]) -> LinkJob:
+    def _sync_job(request: Request, block_ids: list[int], policy: Policy | None = None) -> LinkJob:
+        """A synchronous job; `policy`: the one its first phase parsed (None: parsed now)."""
         return LinkJob.from_request(
             request.request_id,
             list(request.prompt_token_ids or []),
             block_ids,
             dict(request.kv_transfer_params or {}),
+            policy,
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -205,7 +213,7 @@ class MPICScheduler:
             self._drop.discard(rid)
             request = self._requests.pop(rid, None)
             if job is not None and job.phase2 and request is not None and rid not in failed:
-                self._phase2[rid] = (job.phase2, request)
+                self._phase2[rid] = (job.phase2, request, job.policy)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """A request that ends while its async job is with the worker keeps its blocks until

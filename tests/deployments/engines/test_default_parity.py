@@ -3,7 +3,8 @@ the vLLM worker (in-process apps, no Ray, the same tiny LLaVA and store) get the
 images and the same chat with no `mpic.policy` (the server default `auto`: scout + linked-key
 correction), and answer with the same 16 greedy tokens: both decode with plain attention after
 the corrected prefill. LLaVA's vision tower gives the same entries on both engines (Qwen2-VL's
-do not: HF's and vLLM's towers differ)."""
+do not: HF's and vLLM's towers differ). With `mpic.exact_decode` (the first token from `auto`,
+the rest over the exact KV) both answer the same too."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ ALICE = {"Authorization": "Bearer alice-key"}
 
 
 def _answers(model_dir: Path, store: Path) -> dict[str, dict]:
-    """engine -> the default chat's JSON. The apps are opened one after the other: in-process
+    """engine -> the default chat's JSON (and under "exact": the same chat with
+    `mpic.exact_decode`). The apps are opened one after the other: in-process
     apps share one FastAPI app, and one opened inside another takes its routes over."""
     out = {}
     for kind, extra in (("reference", {}), ("vllm", {"max_model_len": 1024})):
@@ -63,7 +65,10 @@ def _answer(app: InProcessApp) -> dict:
     }
     r = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
     assert r.status_code == 200, r.text
-    return r.json()
+    body["mpic"] = {"exact_decode": True}  # then the rest over the exact KV (full prefill)
+    exact = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
+    assert exact.status_code == 200, exact.text
+    return {**r.json(), "exact": exact.json()}
 
 
 def test_both_engines_answer_the_default_with_the_same_tokens(tiny_llava_dir, tmp_path) -> None:
@@ -73,4 +78,10 @@ def test_both_engines_answer_the_default_with_the_same_tokens(tiny_llava_dir, tm
         assert out["usage"]["completion_tokens"] == 16
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # images linked
     text = {kind: out["choices"][0]["message"]["content"] for kind, out in answers.items()}
+    assert text["vllm"] == text["reference"]
+    exact = {kind: out["exact"] for kind, out in answers.items()}
+    for out in exact.values():
+        assert out["mpic"]["exact_decode"] is True and out["usage"]["completion_tokens"] == 16
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first pass's
+    text = {kind: out["choices"][0]["message"]["content"] for kind, out in exact.items()}
     assert text["vllm"] == text["reference"]

@@ -147,3 +147,45 @@ def test_sampling_fields_on_the_real_model(client, app, offline) -> None:
         0
     ].token != tok.decode([token])
     assert len(ask(n=2, temperature=1.0, seed=1)) == 2
+
+
+def test_exact_decode_answers_full_prefills_continuation(client, offline) -> None:
+    """`mpic.exact_decode`: the first token is the policy's, the rest full prefill's after it
+    (the offline runner's stream under `full` with that first pick forced); with a press: 400."""
+    from mpic.prompt_parts import ImageRef
+
+    media = [png(43), png(44)]
+    fids = [
+        client.files.create(file=(f"{i}.png", io.BytesIO(m), "image/png"), purpose="vision").id
+        for i, m in enumerate(media)
+    ]
+    content = [{"type": "text", "text": "compare"}]
+    parts: list = ["compare"]
+    for fid, m in zip(fids, media, strict=True):
+        content += [{"type": "file", "file": {"file_id": fid}}, {"type": "text", "text": "and"}]
+        parts += [ImageRef(offline.cache_image(m).entry_id), "and"]
+    msgs = [{"role": "user", "content": content}]
+    resp = client.chat.completions.create(
+        model="mpic",
+        messages=msgs,
+        max_tokens=8,
+        extra_body={"mpic": {"policy": "auto", "exact_decode": True}, "ignore_eos": True},
+    )
+    first = offline.generate(parts, "auto", 1).tokens
+    picks = list(first)
+
+    def pick(logits):
+        return picks.pop() if picks else int(logits.argmax())
+
+    want = [t for t, _ in offline.stream(parts, "full", 8, pick=pick, stop_at_eos=False)]
+    assert resp.choices[0].message.content == _decode(offline, want)
+    assert resp.model_extra["mpic"]["exact_decode"] is True
+    assert resp.usage.prompt_tokens_details.cached_tokens > 0  # the policy's pass linked them
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="mpic",
+            messages=msgs,
+            max_tokens=4,
+            extra_body={"mpic": {"exact_decode": True, "press": "snapkv", "budget": 0.5}},
+        )
+    assert err.value.body["param"] == "mpic.exact_decode"

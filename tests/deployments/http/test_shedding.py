@@ -204,7 +204,7 @@ def test_burst_of_300_shed_with_json_through_serve(serve_app) -> None:
     plain-text 503), and the rejections are counted in /metrics."""
     import httpx
 
-    from mpic.benchmarks.load_requests import rejections_in_metrics
+    from mpic.benchmarks.load.requests import rejections_in_metrics
 
     def count_429(text: str) -> float:
         return rejections_in_metrics(text).get("429", 0.0)

@@ -70,8 +70,8 @@ def _sample(worker, rid: str, timeout: float = 120.0):
 def test_sampled_kl_equals_offline_kl_on_the_trained_model(
     llava_smollm2_dir: Path, tmp_path: Path, policy: str
 ) -> None:
-    from mpic.benchmarks.fidelity_prompts import passages, question_parts
-    from mpic.benchmarks.offline import kl_divergence
+    from mpic.benchmarks.fidelity.prompts import passages, question_parts
+    from mpic.benchmarks.offline.bench import kl_divergence
     from mpic.engine.answers import token_agreement
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import DocumentRef
@@ -210,7 +210,7 @@ def test_loop_on_the_trained_model(llava_smollm2_dir: Path, tmp_path: Path) -> N
     budget, target 0.2: from 10% the loop raises (the drift there is far above the target), from
     60% it lowers (far below), within its bounds; the trajectories are printed
     (docs/fidelity.md)."""
-    from mpic.benchmarks.fidelity_prompts import passages, question_parts
+    from mpic.benchmarks.fidelity.prompts import passages, question_parts
     from mpic.prompt_parts import DocumentRef
 
     cfg = _app_config(

@@ -15,8 +15,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mpic.benchmarks.fidelity import ROW_KEYS, run_fidelity
-from mpic.benchmarks.fidelity_prompts import passages, question_parts
+from mpic.benchmarks.fidelity.bench import ROW_KEYS, run_fidelity
+from mpic.benchmarks.fidelity.prompts import passages, question_parts
 from mpic.engine.answers import exact_prefix, rouge_l_f1, token_agreement
 from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy

@@ -21,6 +21,7 @@ from mpic.linker.dense_kv import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
+from mpic.linker.policies.mpic import MPICPolicy
 from mpic.linker.recipe import with_policy
 from mpic.types import LinkPlan
 from tests.engine.vllm.test_paged_kv_layout import BLOCK, vllm_cache
@@ -72,7 +73,8 @@ def _output(new=(), finished=()):
 def test_policies_that_batch() -> None:
     assert batchable(get_policy("mpic-32")) and batchable(get_policy("full"))
     assert not batchable(get_policy("cacheblend-15"))  # in-pass hook
-    assert not needs_last_token("mpic-4") and needs_last_token("cacheblend-15")
+    assert not needs_last_token(get_policy("mpic-4"))
+    assert needs_last_token(get_policy("cacheblend-15")) and needs_last_token(None)
     # the batched pass also takes scouting and corrected policies (the default), not hooks or
     # two-step policies
     assert joins_batch(get_policy("auto")) and joins_batch(get_policy("mpic-32"))
@@ -88,7 +90,8 @@ def test_linked_claims_are_async_and_ship_their_blocks() -> None:
     meta = s.build_connector_meta(_output())
     (job,) = meta.jobs
     assert job.load_async and job.req_id == "a" and job.block_ids == [10, 11, 12, 13]
-    assert job.policy == "mpic-32" and job.plan().num_tokens == 100
+    assert job.policy_name == "mpic-32" and job.plan().num_tokens == 100
+    assert isinstance(job.policy, MPICPolicy) and job.policy.name == "mpic-32"
     assert s.build_connector_meta(_output()).jobs == []  # shipped once
     s.update_connector_output(SimpleNamespace(finished_recving={"a"}))
     assert s.request_finished(req) == (False, None)  # linked already: blocks free at once
@@ -270,3 +273,51 @@ def test_a_failed_load_is_freed_by_its_report_not_dropped() -> None:
     assert s.request_finished(req) == (True, None)
     s.update_connector_output(SimpleNamespace(finished_recving={"f"}))
     assert s.build_connector_meta(_output()).finished == set()
+
+
+def test_a_link_job_carries_its_policy_parsed_once(monkeypatch) -> None:
+    """The policy name a request carries is parsed once per claim, by the scheduler half where
+    its first job is built: the second phase's job reuses that parse, the job pickles (to the
+    worker half) with its `Policy`, and the helpers and the worker's `rule` read that object."""
+    import pickle
+
+    from mpic.engine.vllm.connector import link_job, linking
+    from mpic.engine.vllm.connector.link_job import links_in_its_forward_step
+
+    parsed: list[str] = []
+
+    def counting(name: str, *args, **kwargs):
+        parsed.append(name)
+        return get_policy(name, *args, **kwargs)
+
+    monkeypatch.setattr(link_job, "get_policy", counting)
+    assert not hasattr(linking, "get_policy")  # the worker's link reads `LinkJob.rule()`
+    s = MPICScheduler(BS)
+    edge = FakeRequest("edge", 2 * BS + 1, "cacheblend-15")  # two phases: read, then link
+    first = _claim(s, edge)
+    assert first.phase2 == "link" and parsed == ["cacheblend-15"]
+    s.update_connector_output(SimpleNamespace(finished_recving={"edge"}))
+    (second,) = s.build_connector_meta(_output([_new(edge, [4, 5, 6])])).jobs
+    assert second.policy is first.policy and parsed == ["cacheblend-15"]  # no second parse
+    shipped = pickle.loads(pickle.dumps(second))  # vLLM pickles the step's metadata
+    assert shipped.policy.name == "cacheblend-15" and shipped.policy_name == "cacheblend-15"
+    assert shipped.rule() is shipped.policy
+    assert needs_last_token(shipped.policy) and not links_in_its_forward_step(shipped.policy)
+    scout = _claim(MPICScheduler(BS), FakeRequest("sc", 80, "scout-0.2"))
+    assert scout.phase2 == "shift" and links_in_its_forward_step(scout.policy)
+    assert parsed == ["cacheblend-15", "scout-0.2"]
+
+
+def test_a_job_whose_policy_does_not_parse_fails_in_the_worker() -> None:
+    """A name no MPIC front end sends: the scheduler half still claims it (as a policy whose
+    pass needs the last token and that is not corrected), and the worker's link raises the
+    parse's ValueError (a failed load)."""
+    import pytest
+
+    s = MPICScheduler(BS)
+    job = _claim(s, FakeRequest("bad", 80, "nonsense-3"))
+    assert job.policy is None and job.phase2 == ""  # the last token has its block already
+    edge = _claim(s, FakeRequest("edge", 2 * BS + 1, "nonsense-3"), 2)
+    assert edge.policy is None and edge.phase2 == "link"
+    with pytest.raises(ValueError, match="nonsense-3"):
+        job.rule()

@@ -13,13 +13,14 @@ import torch
 from mpic.engine.vllm.connector.link_job import LinkJob
 from mpic.engine.vllm.connector.link_pacing import LinkPacer
 from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter
+from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 
 connector_worker = pytest.importorskip("mpic.engine.vllm.connector.worker")
 
 
 def _job(rid: str) -> LinkJob:
-    return LinkJob(rid, [1, 2, 3], [0], "mpic-32", (), {}, load_async=True)
+    return LinkJob(rid, [1, 2, 3], [0], "mpic-32", get_policy("mpic-32"), (), {}, load_async=True)
 
 
 def _worker(tmp_path, link) -> connector_worker.MPICWorker:

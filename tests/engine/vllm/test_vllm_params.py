@@ -89,8 +89,9 @@ def test_config_enforces_cpu_block_size_and_no_extra_fields() -> None:
 def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_path) -> None:
     """A model folder with its own scout table (`calibrate-scout --write`): the vLLM front end
     names the policy with that table's S, the S the reference runner takes from the same
-    folder, so the connector's halves (which parse the name again) cannot fall back to the
-    default table; without a table names pass unchanged."""
+    folder, so the connector's halves (which parse the name once more, in vLLM's processes)
+    cannot fall back to the default table; without a table, the default table's canonical
+    name."""
     import json
     import shutil
 
@@ -101,7 +102,7 @@ def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_
     from mpic.linker.scout_calibration import TABLE_FILE
 
     plain = VllmFrontEnd(VllmEngineConfig(model=str(tiny_llava_dir)))
-    assert plain.scout_scales is None and plain.policy_name("auto") == "auto"
+    assert plain.scout_scales is None and plain.policy_name("auto") == get_policy("auto").name
     model = tmp_path / "model"
     shutil.copytree(tiny_llava_dir, model)
     (model / TABLE_FILE).write_text(json.dumps({"table": [[0.1, 0.7], [0.3, 0.6]]}))
@@ -113,3 +114,35 @@ def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_
         assert get_policy(spelled).name == spelled  # parses to itself with the default table
     assert front.policy_name("auto") != get_policy("auto").name
     assert front.policy_name("mpic-32") == "mpic-32"
+    # a policy parsed elsewhere (the Resolver's, default table) takes the model's table as
+    # parsing its name here would: `with_scales`, no second parse
+    for name in ("auto", "scout-0.2", "scout-0.2:k8", "scout-0.2:s0.5", "mpic-32"):
+        parsed = get_policy(name).with_scales(front.scout_scales)
+        assert parsed.name == front.policy_name(name)
+
+
+def test_front_end_parses_a_name_once_and_takes_a_policy_as_given(
+    tiny_llava_dir: Path, monkeypatch
+) -> None:
+    """`prepare` parses a policy name once (against the model's table) and sends its canonical
+    name; a parsed policy (the Serve worker's, from the Resolver) is not parsed again."""
+    from mpic.engine import request_flow
+    from mpic.engine.vllm.config import VllmEngineConfig
+    from mpic.engine.vllm.frontend import VllmFrontEnd
+    from mpic.linker.policies import get_policy
+
+    front = VllmFrontEnd(VllmEngineConfig(model=str(tiny_llava_dir)))
+    parsed: list[str] = []
+
+    def counting(name: str, *args, **kwargs):
+        parsed.append(name)
+        return get_policy(name, *args, **kwargs)
+
+    monkeypatch.setattr(request_flow, "get_policy", counting)
+    planned, request = front.prepare(["Say hello."], {}, "auto")
+    assert parsed == ["auto"] and request.policy == get_policy("auto").name
+    assert planned.policy.name == request.policy
+    planned, request = front.prepare(["Say hello."], {}, get_policy("mpic-4"))
+    assert parsed == ["auto"] and request.policy == "mpic-4" and planned.policy.name == "mpic-4"
+    _, exact = front.prepare(["Say hello."], {}, "auto", exact=True)
+    assert parsed == ["auto"] and exact.plan is None  # planned under `full`, no name parsed

@@ -182,7 +182,7 @@ def test_compressed_entry_is_stored_and_reused(setup: Setup) -> None:
 
 @pytest.mark.slow
 def test_bench_compress_vllm_rows(setup: Setup) -> None:
-    from mpic.benchmarks.compress_vllm import VllmCompressBench, run_compress_vllm
+    from mpic.benchmarks.compress.vllm_bench import VllmCompressBench, run_compress_vllm
 
     bench = VllmCompressBench(engine=setup.engine)
     prompts = bench.prompts(1, 2)  # LLaVA-NeXT's anyres images are long
