@@ -22,17 +22,15 @@ recomputed = the plain prefill) on the same prompt:
 - `ttft_ms`: request to first token with the entries in memory (the reference runner's clock).
 
 Writes a table, JSON `{"model", "results": [{"policy", "documents", "recomputed_fraction",
-"kl_first", "agreement_32", "exact_prefix", "rouge_l", "ttft_ms", "prompt_tokens"}]}` and a PNG of
-fidelity against recomputed fraction. `--task needle` adds task accuracy (a planted secret code
-in one cached document: `mpic.benchmarks.fidelity.task`), each policy's and its ratio to full's,
-as JSON `"task"`. `--calibrate-vlcache R` first runs VLCache's per-layer
-calibration (`mpic.linker.vlcache_calibration`) on proxy prompts built from OTHER passages and
-adds the calibrated schedule to the policies. `--noise-floor bf16,flex` adds the noise floor of
-every metric (`noise_floor`): a row per floor after `full`'s, the same prompts
-(and task trials) under full prefill computed another way (the model in bfloat16, the other
-attention backend) scored against `full` like a policy, and `kl_over_floor` on every policy row
-(its KL over the first floor's: how far beyond numerical noise). docs/fidelity.md has measured
-results.
+"kl_first", "agreement_32", "exact_prefix", "rouge_l", "ttft_ms", "prompt_tokens", ...}]}` and a
+PNG of fidelity against recomputed fraction. `--task needle` adds task accuracy (a planted code
+in one cached document: `task`), each policy's and its ratio to full's, as JSON `"task"`.
+`--calibrate-vlcache R` first calibrates VLCache per layer (`mpic.linker.vlcache_calibration`)
+on proxy prompts of OTHER passages and adds its schedule. `--noise-floor bf16,flex` adds a row
+per floor after `full`'s: the same prompts (and trials) under full prefill computed another way
+(bfloat16, the other attention backend) scored like a policy, and `kl_over_floor` on every
+policy row. `--exact-decode` decodes each answer after its first token over the exact KV
+(`answers.greedy_answer`; rows say `exact_decode`). docs/fidelity.md has measured results.
 """
 
 from __future__ import annotations
@@ -286,9 +284,7 @@ def command(
     exact_decode: bool = typer.Option(
         False,
         "--exact-decode/--no-exact-decode",
-        help="Decode every policy's answer after its first token over the prompt's exact KV "
-        "(the request field mpic.exact_decode: one full prefill after the first token); KL "
-        "stays the policy's.",
+        help="Decode each answer after its first token over the exact KV (mpic.exact_decode).",
     ),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
     json_out: str = typer.Option(None, "--json", help="Write the JSON results here."),
