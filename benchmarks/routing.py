@@ -54,7 +54,7 @@ class RoutingResult:
 def entry_bytes(model: Path) -> int:
     """Decoded size of one image's entry on `model` (sizes the memory tiers)."""
     from mpic.engine.hf.reference_runner import ReferenceRunner
-    from mpic.storage.memory_tier import entry_nbytes
+    from mpic.storage.tiers.memory import entry_nbytes
 
     runner = ReferenceRunner(str(model))
     return entry_nbytes(runner.cache_image(make_png(0)))

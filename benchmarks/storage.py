@@ -120,10 +120,10 @@ def _row(size_mib: float, tier: str, nbytes: int, t_entry: list[float], t_raw: l
 
 def _measure_size(mib: float, seed: int, repeat: int, workdir: Path, s3) -> list[dict]:  # noqa: ANN001
     """Rows of one entry size: memory, disk cold/warm, and s3 when `s3` is an ObjectStore."""
-    from mpic.storage.disk_tier import DiskTier
     from mpic.storage.entry_codec import encode
     from mpic.storage.entry_store import EntryStore, entry_object_key
     from mpic.storage.fs_store import FileSystemObjectStore
+    from mpic.storage.tiers.disk import DiskTier
 
     entry = _entry_of_mib(mib, seed)
     key, blob = entry.entry_id, encode(entry)

@@ -1,5 +1,5 @@
 """`mpic model calibrate-scout` (CLI process): S, the linked-key correction's scale, per recompute
-budget for one model (`mpic.linker.scout_calibration`; the policy is `scout-<b>`).
+budget for one model (`mpic.linker.calibration.scout`; the policy is `scout-<b>`).
 
 The proxy set: `--prompts` prompts of `--documents` standard-library passages each, taken AFTER
 the ones `mpic bench fidelity` uses (so the benchmark's prompts stay held out), cached alone and
@@ -59,8 +59,9 @@ def command(
     from mpic.benchmarks.fidelity.prompts import passages, question_parts
     from mpic.benchmarks.offline.bench import kl_divergence
     from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.linker.calibration.scout import calibrate_scale
     from mpic.linker.policies.scout import ScoutPolicy
-    from mpic.linker.scout_calibration import TABLE_FILE, calibrate_scale
+    from mpic.linker.policies.scout_scales import TABLE_FILE
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """`mpic model calibrate-vlcache` (CLI process): VLCache's per-layer recompute ratios for one
-model (VLCache section 4.1, Eq. 5-9; the search is `mpic.linker.vlcache_calibration`).
+model (VLCache section 4.1, Eq. 5-9; the search is `mpic.linker.calibration.vlcache`).
 
 The proxy set: `--prompts` prompts of `--images` synthetic images each (distinct from the offline
 benchmark's images), cached in the canonical context by the reference runner and linked after
@@ -19,7 +19,7 @@ import typer
 
 if TYPE_CHECKING:
     from mpic.engine.hf.reference_runner import ReferenceRunner
-    from mpic.linker.vlcache_calibration import Calibration, ProxyPrompt
+    from mpic.linker.calibration.vlcache import Calibration, ProxyPrompt
 
 _INTROS = (
     "Here are a few photos a friend sent me from her holiday.",
@@ -39,8 +39,8 @@ _IMAGE_OFFSET = 1000
 
 def build_proxy_set(runner: ReferenceRunner, images: int, prompts: int) -> list[ProxyPrompt]:
     """`prompts` proxy prompts of `images` freshly cached images each."""
+    from mpic.linker.calibration.vlcache import ProxyPrompt
     from mpic.linker.prompt import ImageRef, PromptPart
-    from mpic.linker.vlcache_calibration import ProxyPrompt
     from mpic.samples import synthetic_png
 
     proxies = []
@@ -104,7 +104,7 @@ def command(
 
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.errors import MPICError
-    from mpic.linker.vlcache_calibration import calibrate_with_progress, parse_grid
+    from mpic.linker.calibration.vlcache import calibrate_with_progress, parse_grid
 
     try:
         levels = parse_grid(grid)

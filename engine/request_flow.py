@@ -174,29 +174,23 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
     in both passes with the request's settings (a seed restarts in the second: seeded answers
     stay reproducible, not equal to a one-pass run). Measured: docs/fidelity.md "Exact
     decoding"."""
-    two_pass = request.exact_decode and request.max_tokens > 1
-    if not two_pass or exact_policy(request.policy):
-        steps = engine.decode(dataclasses.replace(request, exact_decode=False))
-        try:
-            async for step in steps:
-                yield step
-        finally:
-            await steps.aclose()
-        return
+    two_pass = request.exact_decode and request.max_tokens > 1 and not exact_policy(request.policy)
     head: list[int] = []
     # the first pass is the whole request (planned, checked and given room as one pass would
-    # be), closed once its first token is out
-    steps = engine.decode(dataclasses.replace(request, exact_decode=False))
+    # be), closed once its first token is out when a second pass follows
+    steps = engine.decode(request)
     try:
         async for step in steps:
             head.extend(step.token_ids)
             yield step
-            if head:
+            if two_pass and head:
                 break
     finally:
         await steps.aclose()
+    if not two_pass:
+        return
     ended = bool(head) and head[-1] in engine.spec.end_token_ids
-    if not head or (ended and not request.sampling.ignore_eos):
+    if not head or len(head) >= request.max_tokens or (ended and not request.sampling.ignore_eos):
         return
     rest = dataclasses.replace(
         request,

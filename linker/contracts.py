@@ -4,7 +4,7 @@ model: the reference runner with HF modules, the vLLM worker with vLLM's modules
 The selective prefill (`mpic.linker.selective_prefill`) is written against `LayerAdapter` only, so
 the same code links KV for both engines; each engine implements it beside its own model code
 (`mpic.engine.hf.adapters`, `mpic.engine.vllm.connector.adapter`). The linked-KV storage contract is
-`mpic.linker.linked_kv.LinkedKV`.
+`mpic.linker.kv.linked.LinkedKV`.
 """
 
 from __future__ import annotations

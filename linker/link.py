@@ -17,7 +17,7 @@ import torch
 
 from mpic.kernels.rope import rotate_keys
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.linked import LinkedKV
 from mpic.model_spec import RopeSpec
 from mpic.types import CacheEntry, LinkPlan
 

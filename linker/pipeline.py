@@ -20,7 +20,7 @@ scout sets the final depths. `link_pass` runs four named stages, each over every
    and each request's last-token logits.
 
 Stacking: request r's prompt index p is the global index `offsets[r] + p` of a linked KV over
-all of them (`mpic.linker.stacked_kv.StackedLinkedKV`, or an engine's own subclass such as the
+all of them (`mpic.linker.kv.stacked.StackedLinkedKV`, or an engine's own subclass such as the
 vLLM worker's `BatchedPagedKV`), which sends each row to its request's keys alone. A batch of
 one runs over the request's own linked KV (offset 0), with exactly the ops of a pass alone.
 """
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from mpic.linker.contracts import LayerAdapter
+from mpic.linker.kv.linked import LinkedKV
+from mpic.linker.kv.stacked import StackedLinkedKV
 from mpic.linker.link import LinkedItems, gather_input_embeds, linked_items
-from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.prefix import CachedPrefix
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport, scout_pass
 from mpic.linker.selective_prefill import LayerHook, PrefillResult, run_layers
-from mpic.linker.stacked_kv import StackedLinkedKV
 from mpic.linker.two_step import prefill_text_first
 from mpic.types import LinkPlan
 

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.dense_kv import DenseLinkedKV
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.selective_prefill import run_layers
 from mpic.types import MROPE_FAMILIES, CacheEntry, LinkPlan
 

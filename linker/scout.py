@@ -23,7 +23,7 @@ not touched.
 
 Batched (`scout_pass`): the scouting requests of a batch (`ScoutTask`, one per request) run in
 ONE pass: their text tokens stacked (request r's prompt index p at `offset_r + p` of a stacked
-linked KV, `mpic.linker.stacked_kv`) go through each layer's projections, attention and MLP
+linked KV, `mpic.linker.kv.stacked`) go through each layer's projections, attention and MLP
 together; nothing in the layer loop mixes requests (each row attends over its own request's
 keys), and each request's scores are computed from its own rows of q and k and its own item
 keys, exactly as alone. A request whose scoring layers end earlier leaves the pass there.
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from mpic.linker.contracts import LayerAdapter
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.link import LinkedItems, gather_input_embeds
-from mpic.linker.linked_kv import LinkedKV
 from mpic.types import CacheEntry, LinkPlan
 
 

@@ -12,7 +12,7 @@ mask by prompt index (`LinkedKV.attend`). So linking is one pass, not "text firs
 the prompts, gathers their recomputed tokens' inputs and runs it once for all of them.
 
 No transformers or vLLM import here: `adapter` is a `mpic.linker.contracts.LayerAdapter`,
-`linked_kv` a `mpic.linker.linked_kv.LinkedKV`.
+`linked_kv` a `mpic.linker.kv.linked.LinkedKV`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.linked import LinkedKV
 
 
 class LayerHook(Protocol):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.dense_kv import DenseLinkedKV
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.selective_prefill import run_layers
 from mpic.types import LinkPlan
 

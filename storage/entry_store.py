@@ -19,15 +19,15 @@ from prometheus_client import CollectorRegistry
 
 from mpic.errors import CorruptEntryError
 from mpic.storage.config import StorageConfig
-from mpic.storage.disk_tier import DiskTier
 from mpic.storage.entry_codec import encode
 from mpic.storage.factory import make_tiers
 from mpic.storage.keys import ENTRY_PREFIX, entry_object_key
-from mpic.storage.memory_tier import MemoryTier
 from mpic.storage.metrics import StoreMetrics
 from mpic.storage.object_store import ObjectNotFoundError, ObjectStore
-from mpic.storage.object_tier import ObjectTier
-from mpic.storage.tier import StorageTier
+from mpic.storage.tiers.disk import DiskTier
+from mpic.storage.tiers.memory import MemoryTier
+from mpic.storage.tiers.object import ObjectTier
+from mpic.storage.tiers.tier import StorageTier
 from mpic.types import CacheEntry
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,12 @@ from pydantic import SecretStr
 
 from mpic.config import MPICHome
 from mpic.storage.config import S3Config, StorageConfig
-from mpic.storage.disk_tier import DiskTier
 from mpic.storage.fs_store import FileSystemObjectStore
-from mpic.storage.memory_tier import MemoryTier
 from mpic.storage.object_store import ObjectStore
-from mpic.storage.object_tier import ObjectTier
-from mpic.storage.tier import StorageTier
+from mpic.storage.tiers.disk import DiskTier
+from mpic.storage.tiers.memory import MemoryTier
+from mpic.storage.tiers.object import ObjectTier
+from mpic.storage.tiers.tier import StorageTier
 
 _TRUE = {"1", "true", "yes", "on"}
 

@@ -25,7 +25,7 @@ Writes a table, JSON `{"model", "results": [{"policy", "documents", "recomputed_
 "kl_first", "agreement_32", "exact_prefix", "rouge_l", "ttft_ms", "prompt_tokens", ...}]}` and a
 PNG of fidelity against recomputed fraction. `--task needle` adds task accuracy (a planted code
 in one cached document: `task`), each policy's and its ratio to full's, as JSON `"task"`.
-`--calibrate-vlcache R` first calibrates VLCache per layer (`mpic.linker.vlcache_calibration`)
+`--calibrate-vlcache R` first calibrates VLCache per layer (`mpic.linker.calibration.vlcache`)
 on proxy prompts of OTHER passages and adds its schedule. `--noise-floor bf16,flex` adds a row
 per floor after `full`'s: the same prompts (and trials) under full prefill computed another way
 (bfloat16, the other attention backend) scored like a policy, and `kl_over_floor` on every

@@ -199,9 +199,9 @@ def calibrate_vlcache_on_documents(
 ) -> str:
     """VLCache's calibrated per-layer schedule for this model (the registry name), measured on
     `prompts` proxy prompts of `documents` passages disjoint from the benchmark's (VLCache
-    section 4.1, `mpic.linker.vlcache_calibration.calibrate`); its prefill passes are counted
+    section 4.1, `mpic.linker.calibration.vlcache.calibrate`); its prefill passes are counted
     on `progress` when given."""
-    from mpic.linker.vlcache_calibration import (
+    from mpic.linker.calibration.vlcache import (
         ProxyPrompt,
         calibrate,
         calibrate_with_progress,

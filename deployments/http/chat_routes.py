@@ -25,7 +25,10 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
 from mpic.deployments.chat_request import ChatCompletionRequest
-from mpic.deployments.http.answer_schemas import (
+from mpic.deployments.http.chat_limits import check_chat_shape
+from mpic.deployments.http.http_errors import error_body, status_of
+from mpic.deployments.http.request_metrics import replica_metrics
+from mpic.deployments.http.schemas.answers import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -38,9 +41,6 @@ from mpic.deployments.http.answer_schemas import (
     TopLogprob,
     Usage,
 )
-from mpic.deployments.http.chat_limits import check_chat_shape
-from mpic.deployments.http.http_errors import error_body, status_of
-from mpic.deployments.http.request_metrics import replica_metrics
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.deployments.serve.inline import encode_inline
 

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mpic.deployments.http.error_schemas import ErrorBody, ErrorDetail
+from mpic.deployments.http.schemas.errors import ErrorBody, ErrorDetail
 from mpic.deployments.serve.admission import as_backpressure
 from mpic.errors import MPICError, NotFoundError
 

@@ -34,13 +34,13 @@ from mpic.deployments.http import admin_routes, chat_routes, file_routes
 from mpic.deployments.http.admin_routes import AdminRoutes
 from mpic.deployments.http.auth import KeyRing, Principal
 from mpic.deployments.http.chat_routes import ChatRoutes
-from mpic.deployments.http.error_schemas import ErrorBody
 from mpic.deployments.http.file_routes import FileRoutes
 from mpic.deployments.http.http_errors import ModelNotFoundError, install_error_handlers
-from mpic.deployments.http.openapi_errors import install_openapi_errors
 from mpic.deployments.http.readiness import AppReadiness, NotReadyError, replica_probe
 from mpic.deployments.http.request_guard import RequestGuard, configure_guard
 from mpic.deployments.http.request_metrics import install_request_metrics, replica_metrics
+from mpic.deployments.http.schemas.errors import ErrorBody
+from mpic.deployments.http.schemas.openapi_errors import install_openapi_errors
 from mpic.deployments.http.shedding import SheddingGuard, configure_shedding
 from mpic.deployments.http.vllm_routes import VllmRoutes
 from mpic.deployments.http.vllm_routes import router as vllm_router

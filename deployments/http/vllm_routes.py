@@ -34,8 +34,9 @@ from mpic.deployments.chat_request import (
     MPICOptions,
     TextPart,
 )
-from mpic.deployments.http.answer_schemas import PromptTokensDetails, Usage
-from mpic.deployments.http.completion_schemas import (
+from mpic.deployments.http.http_errors import error_body, status_of
+from mpic.deployments.http.schemas.answers import PromptTokensDetails, Usage
+from mpic.deployments.http.schemas.completions import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
@@ -46,7 +47,6 @@ from mpic.deployments.http.completion_schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from mpic.deployments.http.http_errors import error_body, status_of
 from mpic.deployments.messages import DoneEvent, LinkedPrompt, TokenEvent, TokenLogprob
 from mpic.errors import InvalidRequestError
 

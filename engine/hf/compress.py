@@ -24,7 +24,7 @@ from mpic.engine.item_press import (
     press_item_entry,
 )
 from mpic.kernels.attention_backend import AttentionBackend
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.model_spec import ModelSpec
 from mpic.presses.base import BasePress
 from mpic.presses.cache import CompressedKV

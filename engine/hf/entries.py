@@ -31,7 +31,7 @@ import torch
 from mpic.engine.hf.vision import encode
 from mpic.engine.items import document_bytes, document_item, image_item, line_break_offsets
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.positions import image_positions, text_positions
 from mpic.linker.prompt import ChatTokenizer
 from mpic.linker.selective_prefill import run_layers

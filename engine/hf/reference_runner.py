@@ -32,15 +32,15 @@ from mpic.engine.protocol import Sampling
 from mpic.engine.request_flow import plan_parts, policy_of
 from mpic.engine.sampling import Sampler
 from mpic.kernels.attention_backend import AttentionBackend
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import Policy
+from mpic.linker.policies.scout_scales import load_table as load_scale_table
 from mpic.linker.positions import next_position
 from mpic.linker.prefix import PrefixCache, takes_prefix
 from mpic.linker.prompt import PromptPart
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport
-from mpic.linker.scout_calibration import load_table as load_scale_table
 from mpic.linker.selective_prefill import run_layers
 from mpic.presses.cache import CompressedKV
 from mpic.presses.entries import press_entry_id

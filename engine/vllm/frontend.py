@@ -46,8 +46,8 @@ from mpic.engine.vllm.version import check_vllm_version
 from mpic.errors import CorruptEntryError, InvalidRequestError
 from mpic.linker.policies import Policy
 from mpic.linker.policies.full import FullPolicy
+from mpic.linker.policies.scout_scales import load_table as load_scale_table
 from mpic.linker.recipe import PlannedPrompt
-from mpic.linker.scout_calibration import load_table as load_scale_table
 from mpic.model_spec import ModelSpec
 from mpic.prompt_parts import PromptPart
 from mpic.storage.entry_store import EntryStore

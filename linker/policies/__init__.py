@@ -1,4 +1,5 @@
-"""Token-selection policies, one per file (linker). `get_policy(name)` builds one by name."""
+"""Token-selection policies, one per file (linker), their registry and the scout's S tables
+(`scout_scales`). `get_policy(name)` builds one by name."""
 
 from mpic.linker.policies.base import Policy
 from mpic.linker.policies.registry import POLICY_NAMES, get_policy, policy_names

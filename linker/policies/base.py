@@ -19,8 +19,8 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.correction import LinkCorrection
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.link import LinkedItems
-from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.scout import ScoutTask
 from mpic.linker.selective_prefill import LayerHook
 from mpic.types import CacheEntry, LinkPlan

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.policies.base import Policy
 from mpic.types import CacheEntry, LinkPlan
 

@@ -20,8 +20,8 @@ from mpic.linker.policies.full_reuse import FullReusePolicy
 from mpic.linker.policies.mpic import MPICPolicy
 from mpic.linker.policies.prefix import PrefixPolicy
 from mpic.linker.policies.scout import ScoutPolicy
+from mpic.linker.policies.scout_scales import table_scales
 from mpic.linker.policies.vlcache import VLCachePolicy
-from mpic.linker.scout_calibration import table_scales
 
 POLICY_NAMES = (
     "full",

@@ -22,9 +22,9 @@ requests of the pass).
 4. `correction`: in every layer, each query's attention mass over the linked (not recomputed)
    item keys has its log-sum-exp multiplied by S (`mpic.kernels.correction`), in the prefill and
    while decoding on the reference engine; S may differ between the first and the second half
-   of the layers. S comes from a per-budget table (`mpic.linker.scout_calibration`: 0.9 in the
-   first half and 0.8 in the second at 20-30%; `mpic model calibrate-scout` measures one S per
-   budget per model) or from the name: `scout-0.2:s0.8` (one S), `scout-0.2:s0.9/0.8` (first
+   of the layers. S comes from a per-budget table (`mpic.linker.policies.scout_scales`: 0.9 in
+   the first half and 0.8 in the second at 20-30%; `mpic model calibrate-scout` measures one S
+   per budget per model) or from the name: `scout-0.2:s0.8` (one S), `scout-0.2:s0.9/0.8` (first
    half / second half), `:s1` turns the correction off.
 
 More name fields, after S: `:k<K>` recomputes the first K tokens of every item occurrence
@@ -45,8 +45,8 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.correction import LinkCorrection
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.link import LinkedItems, linked_items
-from mpic.linker.linked_kv import LinkedKV
 from mpic.linker.policies.base import Policy, text_depths
 from mpic.linker.scout import ScoutTask
 from mpic.types import CacheEntry, LinkPlan
@@ -115,7 +115,7 @@ class ScoutPolicy(Policy):
         """S came from the default tables (no S given): a model's own table replaces it
         (`with_scales`)."""
         if scale is None:
-            from mpic.linker.scout_calibration import default_scales
+            from mpic.linker.policies.scout_scales import default_scales
 
             scale, late = default_scales(budget)
             late_scale = late if late_scale is None else late_scale
@@ -166,7 +166,7 @@ class ScoutPolicy(Policy):
                     f"expected ':s<S>[/<S>]', ':k<K>', ':d<tau>' (in that order), got {field!r}"
                 )
         if scale is None and scales is not None:
-            from mpic.linker.scout_calibration import table_scales
+            from mpic.linker.policies.scout_scales import table_scales
 
             scale, late = table_scales(scales, float(budget))
         sinks = options.get("k", 1.0)
@@ -181,7 +181,7 @@ class ScoutPolicy(Policy):
         `get_policy(name, scales=scales)` for the name this policy was parsed from)."""
         if scales is None or not self.tabled:
             return self
-        from mpic.linker.scout_calibration import table_scales
+        from mpic.linker.policies.scout_scales import table_scales
 
         early, late = table_scales(scales, self.budget)
         return ScoutPolicy(

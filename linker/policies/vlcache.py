@@ -6,7 +6,7 @@ on and keeps its cached KV ("reuses hidden states of retained tokens ... and ski
 corresponding attention and MLP computations in subsequent layers"). Text (the query) is always
 recomputed. A static ratio uses one r for all layers; a list shorter than L repeats its last
 value. Per-layer ratios come from the greedy calibration of Eq. 5-9
-(`mpic model calibrate-vlcache`, `mpic.linker.vlcache_calibration`).
+(`mpic model calibrate-vlcache`, `mpic.linker.calibration.vlcache`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def test_calibrate_scout_writes_the_table_the_runner_reads(tiny_llava_dir: Path,
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.linker.policies import get_policy
     from mpic.linker.policies.registry import DEFAULT_BUDGET
-    from mpic.linker.scout_calibration import TABLE_FILE
+    from mpic.linker.policies.scout_scales import TABLE_FILE
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llava_dir, model)

@@ -11,7 +11,7 @@ def test_messages_and_http_schemas_are_torch_free() -> None:
     code = (
         "import sys\n"
         "import mpic.deployments.messages, mpic.deployments.chat_request\n"
-        "import mpic.deployments.file_schemas, mpic.deployments.http.answer_schemas\n"
+        "import mpic.deployments.file_schemas, mpic.deployments.http.schemas.answers\n"
         "import mpic.deployments.http.auth\n"
         "import mpic.deployments.http.http_errors, mpic.prompt_parts, mpic.retriever.spec\n"
         "import mpic.deployments.http.ingress, mpic.deployments.serve.files\n"

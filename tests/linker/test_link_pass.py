@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
+from mpic.linker.kv.stacked import StackedLinkedKV
 from mpic.linker.pipeline import link_and_prefill, link_pass
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies.scout import scout_layers
 from mpic.linker.prefix import PrefixCache
 from mpic.linker.recipe import with_policy
-from mpic.linker.stacked_kv import StackedLinkedKV
 from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
 L = 6

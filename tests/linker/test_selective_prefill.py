@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpic.kernels.rope import rotate_keys
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.link import link_entries
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries

@@ -177,7 +177,7 @@ def test_observer_attention_sums_equal_transformers_eager(runner, sample_images)
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     from mpic.engine.hf.compress import observed, observer_for
-    from mpic.linker.dense_kv import DenseLinkedKV
+    from mpic.linker.kv.dense import DenseLinkedKV
     from mpic.linker.pipeline import link_and_prefill
 
     planned = runner.plan(runner.test_parts, "full")

@@ -7,12 +7,12 @@ from prometheus_client import CollectorRegistry
 
 from mpic.errors import CorruptEntryError
 from mpic.storage.config import StorageConfig
-from mpic.storage.disk_tier import DiskTier
 from mpic.storage.entry_codec import encode
 from mpic.storage.entry_store import EntryStore, entry_object_key
-from mpic.storage.memory_tier import entry_nbytes
 from mpic.storage.metrics import StoreMetrics
 from mpic.storage.object_store import ObjectNotFoundError
+from mpic.storage.tiers.disk import DiskTier
+from mpic.storage.tiers.memory import entry_nbytes
 from tests.storage.synthetic import assert_same, make_entry
 
 E = [make_entry(i) for i in range(4)]

@@ -11,10 +11,10 @@ import uuid
 
 import pytest
 
-from mpic.storage.disk_tier import DiskTier
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.object_store import StoreUnavailableError
 from mpic.storage.s3_store import S3ObjectStore
+from mpic.storage.tiers.disk import DiskTier
 from tests.storage.synthetic import assert_same, make_entry
 
 

@@ -10,12 +10,12 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mpic.storage.disk_tier import DiskTier
 from mpic.storage.entry_codec import encode
 from mpic.storage.entry_store import EntryStore, entry_object_key
 from mpic.storage.metrics import StoreMetrics
 from mpic.storage.parallel_fetch import FetchError, fetch_entries
 from mpic.storage.s3_store import S3ObjectStore
+from mpic.storage.tiers.disk import DiskTier
 from tests.fixtures.s3 import CuttingProxy
 from tests.storage.synthetic import assert_same, make_entry
 

@@ -7,13 +7,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mpic.storage.config import StorageConfig
-from mpic.storage.disk_tier import DiskTier
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.factory import TIERS, make_tiers
-from mpic.storage.memory_tier import MemoryTier
 from mpic.storage.metrics import StoreMetrics
-from mpic.storage.object_tier import ObjectTier
-from mpic.storage.tier import Admitted, StorageTier, TierHit
+from mpic.storage.tiers.disk import DiskTier
+from mpic.storage.tiers.memory import MemoryTier
+from mpic.storage.tiers.object import ObjectTier
+from mpic.storage.tiers.tier import Admitted, StorageTier, TierHit
 from mpic.types import CacheEntry
 from tests.storage.synthetic import assert_same, make_entry
 

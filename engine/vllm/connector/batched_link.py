@@ -23,7 +23,7 @@ its K/V read from its blocks, one call per request and layer), the other request
 in the one `cpu_attention_with_kv_cache` call; writes stay one call. On other devices (CUDA),
 and where a request keeps dense mirrors (a CPU layout that could not be learnt), the two
 operations loop over the requests' `PagedLinkedKV`s (one call each:
-`mpic.linker.stacked_kv.StackedLinkedKV`); the layer compute is still shared. Policies whose
+`mpic.linker.kv.stacked.StackedLinkedKV`); the layer compute is still shared. Policies whose
 pass needs the whole prompt to itself link in a pass of their own (`link_job.joins_batch`:
 two-step policies, in-pass hooks), as do compression requests.
 """
@@ -39,11 +39,11 @@ from torch import nn
 from mpic.engine.vllm.connector.paged_cpu import CpuPagedOps, cpu_attend_sequences
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.linker.contracts import LayerAdapter
+from mpic.linker.kv.stacked import StackedLinkedKV
 from mpic.linker.pipeline import LinkedPrefill, link_pass
 from mpic.linker.policies import Policy
 from mpic.linker.prefix import CachedPrefix
 from mpic.linker.recipe import PlannedPrompt
-from mpic.linker.stacked_kv import StackedLinkedKV
 from mpic.types import CacheEntry, LinkPlan
 
 

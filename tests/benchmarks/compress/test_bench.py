@@ -75,7 +75,7 @@ def test_vllm_refuses_mrope_models_exit_2(tiny_qwen2vl_dir):
 def test_uniform_keep_is_one_set_of_the_budget(tiny_llava_dir):
     from mpic.engine.hf.compress import observed, observer_for
     from mpic.engine.hf.reference_runner import ReferenceRunner
-    from mpic.linker.dense_kv import DenseLinkedKV
+    from mpic.linker.kv.dense import DenseLinkedKV
     from mpic.linker.pipeline import link_and_prefill
     from mpic.linker.positions import next_position
     from mpic.presses.base import PressContext

@@ -210,8 +210,8 @@ def test_routing_stats_say_when_a_miss_would_evict() -> None:
     from types import SimpleNamespace
 
     from mpic.deployments.serve.workers import LLMWorker
-    from mpic.storage.memory_tier import MemoryTier, entry_nbytes
     from mpic.storage.metrics import StoreMetrics
+    from mpic.storage.tiers.memory import MemoryTier, entry_nbytes
     from tests.storage.synthetic import make_entry
 
     entries = [make_entry(i) for i in range(3)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpic.engine.hf.reference_runner import ReferenceRunner
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.prompt import ImageRef
 from mpic.linker.selective_prefill import run_layers
 

@@ -185,7 +185,7 @@ def test_oracle_on_random_selections_with_the_correction(smollm2_question, seed)
     pre = runner.prefill(parts, _Given(depth))
     want = oracle_logits(runner.model, pre.plan, planned.entries, 1.0)
     assert (pre.logits - want).abs().max() < 1e-4
-    from mpic.linker.dense_kv import DenseLinkedKV
+    from mpic.linker.kv.dense import DenseLinkedKV
     from mpic.linker.pipeline import link_and_prefill
     from mpic.linker.recipe import with_policy
 

@@ -9,7 +9,7 @@ import torch
 
 from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps, flash_views
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.recipe import with_policy

@@ -17,7 +17,7 @@ from mpic.engine.vllm.connector.link_job import LinkJob, batchable, joins_batch,
 from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.engine.vllm.connector.scheduler import MPICScheduler
-from mpic.linker.dense_kv import DenseLinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy

@@ -99,7 +99,7 @@ def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_
     from mpic.engine.vllm.config import VllmEngineConfig
     from mpic.engine.vllm.frontend import VllmFrontEnd
     from mpic.linker.policies import get_policy
-    from mpic.linker.scout_calibration import TABLE_FILE
+    from mpic.linker.policies.scout_scales import TABLE_FILE
 
     plain = VllmFrontEnd(VllmEngineConfig(model=str(tiny_llava_dir)))
     assert plain.scout_scales is None and plain.policy_name("auto") == get_policy("auto").name

@@ -3,7 +3,7 @@
 `EntryStore` walks an ordered list of tiers, fastest first, and knows nothing else about them
 (as LMCache v1's `StorageBackendInterface`): a read asks each tier in turn and promotes a hit
 into the faster tiers; a write goes through the tiers slowest (durable) first. A new tier is one
-file with a `StorageTier` subclass and one line in `factory.TIERS`.
+file in this folder with a `StorageTier` subclass and one line in `mpic.storage.factory.TIERS`.
 """
 
 from __future__ import annotations

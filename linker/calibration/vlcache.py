@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from mpic.linker.contracts import LayerAdapter
-from mpic.linker.dense_kv import DenseLinkedKV
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.dense import DenseLinkedKV
+from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies.base import Policy
 from mpic.linker.policies.full import FullPolicy

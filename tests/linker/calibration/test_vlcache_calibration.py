@@ -10,9 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mpic.cli import app
-from mpic.linker.plan import build_plan, resolve_entries, unique_entries
-from mpic.linker.policies import get_policy
-from mpic.linker.vlcache_calibration import (
+from mpic.linker.calibration.vlcache import (
     ProxyPrompt,
     calibrate,
     count_passes,
@@ -21,6 +19,8 @@ from mpic.linker.vlcache_calibration import (
     objective,
     parse_grid,
 )
+from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies import get_policy
 from tests.linker.toy_model import (
     CONTEXT,
     IMAGE_ID,

@@ -1,7 +1,7 @@
 """The linked KV as the selective prefill sees it (docs/design.md "Selective prefill").
 
 Two implementations share this protocol: a dense one over [L, N, H_kv, D] tensors (reference
-runner, `mpic.linker.dense_kv`) and a paged one writing into vLLM's KV blocks (vLLM worker,
+runner, `mpic.linker.kv.dense`) and a paged one writing into vLLM's KV blocks (vLLM worker,
 `mpic.engine.vllm.connector.paged_kv`). Indices are prompt indices 0..N-1; causality is by
 prompt index.
 """

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpic.deployments.chat_request import MPICOptions, StreamOptions, check_n_and_logit_bias
-from mpic.deployments.http.answer_schemas import Usage
+from mpic.deployments.http.schemas.answers import Usage
 from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpic.storage.tier import Admitted, StorageTier, TierHit
+from mpic.storage.tiers.tier import Admitted, StorageTier, TierHit
 
 if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
     from mpic.storage.config import StorageConfig

@@ -1,7 +1,7 @@
 """The bodies a generation answers with (Ingress replica): OpenAI's usage block (its
 `prompt_tokens_details.cached_tokens` counts linked tokens), the per-token logprobs, a
 non-streaming chat completion and the chunks of a streamed one. Completions
-(`mpic.deployments.http.completion_schemas`) share the usage block."""
+(`mpic.deployments.http.schemas.completions`) share the usage block."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""Scout's correction-scale table (`mpic.linker.scout_calibration`): the per-budget calibration
-with S per half of the layers, and how a model's table names the policy."""
+"""Scout's correction-scale table (`mpic.linker.calibration.scout`, read by
+`mpic.linker.policies.scout_scales`): the per-budget calibration with S per half of the layers,
+and how a model's table names the policy."""
 
 from __future__ import annotations
 
 import pytest
 
+from mpic.linker.calibration.scout import calibrate_scale
 from mpic.linker.policies import get_policy
-from mpic.linker.scout_calibration import calibrate_scale, table_scales
+from mpic.linker.policies.scout_scales import table_scales
 
 GRID = [0.7, 0.8, 0.9, 1.0]
 

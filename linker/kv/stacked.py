@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpic.linker.linked_kv import LinkedKV
+from mpic.linker.kv.linked import LinkedKV
 
 
 class StackedLinkedKV:

@@ -13,7 +13,7 @@ from mpic.errors import CorruptEntryError
 from mpic.storage.config import StorageConfig
 from mpic.storage.keys import entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError, ObjectStore
-from mpic.storage.tier import Admitted, StorageTier, TierHit
+from mpic.storage.tiers.tier import Admitted, StorageTier, TierHit
 
 if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
     from mpic.types import CacheEntry

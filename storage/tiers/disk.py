@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from mpic.errors import CorruptEntryError
 from mpic.storage.fs_store import FileSystemObjectStore
 from mpic.storage.object_store import ObjectNotFoundError
-from mpic.storage.tier import Admitted, StorageTier, TierHit
+from mpic.storage.tiers.tier import Admitted, StorageTier, TierHit
 
 if TYPE_CHECKING:  # mpic.types imports torch; the HTTP processes stay torch-free
     from mpic.storage.config import StorageConfig
