@@ -243,7 +243,8 @@ class ServeAppConfig(BaseModel):
         False,
         description="Exact decoding when `mpic.exact_decode` is absent: the policy's pass gives "
         "the first token, the tokens after it are decoded over the prompt's exact KV (one full "
-        'prefill per request after the first token; docs/fidelity.md "Exact decoding").',
+        'prefill per request after the first token; docs/fidelity.md "Exact decoding"); a '
+        "request served with a press decodes over its pressed KV instead.",
     )
     sweep_interval_s: float = Field(
         300.0,

@@ -181,6 +181,10 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
     steps = engine.decode(request)
     try:
         async for step in steps:
+            if two_pass and step.token_ids:  # only the FIRST token is the first pass's: a
+                # backend may hand several in one step (vLLM coalesces when its reader lags)
+                logprobs = step.logprobs[:1] if step.logprobs is not None else None
+                step = Decoded(step.token_ids[:1], logprobs, step.prefill)
             head.extend(step.token_ids)
             yield step
             if two_pass and head:

@@ -102,3 +102,34 @@ def test_fake_engine_answers_the_same_with_exact_decode() -> None:
         decoded_ids(engine, GenerateRequest(parts, {}, "auto", max_tokens=10, exact_decode=True))
     )
     assert got[0] == want[0] and len(got[0]) > 2
+
+
+def test_only_the_first_token_of_a_coalesced_first_step_is_kept() -> None:
+    """vLLM hands several tokens in one step when its reader lags: the tokens after the first
+    were decoded over the approximate KV, so the exact pass continues from the first alone."""
+    from types import SimpleNamespace
+
+    from mpic.engine.protocol import Decoded, Prefill
+    from mpic.engine.request_flow import decode_steps
+
+    calls: list[GenerateRequest] = []
+
+    class Coalescing:
+        spec = SimpleNamespace(end_token_ids=(0,))
+
+        async def decode(self, request):
+            calls.append(request)
+            first = Prefill(prompt_tokens=3, cached_tokens=2, ttft_s=0.1)
+            base = 10 * len(calls)
+            yield Decoded([base + 1, base + 2, base + 3], None, first)
+            yield Decoded([base + 4])
+
+    async def run():
+        request = GenerateRequest(["hi"], {}, "auto", max_tokens=4, exact_decode=True)
+        return [s async for s in decode_steps(Coalescing(), request)]
+
+    steps = asyncio.run(run())
+    assert [s.token_ids for s in steps] == [[11], [21, 22, 23], [24]]
+    assert steps[0].prefill is not None and steps[1].prefill is None
+    assert calls[1].continue_from == [11] and calls[1].max_tokens == 3
+    assert calls[1].policy == "full" and not calls[1].exact_decode
