@@ -94,10 +94,10 @@ def serve_config(model_dir: Path, store_dir: Path):
     )
 
 
-FIRST_ON_THE_SHARED_APP = ("tests/deployments/test_load_autoscale.py",)
+FIRST_ON_THE_SHARED_APP = ("tests/deployments/app/test_load_autoscale.py",)
 """Tests that need the shared app (`serve_app`) at one LLM-worker replica: another test's load
 may scale it to two, which stay for the 600 s downscale delay, so these run first in this
-package (the rooms' folders sort before the top-level files)."""
+package (ahead of the other tests in the rooms that use `serve_app`, wherever they sort)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,7 +3,7 @@ method answers a `ClientError` instead of raising (sync, async, streamed, and pa
 chained argument is one), the caller's handle raises it again, 5xx and untyped errors are raised
 as before. Through the in-process app: bad inputs of every kind raised in a replica answer the
 same JSON 4xx, each logged as one INFO line with its request id and no ERROR or traceback.
-`BAD_KINDS` is also what `test_serve_stop.py` sends through Ray Serve, where Serve's own
+`BAD_KINDS` is also what `app/test_serve_stop.py` sends through Ray Serve, where Serve's own
 replica logging is observed."""
 
 from __future__ import annotations

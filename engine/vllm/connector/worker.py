@@ -20,12 +20,9 @@ Each step it receives the scheduler half's `MPICConnectorMetadata`
 Linking (`mpic.engine.vllm.connector.linking.RequestLinker`): the jobs ready together whose
 policy joins a batch go through ONE link pass together (one scouting pass for the scouting
 requests, one selective pass for all); the others one at a time; the template/system prefix
-linked exactly (`link_prefix`, on by default). `stats` counts passes and requests
-(`link_passes`, `linked_requests`, `largest_pass`, `failed`, `read_ahead`), scouting passes
-(`scout_passes`, `scouted_requests`, `largest_scout_pass`), prefixes (`prefix_linked` requests,
-`prefix_tokens`, `prefix_contexts` prefilled) and link time (`link_ms_in_step`,
-`link_ms_background`) with recent spans (`link_spans`, `read_spans`), read by the engine's owner
-with `collective_rpc("mpic_connector_stats")`.
+linked exactly (`link_prefix`, on by default). `stats` counts passes, requests, scouting passes,
+prefixes and link time with recent spans (`mpic.engine.vllm.connector.worker_stats`), read by the
+engine's owner with `collective_rpc("mpic_connector_stats")`.
 
 The model: the `mpic` vLLM plugin hands this process's model runner to `attach_runner` right
 after vLLM built the connector (through vLLM's own `get_kv_transfer_group()`; see
@@ -52,6 +49,7 @@ from mpic.engine.vllm.connector.link_pacing import LinkPacer
 from mpic.engine.vllm.connector.linking import RequestLinker
 from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter, guard_runner
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
+from mpic.engine.vllm.connector.worker_stats import count_pass, keep_span, new_stats
 from mpic.linker.pipeline import LinkedPrefill
 from mpic.storage.config import StorageConfig
 from mpic.storage.entry_store import EntryStore
@@ -118,27 +116,8 @@ class MPICWorker:
         self._failed: set[str] = set()
         self._dropped: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self.stats: dict[str, Any] = {
-            "link_passes": 0,
-            "linked_requests": 0,
-            "largest_pass": 0,
-            "scout_passes": 0,
-            "scouted_requests": 0,
-            "largest_scout_pass": 0,
-            "failed": 0,
-            "link_ms_in_step": 0.0,
-            "link_ms_background": 0.0,
-            "read_ahead": 0,
-            "prefix_linked": 0,
-            "prefix_tokens": 0,
-            "prefix_contexts": 0,
-        }
-        """Counters; `scout_passes`: one per link pass with scouting requests (`scouted_requests`);
-        `link_ms_*`: wall time of link passes inside steps / on the linking thread;
-        `link_spans`: the last 64 link batches (start, end, requests, "step" or "thread");
-        `read_spans`: the last 64 async jobs' reads (start, all entries in memory, entries),
-        both in `time.perf_counter` (CLOCK_MONOTONIC: comparable across this host's processes;
-        `mpic bench linking` lays them beside the decoders' tokens)."""
+        self.stats: dict[str, Any] = new_stats()
+        """Counters (`mpic.engine.vllm.connector.worker_stats.new_stats`), under `_lock`."""
         self._linker = RequestLinker(
             block_size,
             link_prefix,
@@ -244,9 +223,9 @@ class MPICWorker:
         self._start_linking()
 
     def _span(self, key: str, span: tuple) -> None:
-        """Keep `span` among the last 64 of `stats[key]` (`link_spans`, `read_spans`)."""
-        with self._lock:  # a new list: a copy of `stats` being sent never sees it change
-            self.stats[key] = [*self.stats.get(key, [])[-63:], span]
+        """Keep `span` among the recent ones of `stats[key]` (`worker_stats.keep_span`)."""
+        with self._lock:
+            keep_span(self.stats, key, span)
 
     def _drop(self, rid: str) -> None:
         """A request ended while its async job was with this worker."""
@@ -352,15 +331,8 @@ class MPICWorker:
         self, jobs: list[LinkJob], began: float, outs: Sequence[LinkedPrefill] = ()
     ) -> None:
         """One link pass done (`outs`: its requests' outcomes, for the scouting counters)."""
-        scouted = sum(1 for out in outs if out.scout is not None and out.scout.layers_run)
         with self._lock:
-            self.stats["link_passes"] += 1
-            self.stats["linked_requests"] += len(jobs)
-            self.stats["largest_pass"] = max(self.stats["largest_pass"], len(jobs))
-            if scouted:  # the pass's one scouting pass, over all its scouting requests
-                self.stats["scout_passes"] += 1
-                self.stats["scouted_requests"] += scouted
-                self.stats["largest_scout_pass"] = max(self.stats["largest_scout_pass"], scouted)
+            count_pass(self.stats, len(jobs), outs)
             for job in jobs:
                 if job.load_async:
                     self._report(job, failed=False)

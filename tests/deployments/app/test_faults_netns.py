@@ -41,7 +41,7 @@ from tests.deployments.conftest import png
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KEYS = {"alice-key": "alice"}
 ALICE = {"Authorization": "Bearer alice-key"}
 PORT = 8000
@@ -169,7 +169,7 @@ class Cluster:
         argv = [
             sys.executable,
             "-m",
-            "tests.deployments.test_faults_netns",
+            "tests.deployments.app.test_faults_netns",
             self.hosts["head"],
             cfg,
         ]

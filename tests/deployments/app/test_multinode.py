@@ -16,7 +16,7 @@ Ray's actor table.
 The engine is the HF reference runner on the tiny LLaVA: two vLLM engines (one per node) do not
 fit on the 2 CPU cores of CI.
 
-The test runs this module as a script (`python -m tests.deployments.test_multinode MODEL OUT`)
+The test runs this module as a script (`python -m tests.deployments.app.test_multinode MODEL OUT`)
 so that its Ray cluster never meets the session's single-node Ray instance.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KEYS = {"alice-key": "alice"}
 
 
@@ -42,7 +42,13 @@ def test_entry_uploaded_on_node_a_is_read_from_s3_on_node_b(
     out = tmp_path / "multinode.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deployments.test_multinode", str(tiny_llava_dir), str(out)],
+        [
+            sys.executable,
+            "-m",
+            "tests.deployments.app.test_multinode",
+            str(tiny_llava_dir),
+            str(out),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
