@@ -199,15 +199,15 @@ def command(
     import torch
 
     from mpic.benchmarks.offline.bench import print_table, run_offline
-    from mpic.benchmarks.offline.engines import ReferenceBenchEngine
+    from mpic.benchmarks.offline.engines import reference_engine
     from mpic.cli.demo_answers import offline_answers, print_answers
 
     torch.set_grad_enabled(False)
     if threads:
         torch.set_num_threads(threads)
     path, label = demo_model(model, random_weights)
-    engine = ReferenceBenchEngine(str(path))
+    engine = reference_engine(str(path))
     rows = offline_answers(engine.runner, answer_names, repeats=repeats)
     print_answers(rows, label + ", in-process")
-    if engine.runner.spec.takes_images:
+    if engine.spec.takes_images:
         print_table(run_offline(engine, [3], policy_names(",".join(names)), repeats))

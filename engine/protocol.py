@@ -11,11 +11,11 @@ Three backends implement `Engine` once each: the HF reference runner
 .VllmFrontEnd`) and the model-free fake (`mpic.deployments.engines.fake_engine.FakeEngine`).
 Each writes `decode` (token ids as they are decoded); `generate`, the whole generation, is
 written once (`mpic.engine.request_flow.generate`) and inherited from
-`mpic.engine.request_flow.EngineBase`. Everything around them is a
-thin adapter: the Serve engines (`mpic.deployments.engines.engine.ServeEngine`), the offline
-benchmark's engines (`mpic.benchmarks.offline.engines`, `mpic.benchmarks.offline.vllm_engine`)
-and the compression benchmarks (`mpic.benchmarks.compress.bench`,
-`mpic.benchmarks.compress.vllm_bench`).
+`mpic.engine.request_flow.EngineBase`. Everything around them drives this protocol: the Serve
+engines are thin adapters (`mpic.deployments.engines.engine.ServeEngine`), the offline benchmark
+drives any `Engine` directly (`mpic.benchmarks.offline.engines`: a factory by name and the
+benchmark's requests), and the compression benchmarks (`mpic.benchmarks.compress.bench`,
+`mpic.benchmarks.compress.vllm_bench`) sit over the same backends.
 
 Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabulary through
 `mpic.deployments.messages` without loading torch.
@@ -133,6 +133,23 @@ class GenerateRequest:
     continue_from: Sequence[int] = ()
     """Token ids already generated for this prompt: prefilled after it (exactly: the policy
     must be `full`), not yielded again; decoding yields what follows them, `max_tokens` more."""
+    plain: bool = False
+    """Run an exact policy (`full`, `prefix`) as the backend's own plain request instead of a
+    linked pass: vLLM prefills the prompt from its items' `media` (the vision tower included;
+    `media` must hold every image) under its own prefix caching (`cache_salt` says what may
+    hit), and InvalidRequestError for another policy; backends with no other path (the
+    reference runner, the fake engine) ignore it. The offline benchmark's vLLM `full` and
+    `prefix` baselines (docs/vllm.md "Benchmark")."""
+    cache_salt: str | None = None
+    """The salt of the backend's own prefix cache, on backends that keep one across requests
+    (`prefix_cache`, vLLM's: blocks are shared only under equal salts, so a fresh salt means no
+    reuse); None: the backend's default (vLLM: none for a plain request, the plan's for a
+    linked one). Backends without one ignore it."""
+    capture_top_k: int | None = None
+    """With `capture_first_token`, on a backend that reports log-probs rather than logits
+    (vLLM): how many of the most likely first tokens it captures; None:
+    `mpic.engine.first_token.TOP_K`; -1: the whole vocabulary (the engine must allow it: vLLM's
+    `max_logprobs=-1`). Backends with logits capture them all."""
 
 
 @dataclass
@@ -147,6 +164,10 @@ class Prefill:
     """Entries the backend recomputed exactly (a linked entry that could not load)."""
     first_token: Any = None
     """The `mpic.engine.first_token.FirstToken` when `capture_first_token` was asked."""
+    recomputed_tokens: int | None = None
+    """Prompt tokens the pass ran through at least one layer (over both steps of a two-step
+    policy); the others were linked from entries or hit a prefix cache. None: the backend does
+    not tell (read `prompt_tokens - cached_tokens`)."""
 
 
 @dataclass
@@ -171,7 +192,24 @@ class Engine(Protocol):
     it.
 
     `press_entry` takes and returns `CacheEntry`s on both backends; `system_prompt=None` means
-    the engine's own (the reference runner's configured one; none for vLLM)."""
+    the engine's own (the reference runner's configured one; none for vLLM).
+
+    Optional members (timing hooks and the like), read with getattr by the tools that use them
+    (the offline benchmark, `mpic.benchmarks.offline`; absent, the tool does without):
+    - `floor_s(num_tokens, repeats) -> float`: median seconds of a plain forward of that many
+      text tokens (the benchmark's floor column); the reference engine;
+    - `prefill_fn(request) -> Callable[[], object]`: a zero-argument callable running
+      `request`'s first-token prefill in this process, untimed (op counts, GPU profile); only
+      a backend whose model runs in this process (the reference engine);
+    - `num_layers: int`: the model's decoder layers (ops per layer); the reference engine;
+    - `device: str`: where the model runs in this process ("cpu" when absent; "cuda" gets two
+      warm-ups); the reference engine;
+    - `worker_cpu_s() -> float`: CPU seconds used so far by the processes the model runs in
+      outside this one (vLLM's workers): a tool adds their share to this process's CPU time;
+    - `prefix_cache: bool`: the backend keeps its own prefix cache across requests (vLLM): a
+      tool timing repeats of one prompt salts them (`GenerateRequest.cache_salt`) or varies
+      their opening text;
+    - `close()`: stop the backend's processes (vLLM)."""
 
     spec: ModelSpec
     """The served model's shapes, family, special ids (`end_token_ids` end a generation) and

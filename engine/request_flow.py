@@ -139,17 +139,23 @@ def stored_linked_tokens(plan: LinkPlan) -> int:
 
 
 def prefill_of(
-    plan: LinkPlan, ttft_s: float, fell_back: bool = False, first_token: Any = None
+    plan: LinkPlan,
+    ttft_s: float,
+    fell_back: bool = False,
+    first_token: Any = None,
+    recomputed: int | None = None,
 ) -> Prefill:
     """The `Prefill` of a request planned as `plan`: its prompt tokens and the linked tokens
     served from stored entries (none when the request `fell_back` to exact recomputation,
-    which then recomputed every entry of the plan)."""
+    which then recomputed every entry of the plan); `recomputed`: the backend's count of the
+    tokens its pass ran (`Prefill.recomputed_tokens`)."""
     return Prefill(
         prompt_tokens=plan.num_tokens,
         cached_tokens=0 if fell_back else stored_linked_tokens(plan),
         ttft_s=ttft_s,
         fallbacks=len(set(plan.entry_ids)) if fell_back else 0,
         first_token=first_token,
+        recomputed_tokens=recomputed,
     )
 
 

@@ -6,17 +6,22 @@ before, between and after the images. Per (policy, n): median TTFT over `repeats
 memory), prompt tokens, recomputed tokens, KL(full || policy) of the first-token distribution
 and the agreement of the first 16 greedy tokens with `full` on the same prompt. Writes a table
 on stdout, JSON `{"engine", "model", "results": [...]}` and a PNG of TTFT and KL vs n. Rows also
-carry `cpu_ms`, the process CPU time of the prefill: on a shared, busy host wall-clock TTFT is
+carry `cpu_ms`, the CPU time of the timed request: on a shared, busy host wall-clock TTFT is
 noisy while the CPU time still measures the work.
 
-The floor: for engines that can time a plain forward (`BenchEngine.floor_s`), each row also
+Any `mpic.engine.protocol.Engine` is driven through the protocol alone
+(`mpic.benchmarks.offline.engines.Driver`: TTFT is the backend's `Prefill.ttft_s`, from the
+request to its first token); the hooks below are the protocol's optional members, read with
+getattr.
+
+The floor: for engines that can time a plain forward (`Engine.floor_s`), each row also
 carries `floor_ms`, a plain forward of the row's number of recomputed tokens alone, and
 `floor_ratio` = TTFT / floor: how close the selective pass (plus linking and planning) comes to
 the cost of its own recomputation. `--device cuda --dtype bfloat16` runs the reference engine on
 a GPU (docs/kernels.md has the GPU commands).
 
 Where the time goes (`mpic.benchmarks.offline.op_counts`), for engines that run their model in this
-process (`BenchEngine.prefill_fn`; None for the vLLM engine): after a row's timed runs, one
+process (`Engine.prefill_fn`; None for the vLLM engine): after a row's timed runs, one
 untimed prefill counted op by op gives `aten_ops` (per prefill), `aten_ops_per_layer`, `syncs`
 (device->host synchronisations) and `h2d_copies` (both None on the CPU, where they cannot be
 told apart); on CUDA one more, profiled, gives `gpu_busy_ms` (union of kernel intervals),
@@ -33,7 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,8 +49,9 @@ from mpic.samples import interleaved_prompt, synthetic_png
 if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
     import torch
 
-    from mpic.benchmarks.offline.engines import BenchEngine
+    from mpic.engine.protocol import Engine
     from mpic.linker.prompt import PromptPart
+    from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)
 GREEDY_TOKENS = 16
@@ -61,12 +67,12 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def _median_cpu_ms(runs: list) -> float | None:
-    """Median process CPU time of the timed runs (None if the engine does not report it)."""
+    """Median CPU time of the timed runs (None if the engine does not report it)."""
     cpu = [r.cpu_s for r in runs if r.cpu_s is not None]
     return statistics.median(cpu) * 1000 if cpu else None
 
 
-def add_floors(engine: BenchEngine, rows: list[dict], repeats: int) -> None:
+def add_floors(engine: Engine, rows: list[dict], repeats: int) -> None:
     """Set `floor_ms` and `floor_ratio` on every row (None where the engine has no floor)."""
     floor = getattr(engine, "floor_s", None)
     cache: dict[int, float] = {}
@@ -91,28 +97,31 @@ OP_FIELDS = (
 cannot run a prefill in this process."""
 
 
-def _on_cuda(engine: BenchEngine) -> bool:
+def _on_cuda(engine: Engine) -> bool:
     """Whether the engine's model runs on a CUDA device in this process."""
     return str(getattr(engine, "device", "cpu")).startswith("cuda")
 
 
 def op_fields(
-    engine: BenchEngine,
+    engine: Engine,
     parts: Sequence[PromptPart],
     policy: str,
     top_ops: int = 0,
     label: str = "",
+    entries: Mapping[str, CacheEntry] | None = None,
 ) -> dict:
-    """`OP_FIELDS` of one untimed prefill of `parts` under `policy` counted with `count_ops`,
-    plus, on CUDA, one more under `profile_gpu`. top_ops > 0 prints the top ops under `label`:
-    the profiler's table by device time on CUDA (not for `full`), else the most frequent ops."""
+    """`OP_FIELDS` of one untimed prefill of `parts` under `policy` (over `entries`) counted
+    with `count_ops`, plus, on CUDA, one more under `profile_gpu`; all None for an engine
+    without `prefill_fn`. top_ops > 0 prints the top ops under `label`: the profiler's table by
+    device time on CUDA (not for `full`), else the most frequent ops."""
+    from mpic.benchmarks.offline.engines import prefill_request
     from mpic.benchmarks.offline.op_counts import count_ops, profile_gpu
 
     fields: dict = dict.fromkeys(OP_FIELDS)
     make = getattr(engine, "prefill_fn", None)
     if make is None:
         return fields
-    prefill = make(parts, policy)
+    prefill = make(prefill_request(parts, policy, entries))
     counts = count_ops(prefill)
     layers = getattr(engine, "num_layers", None)
     fields.update(
@@ -138,57 +147,63 @@ def op_fields(
 
 
 def run_offline(
-    engine: BenchEngine,
+    engine: Engine,
     image_counts: list[int],
     policies: list[str],
     repeats: int,
     top_ops: int = 0,
 ) -> list[dict]:
-    """The benchmark's result rows (see the module docstring); top_ops: see `op_fields`."""
+    """The benchmark's result rows (see the module docstring) over any `Engine`; top_ops: see
+    `op_fields`."""
     from rich.progress import track
 
+    from mpic.benchmarks.offline.engines import Driver
     from mpic.kernels.compiled import compile_stats
 
-    # 336x336 images: 144 tokens each on the small LLaVA and Qwen2-VL (Qwen keeps native size).
-    ids = [
-        engine.cache_image(synthetic_png(i, size=336)).entry_id for i in range(max(image_counts))
-    ]
-    order = ["full"] + [p for p in policies if p != "full"]
-    warmups = 2 if _on_cuda(engine) else 1  # CUDA: compilation and autotuning settle
-    rows = []
-    for n in track(image_counts, description="image counts"):
-        parts = interleaved_prompt(ids[:n])
-        ref: tuple[torch.Tensor, list[int]] | None = None
-        for policy in order:
-            falls = compile_stats()["eager_falls"]
-            for _ in range(warmups):
-                engine.first_token(parts, policy)
-            runs = [engine.first_token(parts, policy) for _ in range(repeats)]
-            tokens = engine.greedy(parts, policy, GREEDY_TOKENS)
-            if policy == "full":
-                ref = (runs[0].logits, tokens)
-            if policy not in policies:
-                continue
-            ops = op_fields(engine, parts, policy, top_ops, f"{policy}, {n} images")
-            assert ref is not None, "full runs first"
-            ref_logits, ref_tokens = ref
-            agree = sum(a == b for a, b in zip(tokens, ref_tokens, strict=True)) / GREEDY_TOKENS
-            stats = compile_stats()
-            rows.append(
-                {
-                    "policy": policy,
-                    "images": n,
-                    "prompt_tokens": runs[0].prompt_tokens,
-                    "recomputed_tokens": runs[0].recomputed_tokens,
-                    "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1000,
-                    "kl_vs_full": kl_divergence(ref_logits, runs[0].logits),
-                    "token_agreement": agree,
-                    "cpu_ms": _median_cpu_ms(runs),
-                    **ops,
-                    "eager_falls": stats["eager_falls"] - falls,
-                    "compiled_graphs": stats["graphs"],
-                }
-            )
+    drive = Driver(engine)
+    try:
+        # 336x336 images: 144 tokens each on the small LLaVA and Qwen2-VL (Qwen: native size).
+        ids = [drive.cache_image(synthetic_png(i, size=336)) for i in range(max(image_counts))]
+        order = ["full"] + [p for p in policies if p != "full"]
+        warmups = 2 if _on_cuda(engine) else 1  # CUDA: compilation and autotuning settle
+        rows = []
+        for n in track(image_counts, description="image counts"):
+            parts = interleaved_prompt(ids[:n])
+            ref: tuple[torch.Tensor, list[int]] | None = None
+            for policy in order:
+                falls = compile_stats()["eager_falls"]
+                for _ in range(warmups):
+                    drive.first_token(parts, policy)
+                runs = [drive.first_token(parts, policy) for _ in range(repeats)]
+                logits, scored = drive.scored(parts, policy)
+                tokens = drive.greedy(parts, policy, GREEDY_TOKENS)
+                if policy == "full":
+                    ref = (logits, tokens)
+                if policy not in policies:
+                    continue
+                label = f"{policy}, {n} images"
+                ops = op_fields(engine, parts, policy, top_ops, label, drive.entries)
+                assert ref is not None, "full runs first"
+                ref_logits, ref_tokens = ref
+                agree = sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))
+                stats = compile_stats()
+                rows.append(
+                    {
+                        "policy": policy,
+                        "images": n,
+                        "prompt_tokens": scored.prompt_tokens,
+                        "recomputed_tokens": runs[0].recomputed_tokens,
+                        "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1000,
+                        "kl_vs_full": kl_divergence(ref_logits, logits),
+                        "token_agreement": agree / GREEDY_TOKENS,
+                        "cpu_ms": _median_cpu_ms(runs),
+                        **ops,
+                        "eager_falls": stats["eager_falls"] - falls,
+                        "compiled_graphs": stats["graphs"],
+                    }
+                )
+    finally:
+        drive.close()
     add_floors(engine, rows, repeats)
     return rows
 
@@ -339,7 +354,11 @@ def command(
     torch.set_grad_enabled(False)
     if threads:
         torch.set_num_threads(threads)
-    rows = run_offline(bench, counts, names, repeats, top_ops)
+    try:
+        rows = run_offline(bench, counts, names, repeats, top_ops)
+    finally:
+        if (close := getattr(bench, "close", None)) is not None:
+            close()  # vLLM's processes
     print_table(rows)
     if json_out:
         doc = {

@@ -1,57 +1,46 @@
-"""Engines the offline benchmark can drive, by name (CLI process): thin adapters over a backend
-of `mpic.engine.protocol.Engine`. `reference` is the HF reference runner; other engines (e.g.
-`vllm`, `mpic.benchmarks.offline.vllm_engine`) register a factory with `register_engine`.
+"""The engines `mpic bench offline` drives (CLI process): any `mpic.engine.protocol.Engine`,
+built by name (`get_engine`; `register_engine` adds a name), and `Driver`, the benchmark's
+requests to one through the protocol alone.
 
-An engine caches images (entries in memory before timing starts), times one prompt's first
-token under a policy, and decodes greedily. An engine that can also time a plain forward of S
-tokens (`floor_s`) gives the benchmark its floor column: the least a selective pass over S
-recomputed tokens could cost. An engine that runs its model in this process can also hand out
-one prefill as a callable (`prefill_fn`), which the benchmark runs untimed to count its ops and
-profile its kernels (`mpic.benchmarks.offline.op_counts`).
+- `reference`: `mpic.engine.hf.engine.ReferenceEngine` over a `ReferenceRunner` (float32 on
+  the CPU unless a device and dtype are given);
+- `vllm`: `mpic.engine.vllm.async_engine.AsyncVllmEngine` (vLLM + the MPIC connector, float32
+  on the CPU, a fresh file store, full-vocabulary logprobs for the KL).
+
+`Driver` caches images (`Engine.cache_image`: entries in memory before timing starts), times
+one prompt's first token under a policy (`Engine.decode` of a 1-token request: TTFT is the
+backend's `Prefill.ttft_s`, from the request to its first token, planning included; the CPU
+time is this process's over the request plus, for a backend whose model runs elsewhere
+(`worker_cpu_s`), that of those processes), scores its first-token distribution (an untimed
+request with `capture_first_token`) and decodes 16 greedy tokens
+(`mpic.engine.request_flow.decoded_ids`, `Sampling(ignore_eos=True)`). `full` and `prefix` go
+out as `plain` requests: vLLM runs them as plain vLLM (its own baselines, docs/vllm.md
+"Benchmark"); the reference runner, which has no other path, runs them as policies. On a
+backend with its own prefix cache (`prefix_cache`) each timed `full` request gets a fresh
+`cache_salt` (no reuse) and each timed `prefix` one a new opening text (only the shared
+system prompt can hit, MPIC paper Fig. 3). The floor, op-count and device hooks are the
+protocol's optional members (`Engine`'s docstring), read with getattr.
 """
 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpic.benchmarks.offline.timed_prefill import TimedPrefill
-from mpic.linker.prompt import PromptPart
-from mpic.types import CacheEntry
+from mpic.engine.protocol import Engine, GenerateRequest, Prefill, Sampling
+from mpic.engine.request_flow import decoded_ids
 
-
-class BenchEngine(Protocol):
-    """What `mpic bench offline` needs from an engine.
-
-    Optional members, read with getattr (an engine that runs its model in other processes,
-    e.g. vLLM's, leaves them out and its rows get None):
-    - `floor_s(num_tokens, repeats) -> float`: median seconds of a plain forward of that many
-      tokens (the floor column);
-    - `prefill_fn(parts, policy) -> Callable[[], object]`: a zero-argument callable running one
-      first-token prefill of `parts` under `policy` in this process (op counts, GPU profile);
-    - `num_layers: int`: the model's decoder layers (ops per layer);
-    - `device: str`: where the model runs ("cpu" when absent; "cuda" gets two warm-ups).
-    """
-
-    name: str
-
-    def cache_image(self, media: bytes) -> CacheEntry:
-        """Compute the image's entry and keep it in memory (`Engine.cache_image`'s contract)."""
-        ...
-
-    def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedPrefill:
-        """Prefill `parts` under `policy` and time the first token."""
-        ...
-
-    def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
-        """Exactly `max_new_tokens` greedy tokens (no early stop)."""
-        ...
-
+if TYPE_CHECKING:
+    from mpic.engine.first_token import FirstToken
+    from mpic.engine.hf.engine import ReferenceEngine
+    from mpic.linker.prompt import PromptPart
+    from mpic.types import CacheEntry
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -60,104 +49,45 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """`--dtype` names the reference engine accepts."""
 
-
-class ReferenceBenchEngine:
-    """The HF reference runner (float32 on CPU unless a device and dtype are given).
-
-    attention: the linked KV's attention backend (`mpic.kernels.attention`), None = by device.
-    """
-
-    name = "reference"
-
-    def __init__(
-        self,
-        model_dir: str,
-        device: str = "cpu",
-        dtype: str = "float32",
-        attention: str | None = None,
-    ) -> None:
-        from mpic.engine.hf.engine import ReferenceEngine
-        from mpic.engine.hf.reference_runner import ReferenceRunner
-
-        self.runner = ReferenceRunner(
-            model_dir, device=device, dtype=DTYPES[dtype], attention_backend=attention
-        )
-        self.engine = ReferenceEngine(self.runner)
-        """The runner as the engine protocol's backend (`greedy` generates through it)."""
-
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers of the language model."""
-        return self.runner.adapter.num_layers
-
-    @property
-    def device(self) -> str:
-        """Device type the model runs on ("cpu", "cuda")."""
-        return self.runner.model.device.type
-
-    def cache_image(self, media: bytes) -> CacheEntry:
-        """The cached image's entry."""
-        return self.runner.cache_image(media)
-
-    def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedPrefill:
-        """Timed prefill (entries already in memory)."""
-        out = self.runner.prefill(parts, policy)
-        return TimedPrefill(
-            out.ttft_s, out.logits, out.plan.num_tokens, out.recomputed_tokens, out.cpu_s
-        )
-
-    def prefill_fn(self, parts: Sequence[PromptPart], policy: str) -> Callable[[], object]:
-        """One first-token prefill as `first_token` runs it, to call untimed."""
-        return lambda: self.runner.prefill(parts, policy)
-
-    def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
-        """Greedy tokens after the policy's prefill, generated through the engine protocol
-        (`mpic.engine.hf.engine.ReferenceEngine.decode`, as the Serve engine generates)."""
-        from mpic.engine.protocol import GenerateRequest, Sampling
-        from mpic.engine.request_flow import decoded_ids
-
-        request = GenerateRequest(
-            parts, self.runner.entries, policy, Sampling(ignore_eos=True), max_new_tokens
-        )
-        ids, _ = asyncio.run(decoded_ids(self.engine, request))
-        return ids
-
-    @torch.inference_mode()
-    def floor_s(self, num_tokens: int, repeats: int) -> float:
-        """Median seconds of a plain HF forward of `num_tokens` text tokens through the language
-        model (no cache, logits of the last token), after a warm-up: the floor of a selective
-        pass that recomputes that many tokens."""
-        model = self.runner.model
-        vocab = int(model.config.text_config.vocab_size)
-        ids = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(model.device)
-        lm = model.model.language_model
-
-        def once() -> float:
-            start = time.perf_counter()
-            hidden = lm(input_ids=ids, use_cache=False).last_hidden_state
-            int(model.lm_head(hidden[:, -1]).argmax())  # waits for the device
-            return time.perf_counter() - start
-
-        once()
-        return statistics.median(once() for _ in range(repeats))
+PLAIN_POLICIES = ("full", "prefix")
+"""Policies sent as `GenerateRequest.plain` (the backend's own exact baselines)."""
 
 
-def _vllm_engine(model_dir: str) -> BenchEngine:
+def reference_engine(
+    model_dir: str, device: str = "cpu", dtype: str = "float32", attention: str | None = None
+) -> ReferenceEngine:
+    """The HF reference runner as an `Engine` (`ReferenceEngine`, its `runner` at hand).
+    attention: the linked KV's attention backend (`mpic.kernels.attention`), None = by
+    device."""
+    from mpic.engine.hf.engine import ReferenceEngine
+    from mpic.engine.hf.reference_runner import ReferenceRunner
+
+    runner = ReferenceRunner(
+        model_dir, device=device, dtype=DTYPES[dtype], attention_backend=attention
+    )
+    return ReferenceEngine(runner)
+
+
+def _vllm_engine(model_dir: str) -> Engine:
     """vLLM + the MPIC connector (imported only when asked for: vLLM starts processes)."""
-    from mpic.benchmarks.offline.vllm_engine import VllmBenchEngine
+    from tempfile import mkdtemp
 
-    return VllmBenchEngine(model_dir)
+    from mpic.engine.vllm.async_engine import AsyncVllmEngine
+    from mpic.engine.vllm.config import VllmEngineConfig
+    from mpic.storage.config import StorageConfig
+
+    store = StorageConfig(url=f"file://{mkdtemp(prefix='mpic-vllm-bench-')}", fsync=False)
+    return AsyncVllmEngine(VllmEngineConfig(model=model_dir, max_logprobs=-1, storage=store))
 
 
-_ENGINES: dict[str, Callable[[str], BenchEngine]] = {
-    "reference": ReferenceBenchEngine,
+_ENGINES: dict[str, Callable[[str], Engine]] = {
+    "reference": reference_engine,
     "vllm": _vllm_engine,
 }
 
 
-def register_engine(name: str, factory: Callable[[str], BenchEngine]) -> None:
-    """Make `--engine name` build `factory(model_dir)`."""
+def register_engine(name: str, factory: Callable[[str], Engine]) -> None:
+    """Make `--engine name` build `factory(model_dir)`, any `Engine`."""
     _ENGINES[name] = factory
 
 
@@ -167,7 +97,7 @@ def get_engine(
     device: str = "cpu",
     dtype: str = "float32",
     attention: str | None = None,
-) -> BenchEngine:
+) -> Engine:
     """The engine called `name` over `model_dir`; ValueError listing valid names otherwise.
 
     device, dtype, attention: the reference engine's (ValueError for other engines, which take
@@ -187,9 +117,120 @@ def get_engine(
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     if name == "reference":
-        return ReferenceBenchEngine(model_dir, device, dtype, attention)
+        return reference_engine(model_dir, device, dtype, attention)
     if (device, dtype, attention) != ("cpu", "float32", None):
         raise ValueError(
             f"--device/--dtype/--attention apply to the reference engine, not {name!r}"
         )
     return _ENGINES[name](model_dir)
+
+
+@dataclass
+class TimedRun:
+    """One timed first token."""
+
+    ttft_s: float
+    """The backend's `Prefill.ttft_s`."""
+    recomputed_tokens: int
+    cpu_s: float
+    """CPU seconds of this process over the request, plus the engine's `worker_cpu_s` share."""
+
+
+def recomputed(prefill: Prefill) -> int:
+    """The tokens a pass ran: the backend's count, else the prompt less its cached tokens."""
+    if prefill.recomputed_tokens is not None:
+        return prefill.recomputed_tokens
+    return prefill.prompt_tokens - prefill.cached_tokens
+
+
+def first_token_logits(first: FirstToken, vocab: int) -> torch.Tensor:
+    """float32 [vocab] of a captured first token: its logits, or a logprobs backend's
+    log-probs (-inf for the tokens it did not report; longer when it reports ids past
+    `vocab`), which the KL softmaxes alike."""
+    if first.logits is not None:
+        return first.logits
+    ids = torch.tensor(first.token_ids or [], dtype=torch.int64)
+    out = torch.full((max(vocab, int(ids.max()) + 1 if len(ids) else 0),), float("-inf"))
+    out[ids] = torch.tensor(first.logprobs or [], dtype=torch.float32)
+    return out
+
+
+class Driver:
+    """The offline benchmark's requests to one `Engine` (module docstring): the images it
+    cached and one event loop for its requests. Not an engine: every backend goes through the
+    same code."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.entries: dict[str, CacheEntry] = {}
+        self.media: dict[str, bytes] = {}
+        """Each image's bytes, what a `plain` request prefills."""
+        self._loop = asyncio.new_event_loop()
+
+    def close(self) -> None:
+        """Close the event loop and its threads (the engine stays up)."""
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        self._loop.close()
+
+    def cache_image(self, media: bytes) -> str:
+        """Cache an image (`Engine.cache_image`; the entry stays in memory) and its id."""
+        entry = self.engine.cache_image(media)
+        self.entries[entry.entry_id] = entry
+        self.media[entry.entry_id] = media
+        return entry.entry_id
+
+    def request(
+        self, parts: Sequence[PromptPart], policy: str, max_tokens: int = 1, **options: Any
+    ) -> GenerateRequest:
+        """A greedy request of `parts` under `policy`, exactly `max_tokens` long (no early
+        stop); `full` and `prefix` plain (`PLAIN_POLICIES`, their images' media with them)."""
+        plain = policy in PLAIN_POLICIES
+        return GenerateRequest(
+            parts,
+            self.entries,
+            policy,
+            Sampling(ignore_eos=True),
+            max_tokens,
+            media=self.media if plain else None,  # a linked run that cannot link fails loudly
+            plain=plain,
+            **options,
+        )
+
+    def _run(self, request: GenerateRequest) -> tuple[list[int], Prefill]:
+        return self._loop.run_until_complete(decoded_ids(self.engine, request))
+
+    def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedRun:
+        """Time one first token (module docstring: salts and opening texts on a backend with
+        its own prefix cache)."""
+        salt = None
+        if getattr(self.engine, "prefix_cache", False):
+            if policy == "prefix":  # a new opening text each time (paper Fig. 3)
+                parts = [f"({uuid.uuid4().hex[:8]}) {parts[0]}", *parts[1:]]
+            elif policy == "full":
+                salt = f"full-{uuid.uuid4().hex}"
+        worker = getattr(self.engine, "worker_cpu_s", None)
+        cpu0, worker0 = time.process_time(), worker() if worker else 0.0
+        _, prefill = self._run(self.request(parts, policy, cache_salt=salt))
+        cpu = time.process_time() - cpu0 + (worker() - worker0 if worker else 0.0)
+        return TimedRun(prefill.ttft_s, recomputed(prefill), cpu)
+
+    def scored(self, parts: Sequence[PromptPart], policy: str) -> tuple[torch.Tensor, Prefill]:
+        """Untimed: the first-token distribution (`first_token_logits`, the whole vocabulary)
+        of `parts` under `policy`, and the pass's `Prefill`."""
+        request = self.request(parts, policy, capture_first_token=True, capture_top_k=-1)
+        _, prefill = self._run(request)
+        if prefill.first_token is None:
+            raise ValueError(f"the engine captured no first-token distribution for {policy!r}")
+        return first_token_logits(prefill.first_token, self.engine.spec.vocab_size), prefill
+
+    def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
+        """Exactly `max_new_tokens` greedy tokens under `policy`."""
+        ids, _ = self._run(self.request(parts, policy, max_new_tokens))
+        return ids
+
+
+def prefill_request(
+    parts: Sequence[PromptPart], policy: str, entries: Mapping[str, CacheEntry] | None = None
+) -> GenerateRequest:
+    """The request an engine's `prefill_fn` runs untimed (op counts): `parts` under `policy`."""
+    return GenerateRequest(parts, entries or {}, policy, Sampling(ignore_eos=True), 1)

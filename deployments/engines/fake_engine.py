@@ -11,7 +11,9 @@ and the answer echoes the last user message's words. Tokens are words (`FakeToke
 the end token); they are picked by the same `Sampler` as the reference engine's, over logits
 that strongly prefer the echo: greedy (temperature 0) gives exactly the echo and then the end
 token ("stop"), sampling with a seed gives the same text for the same seed, `top_p`, penalties,
-`stop`, `logprobs` and `max_tokens` all act.
+`stop`, `logprobs` and `max_tokens` all act. `capture_first_token` reports the first step's
+distribution over the prompt's vocabulary (`FirstToken`'s top-k kind, every word of it), so
+tools that score first tokens (`mpic bench offline`) run on it too.
 
 Token accounting: a text turn costs 4 tokens plus one per word, an image its entry's T;
 `cached_tokens` counts the tokens of stored (not inline) entries, as the real engines do for the
@@ -33,6 +35,7 @@ from mpic.deployments.config import EngineConfig
 from mpic.deployments.engines.engine import Role, ServeEngine
 from mpic.deployments.engines.prompting import INLINE_PREFIX, generate_request, identify_image
 from mpic.deployments.messages import EncodedImage, LinkedPrompt
+from mpic.engine.first_token import FirstToken
 from mpic.engine.protocol import Decoded, GenerateRequest, Prefill
 from mpic.engine.request_flow import EngineBase, continued
 from mpic.engine.sampling import Sampler
@@ -199,12 +202,18 @@ class FakeEngine(EngineBase):
         for n in range(done, done + request.max_tokens):
             logits = noise.clone()
             logits[index[echo[n]] if n < len(echo) else 0] += ECHO_BONUS
+            captured = None
+            if prefill is None and request.capture_first_token:  # before the sampler's biases
+                top1, logprobs_all = ids[int(logits.argmax())], torch.log_softmax(logits, -1)
+                captured = FirstToken(top1, token_ids=ids, logprobs=logprobs_all.tolist())
             token = sampler(logits)
             ended = token == 0 and not request.sampling.ignore_eos
             logprobs = sampler.take()  # the end token's are not reported
             await asyncio.sleep(0 if ended else self.token_delay_s)
             first = prefill is None
-            prefill = prefill or Prefill(prompt_tokens, cached, time.perf_counter() - start)
+            if first:
+                ttft = time.perf_counter() - start
+                prefill = Prefill(prompt_tokens, cached, ttft, first_token=captured)
             yield Decoded([ids[token]], None if ended else logprobs, prefill if first else None)
             if ended:
                 break

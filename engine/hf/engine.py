@@ -10,15 +10,23 @@ the thread holds the lock while it prefills and decodes, and every other call in
 holds it too (`held`). A consumer that goes away (closes the generator: a stop string, a client
 gone) stops the thread at once: a request still waiting for the runner never prefills, a
 running one stops after its current step.
+
+Its model runs in this process, so it also offers the protocol's optional timing hooks
+(`mpic.engine.protocol.Engine`: `num_layers`, `device`, `prefill_fn`, `floor_s`), which the
+offline benchmark reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from mpic.engine.first_token import FirstToken
 from mpic.engine.hf.reference_runner import ReferenceRunner
@@ -112,10 +120,65 @@ class ReferenceEngine(EngineBase):
                     captured = (
                         FirstToken.from_logits(pre.logits) if request.capture_first_token else None
                     )
-                    prefill, first = prefill_of(pre.plan, pre.ttft_s, first_token=captured), False
+                    prefill = prefill_of(
+                        pre.plan, pre.ttft_s, first_token=captured, recomputed=pre.recomputed_tokens
+                    )
+                    first = False
                 yield Decoded([token], logprobs, prefill)
         finally:
             gone.set()
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the language model (optional `Engine` member)."""
+        return self.runner.adapter.num_layers
+
+    @property
+    def device(self) -> str:
+        """Device type the model runs on, "cpu" or "cuda" (optional `Engine` member)."""
+        return self.runner.model.device.type
+
+    def prefill_fn(self, request: GenerateRequest) -> Callable[[], object]:
+        """A zero-argument callable running `request`'s first-token prefill on the calling
+        thread, as `decode` runs it but reserving no room to decode (optional `Engine` member:
+        op counts, GPU profile)."""
+
+        def prefill() -> object:
+            with self.held() as runner:
+                return runner.prefill(
+                    request.parts,
+                    request.policy,
+                    0,
+                    request.system_prompt,
+                    request.press,
+                    request.budget,
+                    entries=request.entries,
+                    raw=request.raw,
+                )
+
+        return prefill
+
+    @torch.inference_mode()
+    def floor_s(self, num_tokens: int, repeats: int) -> float:
+        """Median seconds of a plain HF forward of `num_tokens` text tokens through the language
+        model (no cache, logits of the last token), after a warm-up: the floor of a selective
+        pass that recomputes that many tokens (optional `Engine` member)."""
+        with self.held() as runner:
+            model = runner.model
+            vocab = int(model.config.text_config.vocab_size)
+            ids = torch.randint(
+                0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0)
+            ).to(model.device)
+            lm = model.model.language_model
+
+            def once() -> float:
+                start = time.perf_counter()
+                hidden = lm(input_ids=ids, use_cache=False).last_hidden_state
+                int(model.lm_head(hidden[:, -1]).argmax())  # waits for the device
+                return time.perf_counter() - start
+
+            once()
+            return statistics.median(once() for _ in range(repeats))
 
     @contextmanager
     def _held_unless(self, stop: Callable[[], bool]) -> Iterator[bool]:

@@ -28,7 +28,13 @@ from typing import Any
 
 from mpic.engine.first_token import TOP_K, FirstToken
 from mpic.engine.protocol import Decoded, GenerateRequest
-from mpic.engine.request_flow import EngineBase, continued, prefill_of, pressed_parts
+from mpic.engine.request_flow import (
+    EngineBase,
+    continued,
+    prefill_of,
+    pressed_parts,
+    reported_policy,
+)
 from mpic.engine.token_bytes import TokenBytes
 from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
 from mpic.engine.vllm.presses import check_press
@@ -36,8 +42,9 @@ from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
 from mpic.errors import InvalidRequestError
 from mpic.linker.prompt import tokenizer_of
+from mpic.linker.recipe import PlannedPrompt
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
-from mpic.types import CacheEntry, LinkPlan
+from mpic.types import CacheEntry
 
 _END = object()
 
@@ -94,17 +101,21 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
-        """`Engine.decode`: the request's plan and linked vLLM request (`linked`, on a thread),
-        then its tokens as vLLM emits them, sampled by vLLM (`request.sampling`, greedy by
-        default); the first step carries the prefill (its top-`TOP_K` raw logprobs when
-        `capture_first_token`: vLLM returns logprobs, not logits). A linked request that fails
-        to link is answered by its exact fallback (`Prefill.fallbacks`)."""
+        """`Engine.decode`: the request's plan and linked vLLM request (`linked`, on a thread;
+        plain vLLM for a `plain` one), then its tokens as vLLM emits them, sampled by vLLM
+        (`request.sampling`, greedy by default); the first step carries the prefill (TTFT from
+        this call to vLLM's first token, the tokens the pass ran: `recomputed_tokens`; its
+        top-`TOP_K` raw logprobs, or `capture_top_k`'s, when `capture_first_token`: vLLM
+        returns logprobs, not logits). A linked request that fails to link is answered by its
+        exact fallback (`Prefill.fallbacks`)."""
         start = time.perf_counter()
         tokenizer = tokenizer_of(self.processor)
         sampling = sampling_kwargs(request.sampling, len(tokenizer))
+        top_k = TOP_K if request.capture_top_k is None else request.capture_top_k
         if request.capture_first_token:  # the fidelity monitor's top-k (raw logprobs)
-            sampling["logprobs"] = max(sampling["logprobs"] or 0, TOP_K)
-        plan, linked = await asyncio.to_thread(self.linked, request)
+            sampling["logprobs"] = -1 if top_k < 0 else max(sampling["logprobs"] or 0, top_k)
+        planned, linked = await asyncio.to_thread(self.linked, request)
+        plan = planned.plan
         done = 0
         results = self.stream(linked, request.max_tokens, sampling)
         try:
@@ -117,9 +128,11 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
                 if done == 0:
                     first = None
                     if request.capture_first_token and steps and not result.fell_back:
-                        first = FirstToken.from_logprobs(steps[0], TOP_K)
+                        k = len(steps[0]) if top_k < 0 else top_k  # -1: every token
+                        first = FirstToken.from_logprobs(steps[0], k)
                     ttft = time.perf_counter() - start
-                    prefill = prefill_of(plan, ttft, result.fell_back, first)
+                    ran = recomputed_tokens(planned, linked, result)
+                    prefill = prefill_of(plan, ttft, result.fell_back, first, ran)
                 logprobs = None
                 if (k := request.sampling.logprobs) is not None:
                     steps = steps[done : done + len(new)]
@@ -129,13 +142,16 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         finally:
             await results.aclose()  # aborts the vLLM request when cut short
 
-    def linked(self, request: GenerateRequest) -> tuple[LinkPlan, EngineRequest]:
+    def linked(self, request: GenerateRequest) -> tuple[PlannedPrompt, EngineRequest]:
         """(plan, linked vLLM request: `prepare`) of `request`, its items swapped for their
         compressed entries when it names a press (`_pressed`); its exact fallback, built only if
-        the link fails, reads `request.media`. Blocking (a press may run vLLM): call on a
-        thread."""
+        the link fails, reads `request.media`. A `plain` request (`full` or `prefix` only) is
+        plain vLLM over the prompt and its images from `request.media`; `cache_salt` replaces
+        the request's prefix-cache salt. Blocking (a press may run vLLM): call on a thread."""
         parts, table = list(request.parts), dict(request.entries)
         media = None if request.media is None else dict(request.media)
+        if request.plain:
+            _check_plain(request, parts, media)
         if request.press is not None:
             parts = self._pressed(parts, table, media, request.press, request.budget)
         continuation = continued(request)
@@ -147,10 +163,12 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
             request.max_tokens + len(continuation),
             raw=request.raw,
             media=media,
-            exact=bool(continuation),  # a continuation: plain vLLM over prompt + its tokens
+            # plain vLLM for a plain request and for a continuation (over prompt + its tokens)
+            exact=request.plain or bool(continuation),
+            salt=request.cache_salt,
         )
         linked.prompt_token_ids = [*linked.prompt_token_ids, *continuation]
-        return planned.plan, linked
+        return planned, linked
 
     def _pressed(
         self,
@@ -248,3 +266,36 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         self.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+PLAIN_POLICIES = ("full", "prefix")
+"""The exact policies a `plain` request may name (vLLM's own baselines)."""
+
+
+def _check_plain(
+    request: GenerateRequest, parts: list[PromptPart], media: dict[str, Any] | None
+) -> None:
+    """InvalidRequestError unless a `plain` request names an exact policy and carries the
+    media of every image it links (plain vLLM prefills them)."""
+    if reported_policy(request.policy).strip() not in PLAIN_POLICIES:
+        raise InvalidRequestError(
+            f"a plain request runs {' or '.join(PLAIN_POLICIES)}, not {request.policy!r}"
+        )
+    images = [p.entry_id for p in parts if isinstance(p, ImageRef)]
+    if missing := [i for i in images if i not in (media or {})]:
+        raise InvalidRequestError(f"a plain request needs the media of its images {missing}")
+
+
+def recomputed_tokens(planned: PlannedPrompt, req: EngineRequest, result: EngineResult) -> int:
+    """Prompt tokens a vLLM pass ran through at least one layer (`Prefill.recomputed_tokens`):
+    a linked request's by its plan (recompute depth > 0; the text too for a two-step policy,
+    whose second pass reruns it), a plain request's (or a fallback's) the prompt less vLLM's
+    own prefix-cache hits. A linked request may also hit vLLM's cache on a repeat (its salted
+    blocks), but the connector relinks the whole prompt every time: not subtracted."""
+    plan = planned.plan
+    if req.plan is None or result.fell_back:
+        return max(0, plan.num_tokens - result.num_cached_tokens)
+    ran = plan.recompute_depth > 0
+    if planned.policy.two_step:
+        ran |= plan.is_text
+    return int(ran.sum())

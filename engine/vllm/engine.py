@@ -104,21 +104,6 @@ class VllmEngine(VllmFrontEnd):
         `log_stats`)."""
         return float(sum(getattr(m, "value", 0) for m in self.llm.get_metrics() if m.name == name))
 
-    def worker_cpu_s(self) -> float:
-        """CPU seconds used so far by vLLM's worker process(es), where the model runs (a busy
-        shared host makes wall-clock time noisy; CPU time still measures the work)."""
-        import psutil
-
-        total = 0.0
-        for child in psutil.Process().children(recursive=True):
-            try:
-                if child.name().startswith("VLLM::Worker"):
-                    times = child.cpu_times()
-                    total += times.user + times.system
-            except psutil.NoSuchProcess:
-                continue
-        return total
-
     def close(self) -> None:
         """Stop vLLM's engine-core and worker processes."""
         self.llm.llm_engine.engine_core.shutdown()

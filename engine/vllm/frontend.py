@@ -176,6 +176,28 @@ class VllmFrontEnd:
             params["stop_token_ids"] = list(self.spec.end_token_ids)
         return prompt, SamplingParams(**params)
 
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether vLLM keeps its own prefix cache across requests (optional `Engine` member:
+        a benchmark repeating a prompt salts it, `GenerateRequest.cache_salt`)."""
+        return self.cfg.enable_prefix_caching
+
+    def worker_cpu_s(self) -> float:
+        """CPU seconds used so far by vLLM's worker process(es), where the model runs (optional
+        `Engine` member: a busy shared host makes wall-clock time noisy; CPU time still
+        measures the work)."""
+        import psutil
+
+        total = 0.0
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.name().startswith("VLLM::Worker"):
+                    times = child.cpu_times()
+                    total += times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
     @staticmethod
     def link_failed(req: EngineRequest, finish_reason: str | None) -> bool:
         """True when vLLM finished a linked request with an error: its entries did not load

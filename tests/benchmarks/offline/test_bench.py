@@ -122,7 +122,7 @@ def test_op_count_columns_on_the_cpu(bench, tiny_llava_dir):
 
 
 def test_engines_running_elsewhere_get_no_op_counts():
-    class OutOfProcess:  # as the vLLM bench engine: no prefill_fn
+    class OutOfProcess:  # as the vLLM engine: no prefill_fn
         name = "elsewhere"
 
     fields = op_fields(OutOfProcess(), ["hello"], "mpic-4", top_ops=5)
@@ -191,3 +191,24 @@ def test_demo_on_a_given_model(tiny_llava_dir):
     )
     assert result.exit_code == 0, result.output
     assert "mpic-4" in result.output and "answers" in result.output
+
+
+def test_the_bench_drives_any_engine():
+    """The model-free fake engine through the same code (`mpic.benchmarks.offline.engines
+    .Driver`): it echoes the prompt whatever the policy, so every policy agrees with full."""
+    from mpic.benchmarks.offline.bench import run_offline
+    from mpic.deployments.engines.fake_engine import FakeEngine
+
+    rows = run_offline(FakeEngine("fake-bench"), [1, 2], ["full", "mpic-4"], repeats=1)
+    assert [(r["policy"], r["images"]) for r in rows] == [
+        ("full", 1),
+        ("mpic-4", 1),
+        ("full", 2),
+        ("mpic-4", 2),
+    ]
+    for r in rows:
+        assert set(r) == KEYS
+        assert r["kl_vs_full"] < 1e-9 and r["token_agreement"] == 1.0
+        assert 0 < r["recomputed_tokens"] < r["prompt_tokens"]  # its images are cached
+        assert r["ttft_ms"] > 0 and r["cpu_ms"] >= 0
+        assert r["floor_ms"] is None and r["aten_ops"] is None  # no optional hooks
