@@ -210,7 +210,7 @@ def _finish(adapter: LayerAdapter, r: _Request) -> None:
     policy = r.planned.policy
     if r.prefix is not None:
         r.plan = r.prefix.exclude(r.plan)  # linked exactly from the prefix cache
-    correction = policy.correction(r.plan, adapter.num_layers)
+    correction = policy.correction(r.plan, adapter.num_layers, r.planned.entries)
     if correction is not None:
         set_correction = getattr(r.kv, "set_correction", None)
         if set_correction is None:

@@ -86,9 +86,11 @@ class Policy(ABC):
         cannot be read; the vLLM worker)."""
         return False
 
-    def correction(self, plan: LinkPlan, num_layers: int) -> LinkCorrection | None:
-        """The APE-style correction of linked keys for `plan` (final depths), or None (the
-        default: plain attention)."""
+    def correction(
+        self, plan: LinkPlan, num_layers: int, entries: Sequence[CacheEntry] = ()
+    ) -> LinkCorrection | None:
+        """The APE-style correction of linked keys for `plan` (final depths; `entries` aligned
+        with the plan's), or None (the default: plain attention)."""
         return None
 
     def with_scales(self, scales: Sequence[Sequence[float]] | None) -> Policy:

@@ -2,8 +2,9 @@
 
 Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`, `boundary-<k>`,
 `vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing),
-`scout-<b>[:s<S>[/<S>]][:k<K>][:d<tau>]` (query-aware selection at budget fraction b with the
-linked-key correction S; K boundary tokens per item, tau of the offset prior: `ScoutPolicy`),
+`scout-<b>[:s<S>[/<S>]][:i<S>][:k<K>][:d<tau>]` (query-aware selection at budget fraction b
+with the linked-key correction S, S for mostly-image prompts, K boundary tokens per item, tau of
+the offset prior: `ScoutPolicy`),
 `auto` / `auto-<b>`: the best selection the benchmark found for a budget (today `scout-<b>`;
 `auto` takes the request's or the server's budget, `DEFAULT_BUDGET` otherwise).
 """
@@ -31,7 +32,7 @@ POLICY_NAMES = (
     "mpic-<k>",
     "boundary-<k>",
     "vlcache-<r>[:<r>...]",
-    "scout-<b>[:s<S>][:k<K>][:d<tau>]",
+    "scout-<b>[:s<S>][:i<S>][:k<K>][:d<tau>]",
     "auto",
     "auto-<b>",
 )

@@ -63,6 +63,12 @@ def scout_layers(num_layers: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
+IMAGE_SCALE = 1.0
+"""S of the default for prompts whose linked items are mostly images: none (1). With the
+canonical context's lead-in (`mpic.linker.prompt.CONTEXT_LEAD_IN`) the images' linked KV needs
+no correction, and any S < 1 costs (LLaVA with the trained SmolLM2, 4 pictures, 18%: S 1 0.038,
+0.95 0.143, the documents' 0.89 / 0.81 0.305; docs/fidelity.md)."""
+
 OFFSET_TAU = 8.0
 """tau of the default offset prior (1 + o / tau) ** -0.5 (`offset_prior`): fitted to the linked
 values' deviation from the exact prefill's by offset in a document (SmolLM2, 8 documents)."""
@@ -98,11 +104,14 @@ class ScoutPolicy(Policy):
         scout_correction: bool = False,
         late_scale: float | None = None,
         offset_tau: float = OFFSET_TAU,
+        image_scale: float = IMAGE_SCALE,
     ) -> None:
         """scale: S (of the first half of the layers when `late_scale` is given); None: both
         halves from the default table. late_scale: S of the second half (None: `scale`).
         sinks: leading tokens of every item occurrence always recomputed (with its last token).
-        offset_tau: tau of the offset prior that weighs the scout's scores (0: none)."""
+        offset_tau: tau of the offset prior that weighs the scout's scores (0: none).
+        image_scale: S in every layer for a prompt whose linked item tokens are mostly image
+        tokens (`IMAGE_SCALE`, 1: no correction)."""
         if not 0.0 <= budget <= 1.0 or not math.isfinite(budget):
             raise ValueError(f"scout-b needs a budget fraction 0 <= b <= 1, got {budget}")
         if sinks < 0 or sinks != int(sinks):
@@ -120,7 +129,7 @@ class ScoutPolicy(Policy):
             scale, late = default_scales(budget)
             late_scale = late if late_scale is None else late_scale
         late_scale = scale if late_scale is None else late_scale
-        for s in (scale, late_scale):
+        for s in (scale, late_scale, image_scale):
             if not 0.0 < s <= 2.0 or not math.isfinite(s):
                 raise ValueError(f"scout's correction scale must be in (0, 2], got {s}")
         self.budget = budget
@@ -131,12 +140,16 @@ class ScoutPolicy(Policy):
         self.sinks = int(sinks)
         self.offset_tau = float(offset_tau)
         """tau of the offset prior (0: attention scores alone)."""
+        self.image_scale = float(image_scale)
+        """S in every layer when most linked item tokens are image tokens (`correction`)."""
         self.question_weight = question_weight
         self.layers = list(layers) if layers is not None else None
         self.scout_correction = scout_correction
         spelled = f"{self.scale:g}"
         if self.late_scale != self.scale:
             spelled += f"/{self.late_scale:g}"
+        if self.image_scale != IMAGE_SCALE:
+            spelled += f":i{self.image_scale:g}"
         if self.sinks != 1:
             spelled += f":k{self.sinks}"
         if self.offset_tau != OFFSET_TAU:
@@ -153,17 +166,19 @@ class ScoutPolicy(Policy):
         budget, *fields = arg.split(":")
         scale = late = None
         options: dict[str, float] = {}
+        order = "ikd"
         for i, field in enumerate(fields):
             key, value = field[:1], field[1:]
             if key == "s" and i == 0:
                 first, slash, second = value.partition("/")
                 scale = float(first)
                 late = float(second) if slash else None
-            elif key in ("k", "d") and key not in options and "d" not in options:
+            elif key and key in order and all(order.index(k) < order.index(key) for k in options):
                 options[key] = float(value)
             else:
                 raise ValueError(
-                    f"expected ':s<S>[/<S>]', ':k<K>', ':d<tau>' (in that order), got {field!r}"
+                    f"expected ':s<S>[/<S>]', ':i<S>', ':k<K>', ':d<tau>' (in that order), "
+                    f"got {field!r}"
                 )
         if scale is None and scales is not None:
             from mpic.linker.policies.scout_scales import table_scales
@@ -173,7 +188,15 @@ class ScoutPolicy(Policy):
         if sinks != int(sinks):
             raise ValueError(f"scout's boundary tokens per item must be an integer, got {sinks:g}")
         tau = options.get("d", OFFSET_TAU)
-        return cls(float(budget), scale, sinks=int(sinks), late_scale=late, offset_tau=tau)
+        image = options.get("i", IMAGE_SCALE)
+        return cls(
+            float(budget),
+            scale,
+            sinks=int(sinks),
+            late_scale=late,
+            offset_tau=tau,
+            image_scale=image,
+        )
 
     def with_scales(self, scales: Sequence[Sequence[float]] | None) -> ScoutPolicy:
         """With S from a model's table (rows (budget, S) or (budget, S first half, S second
@@ -193,6 +216,7 @@ class ScoutPolicy(Policy):
             scout_correction=self.scout_correction,
             late_scale=late,
             offset_tau=self.offset_tau,
+            image_scale=self.image_scale,
         )
 
     @property
@@ -277,9 +301,28 @@ class ScoutPolicy(Policy):
             self.scale, ~plan.is_text, depth, late_scale=late, split_layer=num_layers // 2
         )
 
-    def correction(self, plan: LinkPlan, num_layers: int) -> LinkCorrection | None:
+    def correction(
+        self, plan: LinkPlan, num_layers: int, entries: Sequence[CacheEntry] = ()
+    ) -> LinkCorrection | None:
         """S over the plan's linked item tokens (None when S == 1 everywhere); layers
-        >= num_layers // 2 get `late_scale`."""
+        >= num_layers // 2 get `late_scale`. When most of the plan's item tokens come from
+        image entries (`entries`, aligned with the plan's), `image_scale` in every layer
+        instead: with the canonical context's lead-in, linked image tokens need a gentler S than
+        documents (docs/fidelity.md, "The canonical context's lead-in")."""
+        if mostly_images(plan, entries):
+            if self.image_scale == 1.0:
+                return None
+            return LinkCorrection(self.image_scale, ~plan.is_text, plan.recompute_depth.clone())
         if not self.corrects:
             return None
         return self._correction(plan, plan.recompute_depth.clone(), num_layers)
+
+
+def mostly_images(plan: LinkPlan, entries: Sequence[CacheEntry]) -> bool:
+    """True when more than half of the plan's item tokens come from image entries (False
+    without `entries`)."""
+    if not entries:
+        return False
+    is_image = torch.tensor([e.media_type == "image" for e in entries] + [False])
+    images = int(is_image[plan.source_entry].sum())
+    return images * 2 > int((~plan.is_text).sum())

@@ -1,9 +1,10 @@
 """S, the linked-key correction's scale, per recompute budget: the default tables and a model's
 own (linker; read wherever a `scout-*` name is resolved; made by `mpic.linker.calibration.scout`).
 
-S depends on how much is recomputed: the fewer item tokens are recomputed, the gentler the best
-S (APE's scale compensates the linked keys' excess attention, and recomputed tokens already
-remove part of it). A table maps budget fractions to S: rows (budget, S) for one S in every
+S depends on how much is recomputed (APE's scale compensates the linked keys' excess attention,
+and recomputed tokens already remove part of it) and on what an entry was computed after: with
+the canonical context's lead-in (`mpic.linker.prompt.CONTEXT_LEAD_IN`) the best S is gentler in
+the first half of the layers (0.95-0.975) than in the second (0.85-0.9). A table maps budget fractions to S: rows (budget, S) for one S in every
 layer, or (budget, S of the first half of the layers, S of the second half); between rows S is
 interpolated linearly, outside them the nearest row is used.
 """
@@ -15,27 +16,30 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_TABLE: tuple[tuple[float, float], ...] = (
-    (0.0, 0.9),
+    (0.0, 0.85),
     (0.1, 0.85),
-    (0.2, 0.8),
-    (0.3, 0.8),
-    (0.5, 0.9),
+    (0.2, 0.85),
+    (0.3, 0.9),
+    (0.5, 0.95),
     (1.0, 1.0),
 )
-"""(budget fraction, S) measured on the trained SmolLM2-135M (docs/fidelity.md); S of the
-second half of the layers (and of all layers where `DEFAULT_EARLY` gives the same)."""
+"""(budget fraction, S) measured on the trained SmolLM2-135M with the canonical context's lead-in
+(docs/fidelity.md, "The canonical context's lead-in": chosen on the benchmark's questions 0-3 at
+4 and 8 documents); S of the second half of the layers (and of all layers where `DEFAULT_EARLY`
+gives the same). Applied to prompts whose linked items are mostly documents; mostly-image
+prompts take `mpic.linker.policies.scout.IMAGE_SCALE`."""
 
 DEFAULT_EARLY: tuple[tuple[float, float], ...] = (
-    (0.0, 0.9),
-    (0.1, 0.85),
-    (0.2, 0.9),
-    (0.3, 0.9),
-    (0.5, 0.9),
+    (0.0, 0.95),
+    (0.1, 0.95),
+    (0.15, 0.975),
+    (0.2, 0.975),
+    (0.3, 0.95),
+    (0.5, 0.95),
     (1.0, 1.0),
 )
-"""(budget fraction, S of the first half of the layers): at 20-30% recomputed a gentler S in
-the first half (0.9 / 0.8) beat one S everywhere on SmolLM2 (docs/fidelity.md, "what we
-tried"); budgets not measured that way keep one S."""
+"""(budget fraction, S of the first half of the layers): gentler than the second half's at every
+budget (at 15-20%: 0.975 / 0.85 beat 0.95 / 0.85, 0.95 / 0.9 and one S; docs/fidelity.md)."""
 
 TABLE_FILE = "mpic_scout_scales.json"
 """Where `mpic model calibrate-scout --write` puts a model's own table (in its folder)."""

@@ -23,7 +23,7 @@ from PIL import Image
 
 from mpic.engine.hf.reference_runner import ReferenceRunner
 from mpic.engine.hf.vision import image_layout
-from mpic.linker.prompt import ImageRef
+from mpic.linker.prompt import CONTEXT_LEAD_IN, ImageRef
 
 SIZES = [(48, 40), (150, 60), (64, 96), (200, 168)]
 """(width, height): landscape, wide, portrait, and one over several Qwen2.5-VL windows."""
@@ -102,8 +102,9 @@ def test_recompute_all_equals_the_plain_model(runner):
 
 
 def test_image_linked_where_it_was_cached_is_exact(runner):
+    """After the canonical context (its lead-in included) the linked image is exact."""
     for entry_id in runner.test_ids:
-        parts = [ImageRef(entry_id), "What is this?"]
+        parts = [CONTEXT_LEAD_IN, ImageRef(entry_id), "What is this?"]
         exact = runner.prefill(parts, "full")
         linked = runner.prefill(parts, "mpic-0")
         t = runner.entries[entry_id].num_tokens

@@ -25,7 +25,7 @@ POLICIES = (
     "mpic-8",
     "boundary-4",
     "vlcache-0.1",
-    "scout-0.2",
+    "scout-0.2:i0.8",  # corrected: S 0.8 on these image prompts (the default, 1, corrects none)
     "auto",
 )
 PROMPTS = 200

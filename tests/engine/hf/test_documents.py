@@ -20,7 +20,7 @@ from mpic.benchmarks.fidelity.prompts import passages, question_parts
 from mpic.engine.answers import exact_prefix, rouge_l_f1, token_agreement
 from mpic.errors import InvalidRequestError
 from mpic.linker.policies import get_policy
-from mpic.linker.prompt import DOCUMENT_PLACEHOLDER, render_prompt_ids
+from mpic.linker.prompt import CONTEXT_LEAD_IN, DOCUMENT_PLACEHOLDER, render_prompt_ids
 from mpic.prompt_parts import DocumentRef, ImageRef
 
 POLICIES = (
@@ -133,9 +133,9 @@ def test_documents_link_anywhere_under_every_policy(smollm2_runner, docs, policy
         assert torch.isfinite(pre.logits).all()
         if policy in ("full", "prefix"):
             assert torch.allclose(pre.logits, exact.logits, atol=2e-4)
-    # At its canonical place (same context, same positions) reuse is exact: mpic-0 recomputes
-    # only the text around the document.
-    parts = prompts[0]
+    # At its canonical place (same context: after the lead-in; same positions) reuse is exact:
+    # mpic-0 recomputes only the text around the document.
+    parts = [CONTEXT_LEAD_IN, *prompts[0]]
     if policy in ("mpic-0", "mpic-8", "vlcache-0.2", "prefix"):
         assert torch.allclose(
             run.prefill(parts, policy).logits, run.prefill(parts, "full").logits, atol=2e-4

@@ -10,7 +10,7 @@ import torch
 
 from mpic.engine.hf.reference_runner import ReferenceRunner
 from mpic.errors import NotFoundError, PromptTooLongError
-from mpic.linker.prompt import ImageRef
+from mpic.linker.prompt import CONTEXT_LEAD_IN, ImageRef
 
 
 def _png(image) -> bytes:
@@ -60,7 +60,7 @@ def test_full_recompute_equals_hf_prefill_and_greedy(runner, sample_images):
 
 def test_same_place_same_context_needs_no_item_recompute(runner, sample_images):
     a = runner.test_ids[0]
-    parts = [ImageRef(a), "What is this?"]
+    parts = [CONTEXT_LEAD_IN, ImageRef(a), "What is this?"]
     exact = runner.prefill(parts, "full")
     linked = runner.prefill(parts, "mpic-0")
     items = ~linked.plan.is_text

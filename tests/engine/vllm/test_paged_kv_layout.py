@@ -12,6 +12,7 @@ from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies import scout as scout_module
 from mpic.linker.recipe import with_policy
 from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
@@ -94,9 +95,15 @@ def test_pass_over_paged_blocks_equals_dense(mrope, backend, name):
         torch.testing.assert_close(paged.read_keys(layer, index), dense.keys[layer])
 
 
+@pytest.fixture
+def items_as_documents(monkeypatch):
+    """The toy's items (images) take the documents' S (`:s`, per half of the layers)."""
+    monkeypatch.setattr(scout_module, "mostly_images", lambda plan, entries: False)
+
+
 @pytest.mark.parametrize("mrope", [False, True])
 @pytest.mark.parametrize("name", ["scout-0.6:s0.7", "scout-0.6:s0.9/0.7"])
-def test_scout_with_the_correction_over_mirrors_equals_dense(mrope, name):
+def test_scout_with_the_correction_over_mirrors_equals_dense(mrope, name, items_as_documents):
     """The opaque-layout path (vLLM's CPU cache): the scout and the corrected attention read the
     dense K/V mirrors; same selection and logits as the dense linked KV (one S, or one S per
     half of the layers)."""
@@ -120,7 +127,9 @@ def test_scout_with_the_correction_over_mirrors_equals_dense(mrope, name):
 
 
 @pytest.mark.parametrize("name", ["scout-0.6:s0.7", "scout-0.6:s1/0.7"])
-def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention(name):
+def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention(
+    name, items_as_documents
+):
     """vLLM's forward attends token N-1 plainly: after `shift_for_last_query` that plain
     attention equals the corrected one, and `restore` puts the true keys back. With S = 1 in
     the first half of the layers only the second half is corrected and shifted."""

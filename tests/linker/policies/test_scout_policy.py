@@ -1,8 +1,10 @@
-"""`scout-<b>[:s<S>][:k<K>][:d<tau>]` on the toy decoder: names, the budget and boundary tokens
-it selects (scores weighed by the offset prior), the scout's scores against attention recomputed
-from an mpic-0 pass (the state the scout sees), exactness with everything recomputed, and the
-correction off (S = 1) equal to a plain plan with the same depths."""
+"""`scout-<b>[:s<S>][:i<S>][:k<K>][:d<tau>]` on the toy decoder: names, the budget and boundary
+tokens it selects (scores weighed by the offset prior), the scout's scores against attention
+recomputed from an mpic-0 pass (the state the scout sees), exactness with everything recomputed,
+the correction off (S = 1) equal to a plain plan with the same depths, and the S of prompts whose
+items are mostly images."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,11 +14,14 @@ from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
 from mpic.linker.policies import get_policy
+from mpic.linker.policies import scout as scout_module
 from mpic.linker.policies.base import Policy
 from mpic.linker.policies.scout import (
+    IMAGE_SCALE,
     OFFSET_TAU,
     ScoutPolicy,
     boundary_mask,
+    mostly_images,
     offset_prior,
     scout_layers,
 )
@@ -72,8 +77,8 @@ def test_names_auto_and_bad_names():
     # S per half of the layers: spelled first/second, canonical when equal
     assert get_policy("scout-0.2:s0.9/0.8").name == "scout-0.2:s0.9/0.8"
     assert get_policy("scout-0.2:s0.8/0.8").name == "scout-0.2:s0.8"
-    assert get_policy("scout-0.2").name == "scout-0.2:s0.9/0.8"  # the default table at 20%
-    assert get_policy("auto").name == "scout-0.18:s0.89/0.81"  # DEFAULT_BUDGET
+    assert get_policy("scout-0.2").name == "scout-0.2:s0.975/0.85"  # the default table at 20%
+    assert get_policy("auto").name == "scout-0.18:s0.975/0.85"  # DEFAULT_BUDGET
     for bad in ("scout-0.2:s0.9/0", "scout-0.2:s0.9/x", "scout-0.2:s/0.8"):
         with pytest.raises(ValueError, match="valid:"):
             get_policy(bad)
@@ -87,7 +92,7 @@ def test_boundary_and_offset_prior_fields_of_the_name():
     named = get_policy("scout-0.2:s0.9/0.8:k8:d0")
     assert (named.sinks, named.offset_tau) == (8, 0.0)
     assert named.name == "scout-0.2:s0.9/0.8:k8:d0"
-    assert get_policy("scout-0.2:k8").name == "scout-0.2:s0.9/0.8:k8"  # S from the table
+    assert get_policy("scout-0.2:k8").name == "scout-0.2:s0.975/0.85:k8"  # S from the table
     assert get_policy("scout-0.2:s0.8:k1:d8").name == "scout-0.2:s0.8"  # the defaults
     assert get_policy("scout-0.2:s0.8:d4").name == "scout-0.2:s0.8:d4"
     for name in ("auto", "auto-0.3", "scout-0.2:s0.9/0.8:k8", "scout-0.2:s1:k0:d16"):
@@ -213,15 +218,17 @@ def test_scale_one_equals_a_plain_plan_and_the_correction_changes_logits(mrope):
     assert plain_scout.scout is not None and plain_scout.scout.tokens == int(plan.is_text.sum())
     fixed, _ = _run(adapter, plan, entries, _Fixed(depth))
     torch.testing.assert_close(plain_scout.result.logits, fixed.result.logits)
-    corrected, kv = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=0.7))
+    corrected, kv = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=0.7, image_scale=0.7))
     assert torch.equal(corrected.plan.recompute_depth, depth)  # S does not move the selection
     assert kv.correction is not None and kv.correction.scale == 0.7
     assert (corrected.result.logits - fixed.result.logits).abs().max() > 1e-3
 
 
-def test_scale_per_half_of_the_layers():
+def test_scale_per_half_of_the_layers(monkeypatch):
     """`scout-b:s<S1>/<S2>`: layers below L // 2 attend with S1, the others with S2 (the linked
-    KV is handed each layer's S); equal halves are exactly one S."""
+    KV is handed each layer's S); equal halves are exactly one S. (The documents' S: the toy's
+    items are images, read here as documents.)"""
+    monkeypatch.setattr(scout_module, "mostly_images", lambda plan, entries: False)
     adapter, plan, entries = _setup()
     seen = {}
 
@@ -251,3 +258,42 @@ def test_scale_per_half_of_the_layers():
     assert torch.equal(halves.plan.recompute_depth, plain.plan.recompute_depth)
     assert (halves.result.logits - plain.result.logits).abs().max() > 1e-4
     assert (halves.result.logits - uniform.result.logits).abs().max() > 1e-4
+
+
+def test_image_scale_field_of_the_name():
+    """`:i<S>` (S of a prompt whose linked items are mostly images) after `:s`, before `:k` and
+    `:d`, spelled only when not `IMAGE_SCALE`; every canonical name parses to itself."""
+    assert get_policy("auto").image_scale == IMAGE_SCALE == 1.0
+    named = get_policy("scout-0.2:s0.9/0.8:i0.95:k8:d0")
+    assert (named.image_scale, named.sinks, named.offset_tau) == (0.95, 8, 0.0)
+    assert named.name == "scout-0.2:s0.9/0.8:i0.95:k8:d0"
+    assert get_policy(named.name).name == named.name
+    assert get_policy("scout-0.2:s0.8:i1").name == "scout-0.2:s0.8"
+    for bad in ("scout-0.2:k8:i0.9", "scout-0.2:i0.9:i0.8", "scout-0.2:i0", "scout-0.2:ix"):
+        with pytest.raises(ValueError, match="valid:"):
+            get_policy(bad)
+
+
+def test_image_prompts_take_the_image_scale():
+    """The toy's items are images: S = `image_scale` in every layer, whatever `:s` says; 1
+    (the default) is no correction at all, the same logits as S = 1 everywhere."""
+    adapter, plan, entries = _setup()
+    assert mostly_images(plan, entries)
+    plain, _ = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=1.0))
+    documents_s, kv = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=0.7, late_scale=0.6))
+    assert kv.correction is None
+    torch.testing.assert_close(documents_s.result.logits, plain.result.logits, rtol=0, atol=0)
+    images_s, kv = _run(adapter, plan, entries, ScoutPolicy(0.6, scale=0.7, image_scale=0.8))
+    assert kv.correction is not None
+    assert [kv.correction.scale_at(layer) for layer in range(L)] == [0.8] * L
+    assert (images_s.result.logits - plain.result.logits).abs().max() > 1e-4
+
+
+def test_mostly_images_counts_item_tokens_by_entry_kind():
+    adapter, plan, entries = _setup()
+    assert not mostly_images(plan, [])  # no entries: the documents' S
+    as_text = [dataclasses.replace(e, media_type="text") for e in entries]
+    assert not mostly_images(plan, as_text)
+    # img-a (linked twice) as an image, img-b as text: img-a's tokens are the majority
+    mixed = [entries[0], as_text[1]] if entries[0].entry_id == "img-a" else [as_text[0], entries[1]]
+    assert mostly_images(plan, mixed)
