@@ -7,6 +7,7 @@ RayService's serveConfigV2: Serve validates the YAML `args` into `ServeAppConfig
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,11 +54,8 @@ def build_app(
     values = answering_client_errors
     encoder = serve.deployment(values(Encoder), **opts("Encoder", config.encoder))
     bounds = derived_bounds(config)
-    worker = serve.deployment(
-        values(LLMWorker),
-        **opts("LLMWorker", bounds["llm_worker"]),
-        **router_options(config.llm_router),
-    )
+    worker_opts = with_env(opts("LLMWorker", bounds["llm_worker"]), cpu_worker_env(config))
+    worker = serve.deployment(values(LLMWorker), **worker_opts, **router_options(config.llm_router))
     retriever = serve.deployment(values(Retriever), **opts("Retriever", bounds["retriever"]))
     resolver = serve.deployment(values(Resolver), **opts("Resolver", bounds["resolver"]))
     ingress_cfg = config.ingress
@@ -75,6 +73,35 @@ def build_app(
     ret = retriever.bind(config, wrk)
     res = resolver.bind(config, ret, layers)  # checks policies itself, asking no worker
     return ingress.bind(config, enc, res, wrk, ret)
+
+
+CPU_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Environment of an LLM worker that runs vLLM on CPU (and of vLLM's processes it starts): its
+OpenMP threads sleep between parallel regions instead of spinning. Spinning, vLLM's worker
+process held more than one of 2 cores on average (105 % against 73 % sleeping), and Serve's
+proxy, the ingress and the clients waited for a core: at 64 clients a request took up to 20 s
+to reach the proxy, and the clients' TTFT p99 was 13-18 s while the server timed nearly every
+first token within 10 s (docs/serving.md "Overload on the vLLM worker")."""
+
+
+def cpu_worker_env(config: ServeAppConfig) -> dict[str, str]:
+    """`CPU_WORKER_ENV` for a vLLM LLM worker without a GPU, less what this process's own
+    environment sets (the operator's choice wins); empty otherwise."""
+    if getattr(config.engine, "kind", None) != "vllm" or config.llm_worker.num_gpus:
+        return {}
+    return {k: v for k, v in CPU_WORKER_ENV.items() if k not in os.environ}
+
+
+def with_env(options: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """`serve.deployment` options with `env` added to the replica's runtime_env `env_vars`
+    (values already there win)."""
+    if not env:
+        return options
+    actor = dict(options.get("ray_actor_options") or {})
+    runtime_env = dict(actor.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
+    actor["runtime_env"] = runtime_env
+    return {**options, "ray_actor_options": actor}
 
 
 def derived_bounds(config: ServeAppConfig) -> dict[str, DeploymentConfig]:

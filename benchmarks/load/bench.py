@@ -35,7 +35,7 @@ import typer
 
 from mpic.benchmarks.load.replica_rss import RssSampler
 from mpic.benchmarks.load.report import LoadResult, write_outputs
-from mpic.benchmarks.load.requests import metrics_rejections, send_one
+from mpic.benchmarks.load.requests import metrics_rejections, metrics_ttft, send_one
 from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,7 @@ async def run_load_async(
                 http, file_ids, policy, abandon, 256, queued=abandon_queued
             )
         counted_before = await metrics_rejections(http)
+        ttft_before = await metrics_ttft(http)
         t_start = time.perf_counter()
         t_end = t_start + duration_s
         with RssSampler(out, t_start):
@@ -222,6 +223,19 @@ async def run_load_async(
                     break
                 await asyncio.sleep(1)
             out.metrics_rejected = grown
+        if out.requests:  # the server's own TTFT histogram, once its export caught up
+            deadline = time.perf_counter() + 30
+            while True:
+                after_ttft = await metrics_ttft(http)
+                grown_ttft = {
+                    le: n - ttft_before.get(le, 0.0) for le, n in sorted(after_ttft.items())
+                }
+                if grown_ttft.get(float("inf"), 0.0) >= out.requests or (
+                    time.perf_counter() > deadline or not after_ttft
+                ):
+                    break
+                await asyncio.sleep(1)
+            out.server_ttft = grown_ttft
     if rejected_lat:
         out.rejected_latency_p99_s = float(np.percentile(rejected_lat, 99))
     ttfts = np.array([s[1] for s in out.samples]) if out.samples else np.zeros(1)

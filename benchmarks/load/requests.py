@@ -113,3 +113,30 @@ async def metrics_rejections(http: httpx.AsyncClient) -> dict[str, float]:
         return rejections_in_metrics((await http.get("/metrics")).text)
     except httpx.HTTPError:
         return {}
+
+
+_TTFT_SERIES = (
+    "vllm:time_to_first_token_seconds_bucket",
+    "ray_vllm_time_to_first_token_seconds_bucket",
+)
+"""The ingress's own TTFT histogram (request received by the chat route -> first token sent)."""
+
+
+def ttft_buckets_in_metrics(text: str) -> dict[float, float]:
+    """The server's TTFT histogram in a Prometheus text: upper bound (s) -> cumulative count,
+    summed over replicas and models (`+Inf` is the count)."""
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name not in _TTFT_SERIES or 'le="' not in line:
+            continue
+        le = float(line.split('le="', 1)[1].split('"', 1)[0])
+        out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def metrics_ttft(http: httpx.AsyncClient) -> dict[float, float]:
+    try:
+        return ttft_buckets_in_metrics((await http.get("/metrics")).text)
+    except httpx.HTTPError:
+        return {}

@@ -47,6 +47,7 @@ from mpic.deployments.http.vllm_routes import router as vllm_router
 from mpic.deployments.messages import DoneEvent
 from mpic.deployments.monitoring.metrics import metrics_page
 from mpic.deployments.monitoring.replica_logs import use_serve_logging
+from mpic.deployments.serve.admission import engine_batch
 from mpic.deployments.serve.files import FileCatalog
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Ingress(ChatRoutes, FileRoutes, AdminRoutes, VllmRoutes):
         self.cfg = config
         self.keys = KeyRing.from_config(config.auth)
         configure_guard(self.keys, config.limits)
-        configure_shedding(config.limits)
+        configure_shedding(config.limits, engine_batch(config))  # vLLM: batching-aware
         if not len(self.keys):
             logger.warning("no API keys configured: every request will get 401")
         self.files = FileCatalog(config.store)

@@ -17,21 +17,46 @@ scaled by a gain g in [0.05, 1] that tracks the p99: `bound = max(1, floor(g · 
 each admitted stream's own server-side TTFT (admission to its first chunk) over T multiplies g
 by 0.9 and each one under T adds 0.1 · (1 - 0.99) / 0.99 (an AIMD loop whose fixed point has
 about 1 % of the TTFTs over T). Before σ is measured (fewer than `min_samples` first tokens seen)
-it is `limits.shed_initial_rate`. `Retry-After` is the time the backlog above the bound needs to
-drain, `ceil((W + 1 - bound) / σ)`, 1 to 60 s.
+it is the prior `limits.shed_initial_rate`. `Retry-After` is the time the backlog above the bound
+needs to drain, `ceil((W + 1 - bound) / σ)`, 1 to 60 s.
 
-The bound is engine-agnostic (it counts what waits anywhere behind the ingress, the vLLM
-worker's own queue included), but on the vLLM worker it alone does not hold the target: vLLM
-batches, so σ is high (64 clients at a TTFT p50 of 6.8 s on the small LLaVA mean σ ≈ 9/s) and
-`σ · T` (~90 at T = 10 s) is above what 64 clients ever have waiting: everything was admitted
-and waited in Serve's queue in front of the worker (whose `max_ongoing_requests` of 16 held it
-below its budget), with a TTFT p99 of 11.1 s, and a burst let in more than that queue holds
-(Serve's back-pressure, then answered 503). The LLM worker's engine budget is therefore sized
-from what vLLM runs and queues (`mpic.deployments.serve.admission.worker_capacity`:
-`max_num_seqs` running + one batch waiting by default) and the worker's Serve bounds are derived
-from it (`deployments/app.py`), so a request past what the engine can start soon gets 429
-`engine_overloaded` at once and an admitted one waits for about one batch at most; this guard
-keeps the bound where `σ · T` is the tighter one (the reference engine, one request at a time).
+**A batching engine** (vLLM; `batch` B = what it starts at once: `max_num_seqs` of the worker
+replicas, this ingress replica's share, `mpic.deployments.serve.admission.engine_batch`) hands out
+first tokens a batch at a time, and Little's law alone misreads it in two ways:
+
+- *The queue drains in batches.* A request with W others waiting gets its first token after the
+  batch running when it came (up to one cycle, `B / σ`) and the `ceil((W + 1) / B)` batches up to
+  its own, so its TTFT stays under T while `ceil((W + 1) / B) + 1 <= g · σ · T / B`:
+
+      bound = B · (floor(g · σ · T / B) - 1),   at least B
+
+  whole batches (at σ = 5.3/s, B = 16, T = 10 s: 32, where `floor(σ · T)` let 53 wait). Never
+  below one batch: fewer waiting would only shrink the engine's batches, and with them σ and
+  the bound.
+- *The cold start.* Before σ is measured it is unknown, and a prior rate that is too high (2/s:
+  20 admitted at T = 10 s) or the first clump of first tokens (a batch's prefills end together:
+  16 after 3 s read as σ ≈ 5.3/s; 16 after 1.5 s as 10.7/s, 80 even in whole batches) lets in
+  more than the engine serves within T. What is known without a measurement is the batch the
+  engine starts at once, and an idle engine starts it together: the prior is one batch per
+  target, `σ0 = B / T`, a cold bound of B. The bound then ramps up only as first tokens justify
+  it (TCP's slow start): a cap `R` starts at B, each stream whose first token came within half
+  the target raises it by one, every first token keeps it within the measured bound
+  (`R <- max(B, min(R + [wait <= T / 2], bound_σ))`), and `bound = min(bound_σ, R)`. A clump
+  of k first tokens lets in at most k more, so the cap at most doubles per batch served; a wait
+  is seen one wait after its admission, by when the cap may have doubled, so growth stops at
+  half the target (TCP stops its slow start for the same reason). After an idle window (σ
+  unmeasured again) the bound is back at B.
+
+Slots free a batch at a time, so a refused request's `Retry-After` is at least half a cycle,
+`ceil(max(W + 1 - bound, B / 2) / σ)` (5 s on the prior, at 16 per 10 s; 2 s at σ = 5/s). An
+engine that serves one request at a time (the reference engine) gets no `batch`: the plain
+bound, the prior `limits.shed_initial_rate`, no ramp.
+
+The vLLM worker's own budget backs this up: it is sized from what vLLM runs and queues
+(`mpic.deployments.serve.admission.worker_capacity`: `max_num_seqs` running + one batch waiting
+by default) and the worker's Serve bounds are derived from it (`deployments/app.py`), so a
+request past what the engine can start soon gets 429 `engine_overloaded` at once rather than
+waiting in Serve's queue in front of the worker.
 
 Each ingress replica measures its own σ (its own share of the first tokens), so the bound scales
 with the replicas without shared state. The application's bound must act before Ray Serve's: the
@@ -82,8 +107,17 @@ class TTFTAdmission:
         window_s: float = 10.0,
         min_samples: int = 4,  # at least 2: a rate needs an interval
         clock: Callable[[], float] = time.monotonic,
+        batch: int | None = None,
     ) -> None:
+        """`batch`: the requests a batching engine starts at once (module docstring): the bound
+        is then whole batches, the prior rate `batch / ttft_target_s` (a cold bound of `batch`)
+        and the bound ramps up from it; None: the plain bound, the prior `initial_rate`."""
+        if batch is not None:
+            batch = max(1, min(max_pending, batch))
+            initial_rate = batch / ttft_target_s
         self.target, self.initial_rate = ttft_target_s, initial_rate
+        self.batch = batch
+        self.ramp: int | None = batch  # the slow-start cap (None: no ramp)
         self.max_pending, self.window_s, self.min_samples = max_pending, window_s, min_samples
         self.clock = clock
         self.waiting = 0
@@ -115,9 +149,21 @@ class TTFTAdmission:
         busy = self._busy_now(now) - self._busy_ref
         return len(self._starts) / busy if busy > 1e-3 else self.initial_rate
 
+    def measured_bound(self, rate: float) -> int:
+        """What the rate and the p99 gain allow, at most `max_pending`: max(1, floor(g · σ · T));
+        for a batching engine whole batches, `batch · (floor(g · σ · T / batch) - 1)`, at least
+        one batch (module docstring; a hair of tolerance: `batch / T · T` must give `batch`)."""
+        x = self.gain * rate * self.target
+        if self.batch is None:
+            return max(1, min(self.max_pending, math.floor(x)))
+        batches = math.floor(x / self.batch + 1e-9) - 1
+        return max(self.batch, min(self.max_pending, self.batch * batches))
+
     def bound(self, rate: float) -> int:
-        """Most requests that may wait for their first token: max(1, floor(g · σ · T))."""
-        return max(1, min(self.max_pending, math.floor(self.gain * rate * self.target)))
+        """Most requests that may wait for their first token: the measured bound, within the
+        ramp cap of a batching engine (module docstring)."""
+        measured = self.measured_bound(rate)
+        return measured if self.ramp is None else max(1, min(measured, self.ramp))
 
     def try_admit(self) -> ShedDecision:
         """Admit one request (count it waiting) or refuse it with a Retry-After."""
@@ -128,7 +174,10 @@ class TTFTAdmission:
             if self.waiting + 1 > bound:
                 self.rejected += 1
                 excess = self.waiting + 1 - bound
-                retry = max(1, math.ceil(excess / max(rate, 1e-6)))
+                drain = excess / max(rate, 1e-6)
+                if self.batch is not None:  # slots free a batch at a time: half a cycle away
+                    drain = max(excess, self.batch / 2) / max(rate, 1e-6) - 1e-9
+                retry = max(1, math.ceil(drain))
                 return ShedDecision(False, bound, self.waiting, rate, min(retry, 60))
             if self.waiting == 0:
                 self._busy_since = now
@@ -148,6 +197,12 @@ class TTFTAdmission:
                         self.gain = max(self.min_gain, self.gain * self.decrease)
                     else:
                         self.gain = min(1.0, self.gain + self.increase)
+                    if self.ramp is not None and self.batch is not None:  # slow start
+                        # one more may wait per first token within half the target, never
+                        # more than the measurement allows nor less than one batch
+                        grow = 1 if waited_s <= self.target / 2 else 0
+                        top = self.measured_bound(self.rate(now))
+                        self.ramp = max(self.batch, min(self.ramp + grow, top))
             self.waiting -= 1
             if self.waiting == 0 and self._busy_since is not None:
                 self._busy_total += now - self._busy_since
@@ -157,7 +212,7 @@ class TTFTAdmission:
         """Current figures (tests, logs)."""
         with self._lock:
             rate = self.rate()
-            return {
+            out = {
                 "waiting": self.waiting,
                 "bound": self.bound(rate),
                 "rate": rate,
@@ -165,6 +220,9 @@ class TTFTAdmission:
                 "rejected": self.rejected,
                 "gain": self.gain,
             }
+            if self.ramp is not None:
+                out["ramp"] = self.ramp
+            return out
 
 
 class SheddingGuard:
@@ -215,13 +273,19 @@ class SheddingGuard:
                 adm.started(first_token=False)
 
 
-def configure_shedding(limits: Any) -> TTFTAdmission | None:
-    """Install this replica's admission from `LimitsConfig` (None when the target is 0)."""
+def configure_shedding(limits: Any, batch: int | None = None) -> TTFTAdmission | None:
+    """Install this replica's admission from `LimitsConfig` (None when the target is 0).
+    `batch`: what the engine starts at once, this replica's share
+    (`mpic.deployments.serve.admission.engine_batch`; None for an engine that is not batching):
+    the cold-start prior and ramp in place of `limits.shed_initial_rate` (module docstring)."""
     if not limits.ttft_target_s:
         SheddingGuard.admission = None
     else:
         SheddingGuard.admission = TTFTAdmission(
-            limits.ttft_target_s, limits.shed_initial_rate, limits.max_pending_requests
+            limits.ttft_target_s,
+            limits.shed_initial_rate,
+            limits.max_pending_requests,
+            batch=batch,
         )
     return SheddingGuard.admission
 

@@ -207,3 +207,19 @@ def worker_capacity(config: Any, num_gpu_blocks: int | None = None) -> tuple[int
         if blocks:
             tokens = min(tokens, blocks * eng.block_size)
     return requests, tokens
+
+
+def engine_batch(config: Any) -> int | None:
+    """The requests the engine starts at once, one ingress replica's share, for the ingress's
+    batching-aware TTFT admission (`mpic.deployments.http.shedding`: whole batches, one batch
+    before the first-token rate is measured): for the vLLM engine `max_num_seqs` times
+    the LLM-worker replicas Serve starts with, over the ingress replicas (at least 1); None for
+    an engine that serves one request at a time or is not known to batch (the reference, the
+    fake, a custom class)."""
+    eng = config.engine
+    seqs = getattr(eng, "max_num_seqs", None)
+    if getattr(eng, "kind", None) != "vllm" or seqs is None:
+        return None
+    workers = max(1, config.llm_worker.autoscaling.min_replicas)
+    ingresses = max(1, config.ingress.autoscaling.min_replicas)
+    return max(1, seqs * workers // ingresses)

@@ -6,6 +6,7 @@ through real Ray Serve and checks every rejection's body, header and the /metric
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import Counter
@@ -166,6 +167,105 @@ def test_rate_of_clumped_first_tokens_counts_the_wait_before_them() -> None:
     assert adm.rate() == pytest.approx(4 / 2.0)
 
 
+def test_batching_engine_bound_counts_whole_batches() -> None:
+    """A batching engine (vLLM, B = 16 started at once) hands out first tokens a batch at a time:
+    a request waits for the batch running when it came and the batches up to its own, so the
+    bound is B · (floor(g·σ·T / B) - 1) whole batches, never below one batch; without `batch`
+    (the reference engine) the plain floor(g·σ·T) is unchanged."""
+    from mpic.deployments.http.shedding import TTFTAdmission
+
+    vllm = TTFTAdmission(10.0, initial_rate=2.0, batch=16, clock=Clock())
+    plain = TTFTAdmission(10.0, initial_rate=2.0, clock=Clock())
+    cases = {2.0: (16, 20), 4.3: (16, 43), 5.3: (32, 53), 6.9: (48, 69), 8.0: (64, 80)}
+    for rate, (batched, little) in cases.items():
+        assert vllm.measured_bound(rate) == batched, rate
+        assert plain.measured_bound(rate) == plain.bound(rate) == little, rate
+    vllm.gain = plain.gain = 0.5  # the p99 gain scales both
+    assert vllm.measured_bound(8.0) == 16 and plain.measured_bound(8.0) == 40
+    vllm.gain = 0.05  # never below one batch: fewer would only shrink the engine's batches
+    assert vllm.measured_bound(2.0) == 16
+    # a batch larger than max_pending is cut to it
+    assert TTFTAdmission(10.0, max_pending=8, batch=16).batch == 8
+
+
+def test_batching_engine_cold_start_admits_one_batch_and_ramps_with_first_tokens() -> None:
+    """Before any first token the bound of a batching engine is one batch (the prior σ0 = B / T:
+    one batch served within the target), not the 20 of the 2/s prior; the first clump of first
+    tokens (16 after 3 s) then raises it by at most one per first token within the target
+    (slow start), never by the jump σ alone reads from the clump (53 with Little's law); a first
+    token over the target does not raise it, and after an idle window it is one batch again."""
+    from mpic.deployments.http.shedding import TTFTAdmission
+
+    clock = Clock()
+    adm = TTFTAdmission(10.0, initial_rate=2.0, batch=16, clock=clock)
+    got = [adm.try_admit() for _ in range(20)]
+    assert [d.admitted for d in got] == [True] * 16 + [False] * 4
+    refused = got[-1]
+    assert refused.bound == 16 and refused.rate == pytest.approx(1.6)
+    # slots free a batch at a time: at least half a cycle, 8 / 1.6 per s on the prior
+    assert refused.retry_after == 5
+    plain = TTFTAdmission(10.0, initial_rate=2.0, clock=Clock())
+    assert sum(plain.try_admit().admitted for _ in range(30)) == 20  # the old cold bound
+
+    clock.t += 3.0  # the batch's prefills end together
+    for _ in range(16):
+        clock.t += 0.001
+        adm.started(first_token=True, waited_s=3.0)
+    rate = adm.rate()
+    assert rate == pytest.approx(16 / 3.016)
+    assert math.floor(rate * 10.0) == 53  # what Little's law alone would let wait
+    assert adm.measured_bound(rate) == 32  # two whole batches
+    # the cap: 16, +1 for each of the first tokens that found the measured bound above it
+    assert adm.ramp == 18 and adm.bound(rate) == 18
+    got = [adm.try_admit() for _ in range(20)]
+    assert sum(d.admitted for d in got) == 18 and adm.waiting == 18
+    assert got[-1].retry_after == 2  # ceil(8 / 5.3)
+    # a first token after more than half the target does not raise the cap: waits are seen one
+    # wait late, by when the cap may have doubled
+    clock.t += 0.25
+    adm.started(first_token=True, waited_s=7.0)
+    assert adm.ramp == 18 and adm.measured_bound(adm.rate()) == 32
+    # one over the target shrinks the gain, and with it the measured bound the cap keeps within
+    clock.t += 0.25
+    adm.started(first_token=True, waited_s=12.0)
+    assert adm.gain == pytest.approx(0.9)
+    assert adm.measured_bound(adm.rate()) == 16 and adm.ramp == 16
+    # first tokens within half the target raise it by one each (to 29, 32, 43, 48 after each
+    # round), up to the measured bound and no further
+    for _ in range(4):  # rounds: refill up to the bound, then the waiting get first tokens
+        while adm.try_admit().admitted:
+            pass
+        while adm.waiting:
+            before = adm.ramp
+            clock.t += 0.15  # about 6.7 first tokens per second
+            adm.started(first_token=True, waited_s=2.0)
+            top = adm.measured_bound(adm.rate())
+            assert adm.ramp <= max(before + 1, 16) and adm.ramp <= top
+    assert adm.ramp == adm.measured_bound(adm.rate()) == adm.bound(adm.rate()) == 48
+    assert sum(adm.try_admit().admitted for _ in range(60)) == 48
+    while adm.waiting:
+        adm.started(first_token=True, waited_s=2.0)
+    # an idle window later σ is unmeasured again: one batch
+    clock.t += 60
+    assert adm.bound(adm.rate()) == 16
+    assert sum(adm.try_admit().admitted for _ in range(20)) == 16
+
+
+def test_configure_shedding_takes_the_engine_batch() -> None:
+    from mpic.deployments.http.shedding import SheddingGuard, configure_shedding
+    from mpic.deployments.limits_config import LimitsConfig
+
+    try:
+        adm = configure_shedding(LimitsConfig(), batch=16)
+        assert adm is SheddingGuard.admission and adm.batch == 16 and adm.ramp == 16
+        assert adm.initial_rate == pytest.approx(1.6) and adm.bound(adm.rate()) == 16
+        ref = configure_shedding(LimitsConfig())  # the reference engine: as before
+        assert ref.batch is None and ref.ramp is None and ref.bound(ref.rate()) == 20
+        assert configure_shedding(LimitsConfig(ttft_target_s=0), batch=16) is None
+    finally:
+        SheddingGuard.admission = None
+
+
 def test_target_zero_disables_shedding(tmp_path: Path) -> None:
     with _app(tmp_path, limits={"ttft_target_s": 0}) as app:
         from mpic.deployments.http.shedding import SheddingGuard
@@ -195,6 +295,31 @@ def test_app_builder_raises_ingress_serve_bound() -> None:
         cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"ttft_target_s": 0})})
     )
     assert off._bound_deployment._deployment_config.max_ongoing_requests == 16
+
+
+def test_load_bench_reads_the_servers_own_ttft() -> None:
+    """`mpic bench load` reports how many first tokens the server itself timed within the
+    target (its TTFT histogram on /metrics, summed over replicas), beside the clients' TTFT."""
+    from mpic.benchmarks.load.report import server_ttft_line
+    from mpic.benchmarks.load.requests import ttft_buckets_in_metrics
+
+    text = "\n".join(
+        [
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            'vllm:time_to_first_token_seconds_bucket{le="5.0",model_name="mpic"} 150.0',
+            'vllm:time_to_first_token_seconds_bucket{le="7.5",model_name="mpic"} 170.0',
+            'vllm:time_to_first_token_seconds_bucket{le="10.0",model_name="mpic"} 175.0',
+            'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="mpic"} 176.0',
+            'ray_vllm_time_to_first_token_seconds_bucket{le="10.0",replica="b"} 4.0',
+            'ray_vllm_time_to_first_token_seconds_bucket{le="+Inf",replica="b"} 4.0',
+            'vllm:time_to_first_token_seconds_count{model_name="mpic"} 176.0',
+            'vllm:e2e_request_latency_seconds_bucket{le="10.0",model_name="mpic"} 1.0',
+        ]
+    )
+    buckets = ttft_buckets_in_metrics(text)
+    assert buckets == {5.0: 150.0, 7.5: 170.0, 10.0: 179.0, float("inf"): 180.0}
+    assert server_ttft_line(buckets, 10.0).endswith("179 of 180 within 10 s")
+    assert server_ttft_line(buckets, 9.0).endswith("170 of 180 within 7.5 s")
 
 
 @pytest.mark.slow

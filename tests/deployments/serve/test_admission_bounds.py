@@ -58,6 +58,23 @@ def test_worker_capacity_from_vllm_batch_and_kv() -> None:
     assert worker_capacity(cfg, num_gpu_blocks=10**6)[1] == 65536  # the limit still bounds it
 
 
+def test_engine_batch_for_the_ingress_cold_start() -> None:
+    """What the engine starts at once, one ingress replica's share (the ingress's cold-start
+    bound, `mpic.deployments.http.shedding`): vLLM's max_num_seqs times the LLM-worker replicas
+    over the ingress replicas; None for an engine that does not batch."""
+    from mpic.deployments.serve.admission import engine_batch
+
+    assert engine_batch(_config(engine={"kind": "vllm"})) == 16  # vLLM's default max_num_seqs
+    assert engine_batch(_config(engine={"kind": "vllm", "max_num_seqs": 4})) == 4
+    two = {"autoscaling": {"min_replicas": 2, "max_replicas": 2}}
+    assert engine_batch(_config(engine={"kind": "vllm"}, llm_worker=two)) == 32
+    assert engine_batch(_config(engine={"kind": "vllm"}, llm_worker=two, ingress=two)) == 16
+    three = {"autoscaling": {"min_replicas": 3, "max_replicas": 3}}
+    assert engine_batch(_config(engine={"kind": "vllm", "max_num_seqs": 2}, ingress=three)) == 1
+    assert engine_batch(_config(engine={"kind": "fake"})) is None
+    assert engine_batch(_config(engine={"kind": "reference"})) is None
+
+
 def _bound(app) -> dict[str, tuple[int, int]]:
     """name -> (max_ongoing_requests, max_queued_requests) of every bound deployment."""
     out = {}
@@ -88,6 +105,32 @@ def test_serve_bounds_derived_from_the_worker_budget() -> None:
     )
     got = _bound(build_app(explicit))
     assert got["LLMWorker"] == (5, 7) and got["Resolver"] == (16, 64)
+
+
+def test_vllm_worker_on_cpu_lets_openmp_threads_sleep(monkeypatch) -> None:
+    """A vLLM LLM worker without a GPU gets OMP_WAIT_POLICY=PASSIVE in its runtime_env (its
+    OpenMP threads spinning between steps held the cores Serve's proxy and the ingress needed);
+    not on a GPU, not for other engines, and the operator's own setting wins."""
+    pytest.importorskip("ray")
+    from mpic.deployments.app import build_app
+
+    def worker_env(cfg, overrides=None) -> dict:
+        app = build_app(cfg, overrides)
+        worker = app._bound_deployment.init_args[3]._bound_deployment
+        assert worker.name == "LLMWorker"
+        return (worker.ray_actor_options.get("runtime_env") or {}).get("env_vars") or {}
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    vllm = {"kind": "vllm", "model": "absent-model"}
+    assert worker_env(_config(engine=vllm)) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env(_config(engine=vllm, llm_worker={"num_gpus": 1})) == {}
+    assert worker_env(_config(engine={"kind": "fake"})) == {}
+    # a runtime_env of the deployments' overrides keeps its values and gets the default beside
+    ray_opts = {"ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"A": "1"}}}}
+    env = worker_env(_config(engine=vllm), {"LLMWorker": ray_opts})
+    assert env == {"A": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_env(_config(engine=vllm)) == {}
 
 
 def test_burst_on_the_worker_budget_gets_only_200_and_429(tmp_path: Path) -> None:
