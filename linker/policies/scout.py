@@ -19,21 +19,24 @@ requests of the pass).
    row reads; a linked token whose KV is nearly exact gains little from being recomputed. The
    budget is a floor on nothing: when text and boundaries alone exceed it, they are still
    recomputed (the report says how many were).
-4. `correction`: in every layer, each query's attention mass over the linked (not recomputed)
-   item keys has its log-sum-exp multiplied by S (`mpic.kernels.correction`), in the prefill and
-   while decoding on the reference engine; S may differ between the first and the second half
-   of the layers. S comes from a per-budget table (`mpic.linker.policies.scout_scales`: 0.9 in
-   the first half and 0.8 in the second at 20-30%; `mpic model calibrate-scout` measures one S
-   per budget per model) or from the name: `scout-0.2:s0.8` (one S), `scout-0.2:s0.9/0.8` (first
-   half / second half), `:s1` turns the correction off.
+4. `correction`: in every layer, each query's attention mass over the linked (not recomputed) item
+   keys has its log-sum-exp multiplied by S (`mpic.kernels.correction`), in the prefill (decoding is
+   plain attention unless `ReferenceRunner(decode_correction=True)`); S may differ between the first
+   and the second half of the layers. S comes from a per-budget table
+   (`mpic.linker.policies.scout_scales`: 0.975 in the first half and 0.85 in the second at 15-20%
+   since the canonical context's lead-in; `mpic model calibrate-scout` measures one S per budget per
+   model) or from the name: `scout-0.2:s0.8` (one S), `scout-0.2:s0.9/0.8` (first half / second
+   half), `:s1` turns the correction off. These are the documents' S: a prompt whose item tokens are
+   mostly image tokens takes `image_scale` (`:i<S>`, default `IMAGE_SCALE` = 1, no correction) in
+   every layer.
 
-More name fields, after S: `:k<K>` recomputes the first K tokens of every item occurrence
-(default 1; `:k8` is what the needle task needs at 8 documents, at a cost in first-token KL:
-docs/fidelity.md), `:d<tau>` sets the offset prior's tau (`:d0`: no prior, attention alone, the
-selection before 2026-11-27). The name is canonical with S spelled out and K / tau spelled when
-not the default (`scout-0.2:s0.9/0.8`, `scout-0.2:s0.9/0.8:k8:d0`), so the vLLM connector, which
-parses the name it receives once per request, selects with the same fields as the front end that
-resolved it.
+More name fields, after S: `:i<S>` (the images' S, above), `:k<K>` recomputes the first K tokens of
+every item occurrence (default 1; `:k8` is what the needle task needs at 8 documents, at a cost in
+first-token KL: docs/fidelity.md), `:d<tau>` sets the offset prior's tau (`:d0`: no prior, attention
+alone, the selection before 2026-11-27). The name is canonical with S spelled out and K / tau
+spelled when not the default (`scout-0.2:s0.9/0.8`, `scout-0.2:s0.9/0.8:k8:d0`), so the vLLM
+connector, which parses the name it receives once per request, selects with the same fields as the
+front end that resolved it.
 """
 
 from __future__ import annotations
@@ -159,8 +162,9 @@ class ScoutPolicy(Policy):
     @classmethod
     def from_arg(cls, arg: str, scales: Sequence[Sequence[float]] | None = None) -> ScoutPolicy:
         """`0.2`, `0.2:s0.8` or `0.2:s0.9/0.8` (the part after `scout-`: one S, or the first
-        and the second half's), then optionally `:k<K>` (boundary tokens per item) and
-        `:d<tau>` (the offset prior's tau), in that order; without `:s`, S comes from `scales`
+        and the second half's), then optionally `:i<S>` (the S of mostly-image prompts),
+        `:k<K>` (boundary tokens per item) and `:d<tau>` (the offset prior's tau), in that
+        order; without `:s`, S comes from `scales`
         (a model's table: rows (budget, S) or (budget, S first half, S second half)) or the
         default tables."""
         budget, *fields = arg.split(":")

@@ -1,12 +1,12 @@
 """S, the linked-key correction's scale, per recompute budget: the default tables and a model's
 own (linker; read wherever a `scout-*` name is resolved; made by `mpic.linker.calibration.scout`).
 
-S depends on how much is recomputed (APE's scale compensates the linked keys' excess attention,
-and recomputed tokens already remove part of it) and on what an entry was computed after: with
-the canonical context's lead-in (`mpic.linker.prompt.CONTEXT_LEAD_IN`) the best S is gentler in
-the first half of the layers (0.95-0.975) than in the second (0.85-0.9). A table maps budget fractions to S: rows (budget, S) for one S in every
-layer, or (budget, S of the first half of the layers, S of the second half); between rows S is
-interpolated linearly, outside them the nearest row is used.
+S depends on how much is recomputed (APE's scale compensates the linked keys' excess attention, and
+recomputed tokens already remove part of it) and on what an entry was computed after: with the
+canonical context's lead-in (`mpic.linker.prompt.CONTEXT_LEAD_IN`) the best S is gentler in the
+first half of the layers (0.95-0.975) than in the second (0.85-0.9). A table maps budget fractions
+to S: rows (budget, S) for one S in every layer, or (budget, S of the first half of the layers, S of
+the second half); between rows S is interpolated linearly, outside them the nearest row is used.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def test_oracle_on_random_selections_with_the_correction(smollm2_question, seed)
     from mpic.linker.recipe import with_policy
 
     class _GivenCorrected(_Given):
-        def correction(self, plan, num_layers):
+        def correction(self, plan, num_layers, entries=()):
             from mpic.linker.correction import LinkCorrection
 
             return LinkCorrection(0.75, ~plan.is_text, plan.recompute_depth.clone())

@@ -52,7 +52,7 @@ def setup(request, tiny_models_root, tmp_path_factory: pytest.TempPathFactory): 
     store_dir = tmp_path_factory.mktemp(f"vllm-press-store-{request.param}")
     cfg = VllmEngineConfig(
         model=str(model_dir),
-        max_model_len=448,
+        max_model_len=576,  # an anyres image after its canonical context (~460 tokens)
         num_blocks=32,
         max_logprobs=-1,  # the benchmark's per-step distributions
         storage=StorageConfig(url=f"file://{store_dir}", fsync=False),
