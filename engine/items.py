@@ -104,16 +104,21 @@ def document_item(
     caches for it (the reference runner's `mpic.engine.hf.entries`, vLLM's upload path in
     `mpic.engine.vllm`). InvalidRequestError for an empty document; PromptTooLongError when
     context + tokens exceed `max_len` (default: the model's maximum length)."""
-    limit = max_len or spec.max_model_len
     ids = document_token_ids(tokenizer, text)
     context_ids = document_context_ids(tokenizer, system_prompt)
-    if len(context_ids) + len(ids) > limit:
+    check_item_length("document", len(context_ids), len(ids), max_len or spec.max_model_len)
+    return ids, context_ids, entry_address(spec.fingerprint, context_ids, document_bytes(text))
+
+
+def check_item_length(kind: str, context_tokens: int, item_tokens: int, limit: int) -> None:
+    """PromptTooLongError (param "file") when an item's canonical upload prompt (its context,
+    then its tokens) exceeds `limit` tokens: what every engine checks before caching an item."""
+    if context_tokens + item_tokens > limit:
         raise PromptTooLongError(
-            f"the document has {len(ids)} tokens; with its context that is over the model's "
+            f"the {kind} has {item_tokens} tokens; with its context that is over the model's "
             f"maximum of {limit}",
             param="file",
         )
-    return ids, context_ids, entry_address(spec.fingerprint, context_ids, document_bytes(text))
 
 
 def line_break_offsets(tokenizer: ChatTokenizer, token_ids: list[int]) -> list[int]:

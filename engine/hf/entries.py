@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from mpic.engine.hf.vision import encode
-from mpic.engine.items import document_bytes, document_item, image_item, line_break_offsets
+from mpic.engine.items import (
+    check_item_length,
+    document_bytes,
+    document_item,
+    image_item,
+    line_break_offsets,
+)
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.positions import image_positions, text_positions
@@ -120,10 +126,12 @@ def cache_image(
 ) -> CacheEntry:
     """Decode, encode and compute the entry of one image given as bytes.
 
-    Raises UnreadableMediaError (before any computation) when the bytes are not an image.
+    Raises UnreadableMediaError (before any computation) when the bytes are not an image,
+    PromptTooLongError when its canonical context and tokens exceed the model's maximum length.
     """
     image, context_ids, entry_id = image_item(processor, spec, media, system_prompt)
     (features,) = encode(model, processor, [image])
+    check_item_length("image", len(context_ids), int(features.embeds.shape[0]), spec.max_model_len)
     return compute_entry(
         adapter, spec, context_ids, features.embeds, entry_id, grid_thw=features.grid_thw
     )

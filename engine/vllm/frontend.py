@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mpic.engine.items import (
+    check_item_length,
     document_item,
     image_item,
     image_layout,
@@ -338,7 +339,8 @@ class VllmFrontEnd:
         """(ids, multi-modal data, span, entry id, extra) of an image's canonical upload prompt:
         same canonical context, processor-exact image and content address as the reference runner
         (`mpic.engine.items.image_item`), so both engines name an image's entry alike; the
-        span and grid are the image's own (`vision.image_layout`)."""
+        span and grid are the image's own (`vision.image_layout`); PromptTooLongError over the
+        engine's context limit."""
         image, context, entry_id = image_item(self.processor, self.spec, media, system_prompt)
         layout = image_layout(self.processor, image)
         ids = context + [self.spec.image_token_id]
@@ -347,6 +349,8 @@ class VllmFrontEnd:
         extra: dict[str, Any] = {"context_token_ids": list(context)}
         if layout.grid_thw is not None:
             extra["image_grid_thw"] = list(layout.grid_thw)
+        limit = self.cfg.max_model_len or self.spec.max_model_len
+        check_item_length("image", len(context), layout.num_tokens, limit)
         span = (len(context), len(context) + layout.num_tokens)
         return ids, {"image": image}, span, entry_id, extra
 

@@ -100,3 +100,16 @@ def test_stream_yields_generate_tokens_and_honours_system_prompt(runner):
     plan = runner.plan(parts).plan
     other = runner.plan(parts, system_prompt="You answer in one word.").plan
     assert other.num_tokens != plan.num_tokens or not torch.equal(other.token_ids, plan.token_ids)
+
+
+def test_an_image_longer_than_the_model_is_refused(runner, sample_images, monkeypatch):
+    """An image whose canonical context and tokens exceed the model's length: 400-kind error
+    naming the file, before an entry exists (both engines check it: `check_item_length`)."""
+    import dataclasses
+
+    short = dataclasses.replace(runner.spec, max_model_len=len(CONTEXT_LEAD_IN) // 8)
+    monkeypatch.setattr(runner, "spec", short)
+    before = dict(runner.entries)
+    with pytest.raises(PromptTooLongError, match="the image has") as err:
+        runner.cache_image(_png(sample_images[2]))
+    assert err.value.param == "file" and runner.entries == before
