@@ -249,8 +249,10 @@ class ScoutPolicy(Policy):
         the pass runs over."""
         num_layers = adapter.num_layers
         set_correction = getattr(linked_kv, "set_correction", None)
-        if self.scout_correction and self.corrects and set_correction is not None:
-            set_correction(self._correction(plan, plan.recompute_depth, num_layers))
+        if self.scout_correction and set_correction is not None:
+            correction = self._correction(plan, entries, plan.recompute_depth, num_layers)
+            if correction is not None:
+                set_correction(correction)
         layers = self.scoring_layers(num_layers)
         if items is None:
             items = linked_items(
@@ -299,10 +301,27 @@ class ScoutPolicy(Policy):
         """True unless S == 1 in both halves."""
         return self.scale != 1.0 or self.late_scale != 1.0
 
-    def _correction(self, plan: LinkPlan, depth: torch.Tensor, num_layers: int) -> LinkCorrection:
-        late = None if self.late_scale == self.scale else self.late_scale
+    def _correction(
+        self,
+        plan: LinkPlan,
+        entries: Sequence[CacheEntry],
+        depth: torch.Tensor,
+        num_layers: int,
+    ) -> LinkCorrection | None:
+        """The correction over `depth`: the documents' S (`scale`, `late_scale` from
+        num_layers // 2 on), or `image_scale` in every layer when most of the plan's item tokens
+        come from image entries (`mostly_images`); None when that S is 1 everywhere."""
+        early, late = self.scale, self.late_scale
+        if mostly_images(plan, entries):
+            early = late = self.image_scale
+        if early == 1.0 and late == 1.0:
+            return None
         return LinkCorrection(
-            self.scale, ~plan.is_text, depth, late_scale=late, split_layer=num_layers // 2
+            early,
+            ~plan.is_text,
+            depth,
+            late_scale=None if late == early else late,
+            split_layer=num_layers // 2,
         )
 
     def correction(
@@ -313,13 +332,7 @@ class ScoutPolicy(Policy):
         image entries (`entries`, aligned with the plan's), `image_scale` in every layer
         instead: with the canonical context's lead-in, linked image tokens need a gentler S than
         documents (docs/fidelity.md, "The canonical context's lead-in")."""
-        if mostly_images(plan, entries):
-            if self.image_scale == 1.0:
-                return None
-            return LinkCorrection(self.image_scale, ~plan.is_text, plan.recompute_depth.clone())
-        if not self.corrects:
-            return None
-        return self._correction(plan, plan.recompute_depth.clone(), num_layers)
+        return self._correction(plan, entries, plan.recompute_depth.clone(), num_layers)
 
 
 def mostly_images(plan: LinkPlan, entries: Sequence[CacheEntry]) -> bool:
