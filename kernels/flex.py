@@ -11,8 +11,9 @@ next one, which leaves q.k and the output unchanged). On CPU it runs eager by de
 `FlexBackend(compile=True)` compiles there too (~11 s on the first call; `compile_backend=
 "aot_eager"` where inductor cannot generate the CPU code).
 
-Compiled for good: every mask comes from two rules defined once (`_causal`), reading the
-request's tensors as graph inputs, and query or key sets that fit one block are padded to two
+Compiled for good: every mask comes from two rules defined once (`mpic.kernels.block_masks`,
+whose block masks are built from per-block index bounds), reading the request's tensors as graph
+inputs, and query or key sets that fit one block are padded to two
 (`FlexShape`), so serving any mix of prompts and policies keeps a few graphs (4 for 200 varied
 prompts under every policy family); a recompile-limit hit is counted, logged and exported
 (`mpic.kernels.compiled`).
@@ -25,13 +26,13 @@ mask (device index).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:  # torch >= 2.9: `return_aux` (`return_lse` warns as deprecated, and dynamo guards on that)
     from torch.nn.attention.flex_attention import AuxRequest
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - older torch
     AuxRequest = None
 
 from mpic.kernels.attention_backend import AttentionBackend
+from mpic.kernels.block_masks import causal_block_mask
 from mpic.kernels.compiled import compiled
 
 # Kernel options tried in order when torch.compile lowers FlexAttention. On an H100 with torch
@@ -53,29 +55,6 @@ KERNEL_OPTIONS: tuple[dict[str, int] | None, ...] = (
 _WORKING_OPTIONS: dict[tuple[str, torch.dtype, int], int] = {}
 _UNFUSED: set[str] = set()
 """Device types where the fused corrected attention failed to run (this process)."""
-
-
-def _causal(q_index: torch.Tensor, keep: torch.Tensor | None) -> Callable[..., Any]:
-    """A FlexAttention mask_mod: key `kv_idx` is visible to query `q_idx` iff kv_idx <=
-    q_index[q_idx] (causal by prompt index) and, with `keep` (bool [keys]), keep[kv_idx] (the
-    corrected path's groups: the linked keys, or the rest).
-
-    Every mask is built here from two functions defined once, so mask_mods share two code
-    objects and dynamo reads q_index and keep as graph inputs: a new request does not recompile
-    (dynamo guards on the mask function's code; per-request closures of several functions once
-    reached its recompile limit within minutes of serving, and FlexAttention then ran eagerly).
-    The plain rule has no `keep` gather: torch 2.13's CPU inductor cannot generate it."""
-    if keep is None:
-
-        def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return kv_idx <= q_index[q_idx]
-
-        return causal
-
-    def causal_kept(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return (kv_idx <= q_index[q_idx]) & keep[kv_idx]
-
-    return causal_kept
 
 
 def _call_compiled(
@@ -223,20 +202,13 @@ class FlexBackend(AttentionBackend):
     def _block_mask(
         self, q_index: torch.Tensor, keep: torch.Tensor | None, shape: FlexShape
     ) -> BlockMask:
-        """FlexAttention block mask of `_causal(q_index, keep)` over the padded [rows, keys] of
-        `shape`; keep: None or bool [padded_kv] on q_index's device."""
+        """FlexAttention block mask of `causal_rule(q_index, keep)` over the padded [rows, keys]
+        of `shape` (`mpic.kernels.block_masks`); keep: None or bool [padded_kv] on q_index's
+        device."""
         pad = shape.padded_rows - shape.rows
         if pad:  # the extra rows see what the last query sees (their output is dropped)
             q_index = torch.cat([q_index, q_index[-1:].expand(pad)])
-        return create_block_mask(
-            _causal(q_index, keep),
-            B=None,
-            H=None,
-            Q_LEN=shape.padded_rows,
-            KV_LEN=shape.padded_kv,
-            device=q_index.device,
-            BLOCK_SIZE=self.block_size,
-        )
+        return causal_block_mask(q_index, keep, shape.padded_rows, shape.padded_kv, self.block_size)
 
     def prepare_corrected(self, q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> Any:
         """The two groups' block masks (`FlexCorrected`) where the correction is fused, else

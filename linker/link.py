@@ -18,6 +18,7 @@ import torch
 from mpic.kernels.rope import rotate_keys
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.kv.linked import LinkedKV
+from mpic.linker.sources import group_by_source, take
 from mpic.model_spec import RopeSpec
 from mpic.types import CacheEntry, LinkPlan
 
@@ -52,53 +53,38 @@ def linked_items(
     `every_item`: a policy that drops tokens inside the pass, such as CacheBlend, needs cached
     KV under all of them, and a scout reads all their keys); None when there are none.
 
-    In bulk: one gather per entry (all layers at once) and ONE RoPE-delta rotation of the keys of
-    all entries ([L, S, H_kv, D]; 1-D RoPE or M-RoPE), so the work is a few tensor ops whatever
-    the number of entries and layers. The plan's tensors are host tensors: the slot selection
-    costs no device sync. device: where to rotate (default: the first entry's device).
-    entries: aligned with `plan.entry_ids`.
+    In bulk: the slots grouped by entry once (`mpic.linker.sources`), one slice (or, for
+    scattered offsets, one gather) per entry for all layers at once, and ONE RoPE-delta rotation
+    of the keys of all entries ([L, S, H_kv, D]; 1-D RoPE or M-RoPE), so the work is a few
+    tensor ops per entry whatever the number of layers. The plan's tensors are host tensors:
+    the slot selection costs no device sync. device: where to rotate (default: the first
+    entry's device). entries: aligned with `plan.entry_ids`.
     """
     reused = plan.recompute_depth < num_layers
-    if every_item:
-        reused = torch.ones_like(reused)
-    chosen = reused & (plan.source_entry >= 0)
-    if not bool(chosen.any()):
+    chosen = (plan.source_entry >= 0) if every_item else reused & (plan.source_entry >= 0)
+    slots = torch.nonzero(chosen).flatten()
+    if slots.numel() == 0:
         return None
     target = torch.device(device) if device is not None else entries[0].keys.device
-    slot_parts, key_parts, value_parts, old_parts = [], [], [], []
-    for e_idx, entry in enumerate(entries):
-        slots = torch.nonzero(chosen & (plan.source_entry == e_idx)).flatten()
-        if slots.numel() == 0:
-            continue
-        offsets = plan.source_offset[slots]
-        slot_parts.append(slots)
-        rows = _rows(offsets, entry.keys.device)
-        positions = (
-            entry.positions if entry.positions.device.type == "cpu" else entry.positions.cpu()
-        )
-        old_parts.append(positions[..., rows if isinstance(rows, slice) else offsets])
-        key_parts.append(_to(entry.keys[:, rows], target))  # [L, S_e, H_kv, D]
-        value_parts.append(_to(entry.values[:, rows], target))
-    slots = torch.cat(slot_parts)
+    grouped = group_by_source(plan.source_entry[slots], plan.source_offset[slots])
+    scattered = not all(g.contiguous for g in grouped.groups)
+    on_entries = grouped.offsets.to(entries[0].keys.device) if scattered else None
+    key_parts, value_parts, old_parts = [], [], []
+    for group in grouped.groups:
+        entry = entries[group.source]
+        old_parts.append(take(entry.positions.cpu(), group, grouped.offsets, dim=-1))
+        key_parts.append(_to(take(entry.keys, group, on_entries, dim=1), target))  # [L, S_e, H, D]
+        value_parts.append(_to(take(entry.values, group, on_entries, dim=1), target))
+    slots = slots[grouped.order]
     keys = rotate_keys(
-        torch.cat(key_parts, dim=1),
-        torch.cat(old_parts, dim=-1),
-        plan.positions[..., slots],
-        rope,
+        _cat(key_parts, dim=1), _cat(old_parts, dim=-1), plan.positions[..., slots], rope
     )
-    return LinkedItems(slots, keys, torch.cat(value_parts, dim=1))
+    return LinkedItems(slots, keys, _cat(value_parts, dim=1))
 
 
-def _rows(offsets: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
-    """An entry's rows to link (host int64 offsets, ascending): a slice when they are one
-    contiguous range (mpic-k, full reuse: every row from the k-th on), so the entry's K/V are
-    read in place by the one `cat` of all entries instead of being gathered first; else the
-    offsets on the entry's device (a gather)."""
-    n = int(offsets.numel())
-    first = int(offsets[0])
-    if int(offsets[-1]) - first + 1 == n and torch.equal(offsets, torch.arange(first, first + n)):
-        return slice(first, first + n)
-    return offsets.to(device)
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """One `cat` of the parts (none for one part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -126,37 +112,32 @@ def gather_input_embeds(
 ) -> torch.Tensor:
     """Input embeddings [S, hidden] of the tokens at prompt indices `index` (int64 [S]).
 
-    The rows fall into runs (consecutive text rows; rows of one entry at consecutive offsets:
-    the first k tokens of an image), found on the host; each run is a slice of the text
-    embeddings or of its entry's `input_embeds`, and ONE `cat` joins them: no index tensor is
-    copied to the device and nothing is gathered or scattered row by row (a boolean index on
-    the device would even read its positions back: a sync)."""
+    The rows are grouped by source on the host (`mpic.linker.sources`): the text rows are
+    embedded in one lookup, each entry's rows are a slice of its `input_embeds` (or one gather,
+    for scattered offsets), ONE `cat` joins them and, where grouping moved rows, one gather puts
+    them back in `index` order. The offsets and the way back reach the device in one copy;
+    nothing is read back (a boolean index on the device would read its positions back: a
+    sync)."""
     index = index.cpu()  # the plan's tensors live on the host
-    src = plan.source_entry[index]
-    offsets = plan.source_offset[index]
-    text = src < 0
-    text_embeds = adapter.embed_tokens(plan.token_ids[index][text].to(adapter.device))
-    text_embeds = _cast(text_embeds, adapter.device, adapter.dtype)
-    n = int(index.shape[0])
-    if n == 0:
-        return text_embeds
-    cut = (src[1:] != src[:-1]) | (~text[1:] & (offsets[1:] != offsets[:-1] + 1))
-    edges = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), n]
-    starts = torch.tensor(edges[:-1])
-    pieces, t = [], 0
-    for (a, b), e, o in zip(
-        zip(edges[:-1], edges[1:], strict=True),
-        src[starts].tolist(),
-        offsets[starts].tolist(),
-        strict=True,
-    ):
-        if e < 0:
-            pieces.append(text_embeds[t : t + b - a])
-            t += b - a
+    if index.numel() == 0:
+        return adapter.embed_tokens(plan.token_ids[index].to(adapter.device))
+    grouped = group_by_source(plan.source_entry[index], plan.source_offset[index])
+    moved = not grouped.in_input_order()
+    scattered = not all(g.contiguous for g in grouped.groups if g.source >= 0)
+    # one host-to-device copy: the grouped offsets (scattered groups) and the way back
+    host = [grouped.offsets] * scattered + [torch.argsort(grouped.order)] * moved
+    on_device = torch.cat(host).to(adapter.device) if host else None
+    offsets = on_device[: len(index)] if scattered and on_device is not None else None
+    pieces = []
+    for group in grouped.groups:
+        if group.source < 0:
+            rows = index[grouped.order[group.start : group.end]]
+            pieces.append(adapter.embed_tokens(plan.token_ids[rows].to(adapter.device)))
         else:
-            rows = entries[e].input_embeds[o : o + b - a]
-            pieces.append(_cast(rows, adapter.device, adapter.dtype))
-    return torch.cat(pieces)
+            pieces.append(take(entries[group.source].input_embeds, group, offsets))
+    pieces = [_cast(p, adapter.device, adapter.dtype) for p in pieces]
+    embeds = _cat(pieces, dim=0)
+    return embeds[on_device[-len(index) :]] if moved and on_device is not None else embeds
 
 
 def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -69,13 +69,19 @@ class CachedPrefix:
 def common_prefix(plan: LinkPlan, context: Sequence[int]) -> int:
     """Leading prompt tokens equal to `context`'s and before the first item token (at most
     N - 1: the last prompt token is always recomputed)."""
-    items = torch.nonzero(~plan.is_text).flatten()
-    limit = min(len(context), plan.num_tokens - 1)
-    if items.numel():
-        limit = min(limit, int(items[0]))
-    ids = plan.token_ids[:limit].tolist()
+    return _shared(_leading_text(plan), context)
+
+
+def _leading_text(plan: LinkPlan) -> list[int]:
+    """The prompt's token ids before its first item token, at most N - 1 of them."""
+    first_item = torch.nonzero(~plan.is_text)[:1].flatten().tolist()
+    return plan.token_ids[: min([plan.num_tokens - 1, *first_item])].tolist()
+
+
+def _shared(lead: Sequence[int], context: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
     length = 0
-    for a, b in zip(ids, context, strict=False):
+    for a, b in zip(lead, context, strict=False):
         if a != b:
             break
         length += 1
@@ -105,10 +111,11 @@ def prefix_length(plan: LinkPlan, entries: Sequence[CacheEntry]) -> int:
 
 
 def _best_context(plan: LinkPlan, entries: Sequence[CacheEntry]) -> tuple[int, tuple[int, ...]]:
+    lead = _leading_text(plan)  # once per plan: a few host ops, not a few per entry
+    contexts = dict.fromkeys(tuple(e.extra.get("context_token_ids") or ()) for e in entries)
     best: tuple[int, tuple[int, ...]] = (0, ())
-    for entry in entries:
-        context = tuple(entry.extra.get("context_token_ids") or ())
-        length = common_prefix(plan, context)
+    for context in contexts:
+        length = _shared(lead, context)
         if length > best[0]:
             best = (length, context)
     return best

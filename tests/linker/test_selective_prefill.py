@@ -195,17 +195,6 @@ def test_heads_major_linked_kv_equals_token_major(backend, name):
     assert torch.equal(kv.read_keys(1, index), ref_kv.read_keys(1, index))
 
 
-def test_linked_rows_slice_a_contiguous_range_and_gather_the_rest():
-    """An entry's rows to link are read in place when they are one contiguous range."""
-    from mpic.linker.link import _rows
-
-    cpu = torch.device("cpu")
-    assert _rows(torch.arange(4, 9), cpu) == slice(4, 9)
-    for offsets in ([4, 5, 7], [0, 1, 2, 0, 1, 2], [2, 1, 3]):
-        rows = _rows(torch.tensor(offsets), cpu)
-        assert isinstance(rows, torch.Tensor) and rows.tolist() == offsets
-
-
 @pytest.mark.parametrize("pick", ["all", "sparse", "none"])
 def test_gathered_input_embeds_equal_row_by_row(pick):
     """The runs-and-one-cat gather gives every row's own embedding (text, entry rows at any
