@@ -18,7 +18,7 @@ import torch
 from mpic.kernels.rope import rotate_keys
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.kv.linked import LinkedKV
-from mpic.linker.sources import group_by_source, take
+from mpic.linker.sources import SourceGroup, group_by_source, take
 from mpic.model_spec import RopeSpec
 from mpic.types import CacheEntry, LinkPlan
 
@@ -122,22 +122,30 @@ def gather_input_embeds(
     if index.numel() == 0:
         return adapter.embed_tokens(plan.token_ids[index].to(adapter.device))
     grouped = group_by_source(plan.source_entry[index], plan.source_offset[index])
-    moved = not grouped.in_input_order()
-    scattered = not all(g.contiguous for g in grouped.groups if g.source >= 0)
-    # one host-to-device copy: the grouped offsets (scattered groups) and the way back
-    host = [grouped.offsets] * scattered + [torch.argsort(grouped.order)] * moved
-    on_device = torch.cat(host).to(adapter.device) if host else None
-    offsets = on_device[: len(index)] if scattered and on_device is not None else None
+    back = None if grouped.in_input_order() else torch.argsort(grouped.order)
+    tables = [entries[g.source].input_embeds for g in grouped.groups if not _sliced(g)]
+    offsets = None
+    if tables and tables[0].device == adapter.device and back is not None:
+        # one host-to-device copy: the scattered groups' offsets and the way back
+        both = torch.cat([grouped.offsets, back]).to(adapter.device)
+        offsets, back = both[: len(index)], both[len(index) :]
+    elif tables:
+        offsets = grouped.offsets.to(tables[0].device)
     pieces = []
     for group in grouped.groups:
         if group.source < 0:
             rows = index[grouped.order[group.start : group.end]]
-            pieces.append(adapter.embed_tokens(plan.token_ids[rows].to(adapter.device)))
+            piece = adapter.embed_tokens(plan.token_ids[rows].to(adapter.device))
         else:
-            pieces.append(take(entries[group.source].input_embeds, group, offsets))
-    pieces = [_cast(p, adapter.device, adapter.dtype) for p in pieces]
+            piece = take(entries[group.source].input_embeds, group, offsets)
+        pieces.append(_cast(piece, adapter.device, adapter.dtype))
     embeds = _cat(pieces, dim=0)
-    return embeds[on_device[-len(index) :]] if moved and on_device is not None else embeds
+    return embeds if back is None else embeds[back.to(adapter.device)]
+
+
+def _sliced(group: SourceGroup) -> bool:
+    """Whether `take` reads the group without offsets (text, or one range of an entry)."""
+    return group.source < 0 or group.contiguous
 
 
 def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
