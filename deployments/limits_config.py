@@ -72,6 +72,14 @@ class LimitsConfig(BaseModel):
         "first-token rate (Little's law, mpic.deployments.http.shedding), else HTTP 429 "
         "server_overloaded with Retry-After; 0: no shedding by the ingress.",
     )
+    ttft_headroom: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="Share of ttft_target_s the ingress leaves to what it cannot time: a "
+        "request's way to it (the client, the network, Serve's proxy). Admission keeps the "
+        "TTFT it times under ttft_target_s x (1 - ttft_headroom).",
+    )
     shed_initial_rate: float = Field(
         2.0, gt=0, description="First tokens per second assumed until the rate is measured."
     )

@@ -76,7 +76,7 @@ def test_bound_follows_the_measured_first_token_rate() -> None:
 
 
 def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
-    limits = {"ttft_target_s": 1.0, "shed_initial_rate": 2.0}  # bound: 2 waiting
+    limits = {"ttft_target_s": 1.0, "ttft_headroom": 0, "shed_initial_rate": 2.0}  # 2 wait
     with _app(tmp_path, limits=limits) as app:
         from mpic.deployments.http.shedding import SheddingGuard
 
@@ -258,9 +258,12 @@ def test_configure_shedding_takes_the_engine_batch() -> None:
     try:
         adm = configure_shedding(LimitsConfig(), batch=16)
         assert adm is SheddingGuard.admission and adm.batch == 16 and adm.ramp == 16
-        assert adm.initial_rate == pytest.approx(1.6) and adm.bound(adm.rate()) == 16
-        ref = configure_shedding(LimitsConfig())  # the reference engine: as before
-        assert ref.batch is None and ref.ramp is None and ref.bound(ref.rate()) == 20
+        assert adm.target == pytest.approx(8.0)  # 10 s less the 20 % headroom
+        assert adm.initial_rate == pytest.approx(2.0) and adm.bound(adm.rate()) == 16
+        ref = configure_shedding(LimitsConfig())  # the reference engine: no batch, no ramp
+        assert ref.batch is None and ref.ramp is None and ref.bound(ref.rate()) == 16
+        whole = configure_shedding(LimitsConfig(ttft_headroom=0))
+        assert whole.target == 10.0 and whole.bound(whole.rate()) == 20
         assert configure_shedding(LimitsConfig(ttft_target_s=0), batch=16) is None
     finally:
         SheddingGuard.admission = None
