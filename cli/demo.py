@@ -207,7 +207,7 @@ def command(
         torch.set_num_threads(threads)
     path, label = demo_model(model, random_weights)
     engine = reference_engine(str(path))
-    rows = offline_answers(engine.runner, answer_names, repeats=repeats)
+    rows = offline_answers(engine, answer_names, repeats=repeats)
     print_answers(rows, label + ", in-process")
     if engine.spec.takes_images:
         print_table(run_offline(engine, [3], policy_names(",".join(names)), repeats))

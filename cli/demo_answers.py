@@ -1,5 +1,6 @@
 """`mpic demo`'s answer table (CLI process): a question whose answer is in the cached documents,
-asked with each policy over HTTP (`http_answers`) or in-process (`offline_answers`).
+asked with each policy over HTTP (`http_answers`) or in-process through the `Engine` protocol
+(`offline_answers`: the reference engine).
 
 The documents are the first four standard-library passages of `mpic bench fidelity`
 (`mpic.benchmarks.fidelity.prompts.passages`, ~700 characters each: json, heapq, difflib, argparse),
@@ -33,7 +34,7 @@ from mpic.linker.prompt import tokenizer_of
 if TYPE_CHECKING:
     import httpx
 
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.protocol import Engine, Prefill
     from mpic.prompt_parts import PromptPart
 
 ANSWER_POLICIES = "full,auto,mpic-32,full-reuse"
@@ -152,33 +153,42 @@ def _ask(
 
 
 def offline_answers(
-    runner: ReferenceRunner,
+    engine: Engine,
     policies: Sequence[str],
     max_tokens: int = ANSWER_TOKENS,
     repeats: int = 1,
 ) -> list[AnswerRow]:
-    """The same question on the reference runner in this process (documents cached in its
-    memory); TTFT is the runner's prefill to the first token, the median of `repeats` (the
-    reference runner has no prefix cache: the same prompt is timed again). One warm-up prefill
-    first."""
-    from mpic.engine.request_flow import stored_linked_tokens
+    """The same question on an engine in this process through the `Engine` protocol (the
+    reference engine: documents cached in its memory); each answer is a greedy request that
+    stops at an end id (`decoded_ids`), its TTFT the engine's `Prefill.ttft_s`, the median of
+    `repeats` (the others 1-token requests: the reference runner has no prefix cache, the same
+    prompt is timed again). One warm-up 1-token request first."""
+    import asyncio
 
-    ids = [runner.cache_document(text).entry_id for _, text in documents()]
-    parts = question(ids)
-    tokenizer = tokenizer_of(runner.processor)
-    runner.prefill(parts, policies[0])
+    from mpic.engine.protocol import GenerateRequest
+    from mpic.engine.request_flow import decoded_ids
+
+    cached = [engine.cache_document(text) for _, text in documents()]
+    entries = {entry.entry_id: entry for entry in cached}
+    parts = question([entry.entry_id for entry in cached])
+
+    def ask(policy: str, tokens: int) -> tuple[list[int], Prefill]:
+        request = GenerateRequest(parts, entries, policy, max_tokens=tokens)  # greedy
+        return asyncio.run(decoded_ids(engine, request))
+
+    tokenizer = tokenizer_of(engine.processor)
+    ask(policies[0], 1)
     rows = []
     for policy in policies:
-        gen = runner.generate(parts, policy, max_tokens)
-        pre = gen.prefilled
-        times = [pre.ttft_s] + [runner.prefill(parts, policy).ttft_s for _ in range(repeats - 1)]
+        ids, pre = ask(policy, max_tokens)
+        times = [pre.ttft_s] + [ask(policy, 1)[1].ttft_s for _ in range(repeats - 1)]
         rows.append(
             AnswerRow(
                 policy,
-                tokenizer.decode(gen.tokens, skip_special_tokens=True),
+                tokenizer.decode(ids, skip_special_tokens=True),
                 statistics.median(times),
-                pre.plan.num_tokens,
-                stored_linked_tokens(pre.plan),
+                pre.prompt_tokens,
+                pre.cached_tokens,
             )
         )
     return rows

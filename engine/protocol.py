@@ -14,8 +14,9 @@ written once (`mpic.engine.request_flow.generate`) and inherited from
 `mpic.engine.request_flow.EngineBase`. Everything around them drives this protocol: the Serve
 engines are thin adapters (`mpic.deployments.engines.engine.ServeEngine`), the offline benchmark
 drives any `Engine` directly (`mpic.benchmarks.offline.engines`: a factory by name and the
-benchmark's requests), and the compression benchmarks (`mpic.benchmarks.compress.bench`,
-`mpic.benchmarks.compress.vllm_bench`) sit over the same backends.
+benchmark's requests, `Driver`), and so do the vLLM compression benchmark
+(`mpic.benchmarks.compress.vllm_bench`) and `mpic demo --offline`'s answer table
+(`mpic.cli.demo_answers`).
 
 Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabulary through
 `mpic.deployments.messages` without loading torch.
@@ -150,6 +151,10 @@ class GenerateRequest:
     (vLLM): how many of the most likely first tokens it captures; None:
     `mpic.engine.first_token.TOP_K`; -1: the whole vocabulary (the engine must allow it: vLLM's
     `max_logprobs=-1`). Backends with logits capture them all."""
+    capture_steps: bool = False
+    """Report every decoded token's distribution (`Decoded.captured`), as `capture_first_token`
+    reports the first's (vLLM: of `capture_top_k`'s tokens; the reference engine: the logits);
+    the fake engine captures none. The vLLM compression benchmark's per-step KL."""
 
 
 @dataclass
@@ -179,6 +184,9 @@ class Decoded:
     """One per token of `token_ids` when the request asked for logprobs."""
     prefill: Prefill | None = None
     """Set on the first step (the first token's)."""
+    captured: list[Any] | None = None
+    """With `GenerateRequest.capture_steps`: per token of `token_ids`, the distribution it was
+    picked from (a `mpic.engine.first_token.FirstToken`); None when not captured."""
 
 
 @runtime_checkable

@@ -190,7 +190,8 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
             if two_pass and step.token_ids:  # only the FIRST token is the first pass's: a
                 # backend may hand several in one step (vLLM coalesces when its reader lags)
                 logprobs = step.logprobs[:1] if step.logprobs is not None else None
-                step = Decoded(step.token_ids[:1], logprobs, step.prefill)
+                captured = step.captured[:1] if step.captured is not None else None
+                step = Decoded(step.token_ids[:1], logprobs, step.prefill, captured)
             head.extend(step.token_ids)
             yield step
             if two_pass and head:
@@ -215,7 +216,8 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
     steps = engine.decode(rest)
     try:
         async for step in steps:
-            yield Decoded(step.token_ids, step.logprobs)  # the first pass's Prefill stands
+            # the first pass's Prefill stands
+            yield Decoded(step.token_ids, step.logprobs, captured=step.captured)
     finally:
         await steps.aclose()
 
@@ -271,13 +273,18 @@ class EngineBase(Engine):
         return generate(self, request)
 
 
-async def decoded_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Prefill]:
+async def decoded_ids(
+    engine: Engine, request: GenerateRequest, captured: list[Any] | None = None
+) -> tuple[list[int], Prefill]:
     """Every token id `engine.decode` gives `request`, and its `Prefill` (benchmarks, tests:
-    no text, no stop strings)."""
+    no text, no stop strings); `captured`, when given, collects each token's distribution
+    (`Decoded.captured`, `GenerateRequest.capture_steps`)."""
     ids: list[int] = []
     prefill: Prefill | None = None
     async for step in decode_steps(engine, request):
         ids.extend(step.token_ids)
         prefill = step.prefill or prefill
+        if captured is not None:
+            captured.extend(step.captured or [])
     assert prefill is not None, "a decode ended without its prefill"
     return ids, prefill

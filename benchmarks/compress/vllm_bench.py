@@ -1,24 +1,30 @@
 """`mpic bench compress --engine vllm` (CLI process; vLLM's engine core and worker are its child
 processes): the presses' uniform-across-layers variant on vLLM, i.e. compressed image and
 document entries (`mpic.engine.vllm.presses`), per press and budget against the uncompressed
-linked run.
+linked run. It drives `mpic bench offline`'s vLLM engine (`mpic.engine.vllm.async_engine
+.AsyncVllmEngine`) through the `Engine` protocol alone, by that benchmark's `Driver`
+(`mpic.benchmarks.offline.engines`): every run is a linked `GenerateRequest` (never `plain`,
+`full` included) with a fresh `cache_salt`, decoded by `decoded_ids`.
 
 Prompts: `--prompts` interleaved prompts of `--images` synthetic images, or `--documents`
 standard-library passages cached as text documents with a question (`--items documents`, for a
 model with a trained language model), their entries computed by vLLM's own forward. Per prompt
 the uncompressed run (same policy, full entries) decodes `--steps` greedy tokens with the whole
-vocabulary's log-probs and is the reference; every (press, budget) run links the items'
-compressed entries instead (made by vLLM's worker once per item, press and budget; not timed).
+vocabulary's log-probs (`GenerateRequest.capture_steps`, `capture_top_k=-1`) and is the
+reference; every (press, budget) run links the items' compressed entries instead
+(`Engine.press_entry`: made by vLLM's worker once per item, press and budget; not timed).
 Per (press, budget), means over the prompts, in the columns of
 `mpic.benchmarks.compress.bench`:
 
 - `kv_bytes`: bytes of the paged KV vLLM holds for the request while decoding: its blocks,
-  ceil((N + steps) / block_size) * block_size slots * L * 2 (K, V) * H_kv * D * dtype bytes;
+  ceil((N + steps) / block_size) * block_size slots * L * 2 (K, V) * H_kv * D * dtype bytes
+  (N: `Prefill.prompt_tokens`; block size and dtype: the engine's `VllmEngineConfig`);
   `kv_bytes_full` the same for the uncompressed prompt. Only item tokens shrink (text and the
   question are computed per request), so the reduction is the items' share of the prompt times
   (1 - b), rounded to blocks;
 - `decode_ms_per_token`: (wall time of a `steps`-token request - that of a 1-token request) /
-  (steps - 1), both without log-probs and with a fresh cache salt (no prefix-cache hit);
+  (steps - 1), both without log-probs and with a fresh cache salt (no prefix-cache hit), each
+  from the request to its last token (planning included in both);
 - `kl_mean`: mean KL(p_ref || p) over the decode steps whose context is still the reference's
   (every step up to and including the first differing token): vLLM cannot teacher-force;
 - `top1_match`: the first generated token equals the reference's (over the compressed prompt:
@@ -33,116 +39,108 @@ import math
 import statistics
 import time
 import uuid
-from tempfile import mkdtemp
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from mpic.benchmarks.compress.rows import baseline_row, press_row
 from mpic.benchmarks.offline.bench import kl_divergence
+from mpic.benchmarks.offline.engines import Driver, first_token_logits, get_engine
 from mpic.engine.request_flow import pressed_parts
-from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
-from mpic.engine.vllm.requests import EngineRequest
-from mpic.prompt_parts import PromptPart
 from mpic.samples import interleaved_prompt, synthetic_png
-from mpic.storage.config import StorageConfig
-from mpic.types import CacheEntry
+
+if TYPE_CHECKING:
+    from mpic.engine.first_token import FirstToken
+    from mpic.engine.protocol import GenerateRequest
+    from mpic.engine.vllm.async_engine import AsyncVllmEngine
+    from mpic.prompt_parts import PromptPart
 
 
 class VllmCompressBench:
-    """A vLLM engine (full-vocabulary log-probs) with its uploaded entries."""
+    """The benchmark's requests to a vLLM `Engine` (`AsyncVllmEngine`, full-vocabulary
+    log-probs) through the offline benchmark's `Driver`, with the entries it cached."""
 
-    def __init__(self, model_dir: str | None = None, engine: VllmEngine | None = None) -> None:
-        """A new engine for `model_dir` (entries in a temporary store), or `engine` (started
-        with `max_logprobs=-1`)."""
+    def __init__(self, model_dir: str | None = None, engine: AsyncVllmEngine | None = None) -> None:
+        """A new engine for `model_dir` (`mpic bench offline`'s vLLM engine: entries in a
+        temporary store), or `engine` (started with `max_logprobs=-1`)."""
         if engine is None:
             assert model_dir is not None
-            store = StorageConfig(
-                url=f"file://{mkdtemp(prefix='mpic-vllm-compress-')}", fsync=False
-            )
-            engine = VllmEngine(VllmEngineConfig(model=model_dir, max_logprobs=-1, storage=store))
+            engine = cast("AsyncVllmEngine", get_engine("vllm", model_dir))
         self.engine = engine
         self.spec = engine.spec
-        self.entries: dict[str, CacheEntry] = {}
-        # bytes of one token's K and V in every layer of vLLM's paged cache
-        dtype_bytes = torch.empty((), dtype=getattr(torch, engine.cfg.dtype)).element_size()
+        self.driver = Driver(engine)
+        self.entries = self.driver.entries
+        # vLLM's paged cache (its configuration): bytes of one token's K and V in every layer
+        cfg = engine.cfg
+        dtype_bytes = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
         self.token_bytes = (
             self.spec.num_layers * 2 * self.spec.num_kv_heads * self.spec.head_dim * dtype_bytes
         )
-        self.block_size = engine.cfg.block_size
+        self.block_size = cfg.block_size
 
     def prompts(self, count: int, per_prompt: int, items: str = "images") -> list[list[PromptPart]]:
         """`count` prompts of `per_prompt` synthetic images, or standard-library passages cached
         as text documents with a question (`items="documents"`, as the reference benchmark's),
         their entries computed by vLLM."""
-        out = []
         if items == "documents":
             from mpic.benchmarks.fidelity.prompts import passages, question_parts
 
             docs = passages(per_prompt * count)
+            out = []
             for p in range(count):
                 mine = docs[p * per_prompt : (p + 1) * per_prompt]
-                ids = []
-                for d in mine:
-                    entry = self.engine.cache_document(d.text)
-                    self.entries[entry.entry_id] = entry
-                    ids.append(entry.entry_id)
+                ids = [self.driver.cache_document(d.text) for d in mine]
                 out.append(question_parts(mine, ids, p))
             return out
-        for p in range(count):
-            ids = []
-            for i in range(per_prompt):
-                entry = self.engine.cache_image(synthetic_png(100 * p + i))
-                self.entries[entry.entry_id] = entry
-                ids.append(entry.entry_id)
-            out.append(interleaved_prompt(ids))
-        return out
+        return [
+            interleaved_prompt(
+                [self.driver.cache_image(synthetic_png(100 * p + i)) for i in range(per_prompt)]
+            )
+            for p in range(count)
+        ]
 
     def pressed(self, parts: list[PromptPart], press: str, budget: float) -> list[PromptPart]:
-        """`parts` with every image and document replaced by its compressed entry (made on
-        first use)."""
+        """`parts` with every image and document replaced by its compressed entry
+        (`Engine.press_entry`, made by vLLM's worker on first use)."""
         return pressed_parts(
             parts, self.entries, lambda e: self.engine.press_entry(e, press, budget)
         )
 
-    def _request(self, parts: list[PromptPart], policy: str, steps: int) -> EngineRequest:
-        """The linked request (`VllmFrontEnd.prepare`), salted: no prefix-cache hit between
-        runs."""
+    def _request(
+        self, parts: list[PromptPart], policy: str, steps: int, **options: Any
+    ) -> GenerateRequest:
+        """The greedy linked request of `steps` tokens (`full` too: never plain), salted: no
+        prefix-cache hit between runs."""
         salt = f"mpic-bench-{uuid.uuid4().hex}"
-        return self.engine.prepare(parts, self.entries, policy, None, steps, salt=salt)[1]
+        return self.driver.request(parts, policy, steps, plain=False, cache_salt=salt, **options)
 
     def run(self, parts: list[PromptPart], policy: str, steps: int) -> dict[str, Any]:
         """Greedy `steps` tokens with per-step log-probs [V], KV bytes held and decode time."""
-        eng = self.engine
-        req = self._request(parts, policy, steps)
-        # untimed: per-step log-probs
-        prompt, sampling = eng._submit_form(req, steps, True, ignore_eos=True)
-        (out,) = eng.llm.generate([prompt], [sampling], use_tqdm=False)
+        run = self.driver.run
+        # untimed: per-step log-probs over the whole vocabulary
+        captured: list[FirstToken] = []
+        request = self._request(parts, policy, steps, capture_steps=True, capture_top_k=-1)
+        tokens, prefill = run(request, captured)
         # timed without log-probs (building a vocabulary-sized dict per step would dominate)
         t0 = time.perf_counter()
-        eng.generate([self._request(parts, policy, steps)], steps, ignore_eos=True)
+        run(self._request(parts, policy, steps))
         t_steps = time.perf_counter() - t0
         t0 = time.perf_counter()
-        eng.generate([self._request(parts, policy, steps)], 1)
+        run(self._request(parts, policy, 1))
         t_one = time.perf_counter() - t0
-        completion = out.outputs[0]
-        logits = []
-        for step in completion.logprobs:
-            lp = torch.full((self.spec.vocab_size,), float("-inf"))
-            for token_id, entry in step.items():
-                lp[token_id] = entry.logprob
-            logits.append(lp)
-        n = len(req.prompt_token_ids)
+        n = prefill.prompt_tokens
         blocks = math.ceil((n + steps) / self.block_size)
         return {
-            "tokens": list(completion.token_ids),
-            "logits": logits,
+            "tokens": tokens,
+            "logits": [first_token_logits(c, self.spec.vocab_size) for c in captured],
             "prompt_tokens": n,
             "kv_bytes": blocks * self.block_size * self.token_bytes,
             "ms_per_token": 1e3 * max(t_steps - t_one, 0.0) / (steps - 1),
         }
 
     def close(self) -> None:
+        """Close the driver's loop and stop vLLM's processes."""
+        self.driver.close()
         self.engine.close()
 
 

@@ -19,7 +19,10 @@ out as `plain` requests: vLLM runs them as plain vLLM (its own baselines, docs/v
 backend with its own prefix cache (`prefix_cache`) each timed `full` request gets a fresh
 `cache_salt` (no reuse) and each timed `prefix` one a new opening text (only the shared
 system prompt can hit, MPIC paper Fig. 3). The floor, op-count and device hooks are the
-protocol's optional members (`Engine`'s docstring), read with getattr.
+protocol's optional members (`Engine`'s docstring), read with getattr. The vLLM compression
+benchmark (`mpic.benchmarks.compress.vllm_bench`) drives its engine by the same `Driver`
+(documents cached too, linked requests of any policy: `plain=False`, every step's distribution:
+`GenerateRequest.capture_steps` collected by `Driver.run`).
 """
 
 from __future__ import annotations
@@ -179,12 +182,20 @@ class Driver:
         self.media[entry.entry_id] = media
         return entry.entry_id
 
+    def cache_document(self, text: str) -> str:
+        """Cache a text document (`Engine.cache_document`; the entry stays in memory) and its
+        id."""
+        entry = self.engine.cache_document(text)
+        self.entries[entry.entry_id] = entry
+        return entry.entry_id
+
     def request(
         self, parts: Sequence[PromptPart], policy: str, max_tokens: int = 1, **options: Any
     ) -> GenerateRequest:
         """A greedy request of `parts` under `policy`, exactly `max_tokens` long (no early
-        stop); `full` and `prefix` plain (`PLAIN_POLICIES`, their images' media with them)."""
-        plain = policy in PLAIN_POLICIES
+        stop); `full` and `prefix` plain (`PLAIN_POLICIES`, their images' media with them)
+        unless `plain=False` says otherwise; `options`: more `GenerateRequest` fields."""
+        plain = options.pop("plain", policy in PLAIN_POLICIES)
         return GenerateRequest(
             parts,
             self.entries,
@@ -196,8 +207,12 @@ class Driver:
             **options,
         )
 
-    def _run(self, request: GenerateRequest) -> tuple[list[int], Prefill]:
-        return self._loop.run_until_complete(decoded_ids(self.engine, request))
+    def run(
+        self, request: GenerateRequest, captured: list[FirstToken] | None = None
+    ) -> tuple[list[int], Prefill]:
+        """`request`'s token ids and `Prefill` (`decoded_ids` on the driver's loop; `captured`
+        collects each token's distribution when the request asks `capture_steps`)."""
+        return self._loop.run_until_complete(decoded_ids(self.engine, request, captured))
 
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedRun:
         """Time one first token (module docstring: salts and opening texts on a backend with
@@ -210,7 +225,7 @@ class Driver:
                 salt = f"full-{uuid.uuid4().hex}"
         worker = getattr(self.engine, "worker_cpu_s", None)
         cpu0, worker0 = time.process_time(), worker() if worker else 0.0
-        _, prefill = self._run(self.request(parts, policy, cache_salt=salt))
+        _, prefill = self.run(self.request(parts, policy, cache_salt=salt))
         cpu = time.process_time() - cpu0 + (worker() - worker0 if worker else 0.0)
         return TimedRun(prefill.ttft_s, recomputed(prefill), cpu)
 
@@ -218,14 +233,14 @@ class Driver:
         """Untimed: the first-token distribution (`first_token_logits`, the whole vocabulary)
         of `parts` under `policy`, and the pass's `Prefill`."""
         request = self.request(parts, policy, capture_first_token=True, capture_top_k=-1)
-        _, prefill = self._run(request)
+        _, prefill = self.run(request)
         if prefill.first_token is None:
             raise ValueError(f"the engine captured no first-token distribution for {policy!r}")
         return first_token_logits(prefill.first_token, self.engine.spec.vocab_size), prefill
 
     def greedy(self, parts: Sequence[PromptPart], policy: str, max_new_tokens: int) -> list[int]:
         """Exactly `max_new_tokens` greedy tokens under `policy`."""
-        ids, _ = self._run(self.request(parts, policy, max_new_tokens))
+        ids, _ = self.run(self.request(parts, policy, max_new_tokens))
         return ids
 
 

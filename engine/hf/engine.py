@@ -94,7 +94,8 @@ class ReferenceEngine(EngineBase):
 
     async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
         """`Engine.decode` on a decode thread (module docstring): one step per token, the first
-        carrying the prefill (its first-token logits when `capture_first_token`)."""
+        carrying the prefill (its first-token logits when `capture_first_token`; each token's
+        logits [V] in `captured` when `capture_steps`)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         gone = threading.Event()
@@ -114,7 +115,7 @@ class ReferenceEngine(EngineBase):
             while (item := await events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                token, pre, logprobs = item
+                token, pre, logprobs, step = item
                 prefill = None
                 if first:
                     captured = (
@@ -124,7 +125,7 @@ class ReferenceEngine(EngineBase):
                         pre.plan, pre.ttft_s, first_token=captured, recomputed=pre.recomputed_tokens
                     )
                     first = False
-                yield Decoded([token], logprobs, prefill)
+                yield Decoded([token], logprobs, prefill, None if step is None else [step])
         finally:
             gone.set()
 
@@ -196,11 +197,19 @@ class ReferenceEngine(EngineBase):
         self, request: GenerateRequest, gone: threading.Event, put: Callable[[object], None]
     ) -> None:
         """On the decode thread: the runner's stream under its lock at the runner's pace, each
-        (token, prefill, logprobs) `put` as decoded, an exception put as it is raised, then
-        None. Stops at once when `gone` is set (before the prefill when still waiting)."""
+        (token, prefill, logprobs, its `FirstToken` when `capture_steps` else None)
+        `put` as decoded, an exception put as it is raised, then None. Stops at once when `gone`
+        is set (before the prefill when still waiting)."""
         try:
             tokenizer = tokenizer_of(self.runner.processor)
             sampler = Sampler(request.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
+            picked: list[FirstToken | None] = [None]
+
+            def pick(logits: torch.Tensor) -> int:
+                if request.capture_steps:
+                    picked[0] = FirstToken.from_logits(logits)
+                return sampler(logits)
+
             with self._held_unless(gone.is_set) as held:
                 if not held or gone.is_set():  # abandoned while queued: no prefill at all
                     return
@@ -209,7 +218,7 @@ class ReferenceEngine(EngineBase):
                     request.policy,
                     request.max_tokens,
                     system_prompt=request.system_prompt,
-                    pick=sampler,
+                    pick=pick,
                     press=request.press,
                     budget=request.budget,
                     stop_at_eos=not request.sampling.ignore_eos,
@@ -217,7 +226,7 @@ class ReferenceEngine(EngineBase):
                     raw=request.raw,
                     continue_from=continued(request),
                 ):
-                    put((token, pre, sampler.take()))
+                    put((token, pre, sampler.take(), picked[0]))
                     if gone.is_set():
                         break
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer

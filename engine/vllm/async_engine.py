@@ -106,13 +106,14 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         (`request.sampling`, greedy by default); the first step carries the prefill (TTFT from
         this call to vLLM's first token, the tokens the pass ran: `recomputed_tokens`; its
         top-`TOP_K` raw logprobs, or `capture_top_k`'s, when `capture_first_token`: vLLM
-        returns logprobs, not logits). A linked request that fails to link is answered by its
-        exact fallback (`Prefill.fallbacks`)."""
+        returns logprobs, not logits; every token's the same way in `captured` when
+        `capture_steps`). A linked request that fails to link is answered by its exact fallback
+        (`Prefill.fallbacks`)."""
         start = time.perf_counter()
         tokenizer = tokenizer_of(self.processor)
         sampling = sampling_kwargs(request.sampling, len(tokenizer))
         top_k = TOP_K if request.capture_top_k is None else request.capture_top_k
-        if request.capture_first_token:  # the fidelity monitor's top-k (raw logprobs)
+        if request.capture_first_token or request.capture_steps:  # top-k raw logprobs
             sampling["logprobs"] = -1 if top_k < 0 else max(sampling["logprobs"] or 0, top_k)
         planned, linked = await asyncio.to_thread(self.linked, request)
         plan = planned.plan
@@ -133,12 +134,18 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
                     ttft = time.perf_counter() - start
                     ran = recomputed_tokens(planned, linked, result)
                     prefill = prefill_of(plan, ttft, result.fell_back, first, ran)
+                captured = None
+                if request.capture_steps:
+                    mine = steps[done : done + len(new)]
+                    captured = [
+                        FirstToken.from_logprobs(s, len(s) if top_k < 0 else top_k) for s in mine
+                    ]
                 logprobs = None
                 if (k := request.sampling.logprobs) is not None:
                     steps = steps[done : done + len(new)]
                     logprobs = token_logprobs(steps, new, k, tokenizer.decode, self._raw_bytes())
                 done += len(new)
-                yield Decoded(list(new), logprobs, prefill)
+                yield Decoded(list(new), logprobs, prefill, captured)
         finally:
             await results.aclose()  # aborts the vLLM request when cut short
 

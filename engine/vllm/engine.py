@@ -1,7 +1,8 @@
-"""vLLM V1 offline engine with the MPIC connector (offline scripts, benchmarks, tests): vLLM's
-`LLM` generates a batch of exact and linked requests synchronously (continuous batching inside
-the call). Runs in the process that owns the engine; the CPU set-up and what it shares with the
-async engine (`mpic.engine.vllm.async_engine`, the Serve LLM worker's) are in
+"""vLLM V1 offline engine with the MPIC connector (offline scripts, tests; no CLI command or
+benchmark drives it: they drive `mpic.engine.vllm.async_engine.AsyncVllmEngine` through the
+engine protocol): vLLM's `LLM` generates a batch of exact and linked requests synchronously
+(continuous batching inside the call). Runs in the process that owns the engine; the CPU set-up
+and what it shares with the async engine (the Serve LLM worker's) are in
 `mpic.engine.vllm.frontend`, whose config names are re-exported here.
 """
 

@@ -133,3 +133,29 @@ def test_only_the_first_token_of_a_coalesced_first_step_is_kept() -> None:
     assert steps[0].prefill is not None and steps[1].prefill is None
     assert calls[1].continue_from == [11] and calls[1].max_tokens == 3
     assert calls[1].policy == "full" and not calls[1].exact_decode
+
+
+def test_capture_steps_reports_each_tokens_distribution(reference) -> None:
+    """`capture_steps`: per token its logits (`Decoded.captured`), the greedy token their
+    argmax, the first the captured first token's; with `exact_decode` across both passes."""
+    import dataclasses
+
+    import torch
+
+    engine, parts = reference
+    request = GenerateRequest(
+        parts,
+        dict(engine.runner.entries),
+        "mpic-2",
+        Sampling(ignore_eos=True),
+        max_tokens=5,
+        capture_first_token=True,
+        capture_steps=True,
+    )
+    for exact in (False, True):
+        captured: list = []
+        tokens, prefill = asyncio.run(
+            decoded_ids(engine, dataclasses.replace(request, exact_decode=exact), captured)
+        )
+        assert len(tokens) == 5 and [c.top1 for c in captured] == tokens
+        assert torch.equal(captured[0].logits, prefill.first_token.logits)
