@@ -38,7 +38,7 @@ from mpic.linker.contracts import LayerAdapter
 from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.kv.stacked import StackedLinkedKV
 from mpic.linker.link import LinkedItems, gather_input_embeds, linked_items
-from mpic.linker.prefix import CachedPrefix
+from mpic.linker.prefix import CachedPrefix, exclude_prefix
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport, scout_pass
 from mpic.linker.selective_prefill import LayerHook, PrefillResult, run_layers
@@ -153,6 +153,24 @@ def link_pass(
         )
         for r, result in zip(requests, results, strict=True)
     ]
+
+
+def served_plan(planned: PlannedPrompt, num_layers: int, prefix_length: int = 0) -> LinkPlan:
+    """The plan `link_pass` serves `planned` with, as far as a process that does not run the
+    pass can know it (the vLLM front end, whose worker links): a scouting policy's selection
+    made with equal scores, then the first `prefix_length` tokens (the cached prefix) at depth
+    0. The scout's scores decide WHICH item tokens are recomputed, not how many (`select`
+    fills round(b * N)), so the counts of recomputed and stored tokens are exact; where a
+    prompt mixes inline images with stored items, the split of the picks between them is the
+    equal-score one (`Prefill.cached_tokens`; the reference runner counts its own picks)."""
+    plan = planned.plan
+    if planned.policy.scouts:
+        equal = torch.zeros(plan.num_tokens, dtype=torch.float32)
+        depth = planned.policy.select(plan, planned.entries, equal, num_layers, prefix_length)
+        plan = dataclasses.replace(plan, recompute_depth=depth)
+    if prefix_length:
+        plan = exclude_prefix(plan, prefix_length)
+    return plan
 
 
 def _link(adapter: LayerAdapter, planned: PlannedPrompt, kv: LinkedKV, offset: int) -> _Request:

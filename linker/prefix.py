@@ -59,11 +59,16 @@ class CachedPrefix:
 
     def exclude(self, plan: LinkPlan) -> LinkPlan:
         """`plan` with tokens 0..P-1 at depth 0 (linked from here: not recomputed)."""
-        if not bool((plan.recompute_depth[: self.length] > 0).any()):
-            return plan
-        depth = plan.recompute_depth.clone()
-        depth[: self.length] = 0
-        return dataclasses.replace(plan, recompute_depth=depth)
+        return exclude_prefix(plan, self.length)
+
+
+def exclude_prefix(plan: LinkPlan, length: int) -> LinkPlan:
+    """`plan` with its first `length` tokens at depth 0 (a cached prefix: not recomputed)."""
+    if not bool((plan.recompute_depth[:length] > 0).any()):
+        return plan
+    depth = plan.recompute_depth.clone()
+    depth[:length] = 0
+    return dataclasses.replace(plan, recompute_depth=depth)
 
 
 def common_prefix(plan: LinkPlan, context: Sequence[int]) -> int:

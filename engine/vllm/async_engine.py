@@ -41,10 +41,12 @@ from mpic.engine.vllm.presses import check_press
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
 from mpic.errors import InvalidRequestError
+from mpic.linker.pipeline import served_plan
+from mpic.linker.prefix import prefix_length, takes_prefix
 from mpic.linker.prompt import tokenizer_of
 from mpic.linker.recipe import PlannedPrompt
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart
-from mpic.types import CacheEntry
+from mpic.types import CacheEntry, LinkPlan
 
 _END = object()
 
@@ -116,7 +118,7 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         if request.capture_first_token or request.capture_steps:  # top-k raw logprobs
             sampling["logprobs"] = -1 if top_k < 0 else max(sampling["logprobs"] or 0, top_k)
         planned, linked = await asyncio.to_thread(self.linked, request)
-        plan = planned.plan
+        plan = self.served(planned, linked)
         done = 0
         results = self.stream(linked, request.max_tokens, sampling)
         try:
@@ -132,7 +134,7 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
                         k = len(steps[0]) if top_k < 0 else top_k  # -1: every token
                         first = FirstToken.from_logprobs(steps[0], k)
                     ttft = time.perf_counter() - start
-                    ran = recomputed_tokens(planned, linked, result)
+                    ran = recomputed_tokens(planned, plan, linked, result)
                     prefill = prefill_of(plan, ttft, result.fell_back, first, ran)
                 captured = None
                 if request.capture_steps:
@@ -148,6 +150,20 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
                 yield Decoded(list(new), logprobs, prefill, captured)
         finally:
             await results.aclose()  # aborts the vLLM request when cut short
+
+    def served(self, planned: PlannedPrompt, linked: EngineRequest) -> LinkPlan:
+        """The plan the worker serves a linked request with, as this process can know it
+        (`mpic.linker.pipeline.served_plan`: a scouting policy's picks counted, the cached
+        prefix the worker links at depth 0), so `Prefill.cached_tokens` and
+        `.recomputed_tokens` count what the reference engine counts; a plain request's plan
+        as planned."""
+        if linked.plan is None:
+            return planned.plan
+        layers = self.spec.num_layers
+        prefix = 0
+        if self.cfg.link_prefix and takes_prefix(planned.policy, planned.plan, layers):
+            prefix = prefix_length(planned.plan, planned.entries)
+        return served_plan(planned, layers, prefix)
 
     def linked(self, request: GenerateRequest) -> tuple[PlannedPrompt, EngineRequest]:
         """(plan, linked vLLM request: `prepare`) of `request`, its items swapped for their
@@ -293,13 +309,15 @@ def _check_plain(
         raise InvalidRequestError(f"a plain request needs the media of its images {missing}")
 
 
-def recomputed_tokens(planned: PlannedPrompt, req: EngineRequest, result: EngineResult) -> int:
+def recomputed_tokens(
+    planned: PlannedPrompt, plan: LinkPlan, req: EngineRequest, result: EngineResult
+) -> int:
     """Prompt tokens a vLLM pass ran through at least one layer (`Prefill.recomputed_tokens`):
-    a linked request's by its plan (recompute depth > 0; the text too for a two-step policy,
-    whose second pass reruns it), a plain request's (or a fallback's) the prompt less vLLM's
-    own prefix-cache hits. A linked request may also hit vLLM's cache on a repeat (its salted
-    blocks), but the connector relinks the whole prompt every time: not subtracted."""
-    plan = planned.plan
+    a linked request's by the plan it is served with (`AsyncVllmEngine.served`: recompute depth
+    > 0; the text too for a two-step policy, whose second pass reruns it), a plain request's
+    (or a fallback's) the prompt less vLLM's own prefix-cache hits. A linked request may also
+    hit vLLM's cache on a repeat (its salted blocks), but the connector relinks the whole prompt
+    every time: not subtracted."""
     if req.plan is None or result.fell_back:
         return max(0, plan.num_tokens - result.num_cached_tokens)
     ran = plan.recompute_depth > 0

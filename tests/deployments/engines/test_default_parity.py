@@ -78,6 +78,9 @@ def test_both_engines_answer_the_default_with_the_same_tokens(tiny_llava_dir, tm
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # images linked
     text = {kind: out["choices"][0]["message"]["content"] for kind, out in answers.items()}
     assert text["vllm"] == text["reference"]
+    # and the same usage: the vLLM front end counts the scout's picks and the cached prefix
+    # as its worker links them (`served_plan`), the reference engine its own pass's
+    assert answers["vllm"]["usage"] == answers["reference"]["usage"]
     # exact decoding is served by both (the first pass linked the images, 16 tokens); their
     # texts are not compared here: they differed once in a full-suite run (2026-11-27, cause
     # not found; equal in every run of this module alone), docs/fidelity.md "Exact decoding"

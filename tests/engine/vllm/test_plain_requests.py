@@ -42,11 +42,11 @@ def test_recomputed_tokens_by_plan_or_prefix_cache_hits() -> None:
     linked = EngineRequest([1, 2, 3], plan=plan)  # type: ignore[arg-type]
     plain = EngineRequest([1, 2, 3])
     hits = EngineResult([7], num_cached_tokens=4)
-    assert recomputed_tokens(one_step, linked, hits) == 4  # its salted blocks: relinked anyway
-    assert recomputed_tokens(two_step, linked, hits) == 4  # the text is recomputed already
+    assert recomputed_tokens(one_step, plan, linked, hits) == 4  # its salted blocks: relinked anyway
+    assert recomputed_tokens(two_step, plan, linked, hits) == 4  # the text is recomputed already
     plan.recompute_depth = torch.tensor([0, 4, 0, 0, 2, 4])
-    assert recomputed_tokens(two_step, linked, hits) == 4  # text again in the second step
-    assert recomputed_tokens(one_step, linked, hits) == 3
-    assert recomputed_tokens(one_step, plain, hits) == 2  # vLLM's prefix cache served 4
+    assert recomputed_tokens(two_step, plan, linked, hits) == 4  # text again in the second step
+    assert recomputed_tokens(one_step, plan, linked, hits) == 3
+    assert recomputed_tokens(one_step, plan, plain, hits) == 2  # vLLM's prefix cache served 4
     fell_back = EngineResult([7], num_cached_tokens=0, fell_back=True)
-    assert recomputed_tokens(one_step, linked, fell_back) == 6
+    assert recomputed_tokens(one_step, plan, linked, fell_back) == 6
