@@ -1,9 +1,7 @@
-"""What the offline and the async vLLM engines share (process that owns the engine: CLI,
-benchmark, Serve replica): `VllmEngineConfig`, the CPU set-up, vLLM's engine arguments with the
-MPIC connector, and `VllmFrontEnd` (request forms, upload prompt, failed-link fallback). vLLM
-starts its engine core and worker in child processes, which load
-`mpic.engine.vllm.connector.kv_connector` and the `mpic` general plugin
-(`mpic.engine.vllm.plugin`) themselves.
+"""What the offline and the async vLLM engines share (process that owns the engine):
+`VllmEngineConfig`, the CPU set-up, vLLM's engine arguments with the MPIC connector, and
+`VllmFrontEnd`. vLLM's engine core and worker (child processes) load
+`mpic.engine.vllm.connector.kv_connector` and the plugin `mpic.engine.vllm.plugin` themselves.
 
 Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_environment`:
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
