@@ -12,7 +12,6 @@ import torch
 
 from mpic.presses.base import keep_count
 from mpic.prompt_parts import ImageRef
-from mpic.storage.config import StorageConfig
 
 pytestmark = pytest.mark.slow
 
@@ -21,24 +20,19 @@ POLICY = "mpic-4"
 BLOCK = 32
 
 
-@pytest.fixture(scope="module", params=["llava", "llava-next"])
-def bench(request, tiny_models_root, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module")
+def bench(tiny_models_root, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """LLaVA-NeXT (anyres: the long images) only: each engine start costs the suite ~30 s, and
+    the presses' own tests run both families."""
     pytest.importorskip("vllm")
     from mpic.benchmarks.compress.vllm_bench import VllmCompressBench
     from mpic.engine.vllm.async_engine import AsyncVllmEngine
-    from mpic.engine.vllm.config import VllmEngineConfig
-    from tests.fixtures.models import _tiny_dir
+    from tests.fixtures.models import _tiny_dir, press_vllm_config
 
-    model_dir = _tiny_dir(tiny_models_root, request.param)
-    store_dir = tmp_path_factory.mktemp(f"vllm-bench-store-{request.param}")
-    cfg = VllmEngineConfig(
-        model=str(model_dir),
-        max_model_len=576,  # an anyres image after its canonical context (~460 tokens)
-        num_blocks=32,
-        block_size=BLOCK,
-        max_logprobs=-1,  # the benchmark's per-step distributions
-        storage=StorageConfig(url=f"file://{store_dir}", fsync=False),
-    )
+    model_dir = _tiny_dir(tiny_models_root, "llava-next")
+    store_dir = tmp_path_factory.mktemp("vllm-bench-store")
+    # max_logprobs -1: the benchmark's per-step distributions
+    cfg = press_vllm_config(model_dir, store_dir, block_size=BLOCK, max_logprobs=-1)
     bench = VllmCompressBench(engine=AsyncVllmEngine(cfg))
     yield bench
     bench.close()

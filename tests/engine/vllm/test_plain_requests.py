@@ -42,7 +42,9 @@ def test_recomputed_tokens_by_plan_or_prefix_cache_hits() -> None:
     linked = EngineRequest([1, 2, 3], plan=plan)  # type: ignore[arg-type]
     plain = EngineRequest([1, 2, 3])
     hits = EngineResult([7], num_cached_tokens=4)
-    assert recomputed_tokens(one_step, plan, linked, hits) == 4  # its salted blocks: relinked anyway
+    assert (
+        recomputed_tokens(one_step, plan, linked, hits) == 4
+    )  # its salted blocks: relinked anyway
     assert recomputed_tokens(two_step, plan, linked, hits) == 4  # the text is recomputed already
     plan.recompute_depth = torch.tensor([0, 4, 0, 0, 2, 4])
     assert recomputed_tokens(two_step, plan, linked, hits) == 4  # text again in the second step

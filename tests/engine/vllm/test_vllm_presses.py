@@ -26,7 +26,6 @@ from mpic.presses import PRESS_NAMES
 from mpic.presses.base import keep_count
 from mpic.presses.entries import press_entry_id
 from mpic.samples import synthetic_png
-from mpic.storage.config import StorageConfig
 from mpic.types import CacheEntry
 
 SYSTEM = "You are a careful assistant."
@@ -45,17 +44,12 @@ class Setup:
 @pytest.fixture(scope="module", params=["llava", "llava-next"])
 def setup(request, tiny_models_root, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
     pytest.importorskip("vllm")
-    from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
-    from tests.fixtures.models import _tiny_dir
+    from mpic.engine.vllm.engine import VllmEngine
+    from tests.fixtures.models import _tiny_dir, press_vllm_config
 
     model_dir = _tiny_dir(tiny_models_root, request.param)
     store_dir = tmp_path_factory.mktemp(f"vllm-press-store-{request.param}")
-    cfg = VllmEngineConfig(
-        model=str(model_dir),
-        max_model_len=576,  # an anyres image after its canonical context (~460 tokens)
-        num_blocks=32,
-        storage=StorageConfig(url=f"file://{store_dir}", fsync=False),
-    )
+    cfg = press_vllm_config(model_dir, store_dir)
     engine = VllmEngine(cfg)
     ref = ReferenceRunner(str(model_dir), system_prompt=SYSTEM)
     entries = [engine.cache_image(synthetic_png(i), SYSTEM) for i in range(3)]
