@@ -75,21 +75,33 @@ def build_app(
     return ingress.bind(config, enc, res, wrk, ret)
 
 
-CPU_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "30000"}
 """Environment of an LLM worker that runs vLLM on CPU (and of vLLM's processes it starts): its
-OpenMP threads sleep between parallel regions instead of spinning. Spinning, vLLM's worker
-process held more than one of 2 cores on average (105 % against 73 % sleeping), and Serve's
-proxy, the ingress and the clients waited for a core: at 64 clients a request took up to 20 s
-to reach the proxy, and the clients' TTFT p99 was 13-18 s while the server timed nearly every
-first token within 10 s (docs/serving.md "Overload on the vLLM worker")."""
+OpenMP threads (torch's libgomp) spin 30,000 rounds after a parallel region, then sleep.
+
+libgomp's default spins 300,000 rounds: between steps vLLM's worker process then held more
+than one of 2 cores on average (105 %), and Serve's proxy, the ingress and the clients waited
+for a core (at 64 clients a request took up to 20 s to reach the proxy; docs/serving.md
+"Overload on the vLLM worker"). Not spinning at all (`OMP_WAIT_POLICY=PASSIVE`, the rule
+before) freed the cores but woke the threads for every op: a linked prefill's many small ops
+took 22-34 % longer alone (SmolLM2 with 4 documents on `AsyncVllmEngine`, median of 7:
+mpic-32 337 vs 275 ms, `auto` 408 vs 305 ms). A short spin keeps the ops of one forward on
+running threads and sleeps between steps: 288 / 329 ms alone, the worker idle at 0.6 % of a
+core, the same behaviour at 64 clients (docs/serving.md)."""
+
+OPENMP_KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+"""What an operator may set instead (either one wins: none of `CPU_WORKER_ENV` is added)."""
 
 
 def cpu_worker_env(config: ServeAppConfig) -> dict[str, str]:
-    """`CPU_WORKER_ENV` for a vLLM LLM worker without a GPU, less what this process's own
-    environment sets (the operator's choice wins); empty otherwise."""
+    """`CPU_WORKER_ENV` for a vLLM LLM worker without a GPU, unless this process's own
+    environment sets an OpenMP wait knob (`OPENMP_KNOBS`: the operator's choice wins); empty
+    otherwise."""
     if getattr(config.engine, "kind", None) != "vllm" or config.llm_worker.num_gpus:
         return {}
-    return {k: v for k, v in CPU_WORKER_ENV.items() if k not in os.environ}
+    if any(k in os.environ for k in OPENMP_KNOBS):
+        return {}
+    return dict(CPU_WORKER_ENV)
 
 
 def with_env(options: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

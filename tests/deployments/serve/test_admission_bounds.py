@@ -107,10 +107,11 @@ def test_serve_bounds_derived_from_the_worker_budget() -> None:
     assert got["LLMWorker"] == (5, 7) and got["Resolver"] == (16, 64)
 
 
-def test_vllm_worker_on_cpu_lets_openmp_threads_sleep(monkeypatch) -> None:
-    """A vLLM LLM worker without a GPU gets OMP_WAIT_POLICY=PASSIVE in its runtime_env (its
-    OpenMP threads spinning between steps held the cores Serve's proxy and the ingress needed);
-    not on a GPU, not for other engines, and the operator's own setting wins."""
+def test_vllm_worker_on_cpu_spins_its_openmp_threads_briefly(monkeypatch) -> None:
+    """A vLLM LLM worker without a GPU gets GOMP_SPINCOUNT=30000 in its runtime_env (spinning
+    long between steps, its OpenMP threads held the cores Serve's proxy and the ingress needed;
+    not spinning at all slowed every linked prefill); not on a GPU, not for other engines, and
+    the operator's own OpenMP wait setting (either knob) wins."""
     pytest.importorskip("ray")
     from mpic.deployments.app import build_app
 
@@ -121,16 +122,19 @@ def test_vllm_worker_on_cpu_lets_openmp_threads_sleep(monkeypatch) -> None:
         return (worker.ray_actor_options.get("runtime_env") or {}).get("env_vars") or {}
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     vllm = {"kind": "vllm", "model": "absent-model"}
-    assert worker_env(_config(engine=vllm)) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env(_config(engine=vllm)) == {"GOMP_SPINCOUNT": "30000"}
     assert worker_env(_config(engine=vllm, llm_worker={"num_gpus": 1})) == {}
     assert worker_env(_config(engine={"kind": "fake"})) == {}
     # a runtime_env of the deployments' overrides keeps its values and gets the default beside
     ray_opts = {"ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"A": "1"}}}}
     env = worker_env(_config(engine=vllm), {"LLMWorker": ray_opts})
-    assert env == {"A": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert worker_env(_config(engine=vllm)) == {}
+    assert env == {"A": "1", "GOMP_SPINCOUNT": "30000"}
+    for knob, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0")):
+        monkeypatch.setenv(knob, value)
+        assert worker_env(_config(engine=vllm)) == {}
+        monkeypatch.delenv(knob)
 
 
 def test_burst_on_the_worker_budget_gets_only_200_and_429(tmp_path: Path) -> None:
