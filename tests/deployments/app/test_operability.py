@@ -113,7 +113,15 @@ def test_two_ingress_replicas_metrics_and_sigterm(tmp_path: Path) -> None:
                 d = dict(labels)
                 if d.get("route") == "/v1/chat/completions" and d.get("outcome") == "ok":
                     per_replica[d["replica"]] += value
-            if sum(per_replica.values()) >= N_REQUESTS + 1:
+            # every series below comes from a replica's own metrics export, each on its own
+            # schedule: wait for all of them, not only the ingress's request counts
+            memory_hits = sum(
+                v
+                for k, v in _series(text, "ray_mpic_store_hits_total").items()
+                if dict(k).get("tier") == "memory"
+            )
+            cached = sum(_series(text, "ray_mpic_cached_tokens_total").values())
+            if sum(per_replica.values()) >= N_REQUESTS + 1 and memory_hits >= 1 and cached > 0:
                 break
             time.sleep(2)
         print("requests per ingress replica:", dict(per_replica))
