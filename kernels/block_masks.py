@@ -57,11 +57,13 @@ def causal_block_mask(
     """`BlockMask` of `causal_rule(q_index, keep)` over [q_len, kv_len] in square blocks of
     `block_size` (module docstring), for the forward pass (no transposed indices).
 
-    q_index: int64 [q_len] prompt index per query row (padded rows included); keep: None or
-    bool [kv_len]. All work stays on q_index's device: no host sync, no host-built tensor."""
+    q_index: int64 [S <= q_len] prompt index per query row; rows S..q_len-1 (a caller's padding
+    rows, `FlexShape`) see what the last query sees, and so do the rows up to the last block's
+    end, which the kernel never runs (one `cat` for both); keep: None or bool [kv_len]. All work
+    stays on q_index's device: no host sync, no host-built tensor."""
     dev, size = q_index.device, block_size
     q_blocks, kv_blocks = -(-q_len // size), -(-kv_len // size)
-    pad = q_blocks * size - q_len  # the last query's index: already in the last block
+    pad = q_blocks * size - q_index.shape[0]  # the last query's index, repeated
     padded = torch.cat([q_index, q_index[-1:].expand(pad)]) if pad else q_index
     per_block = padded.view(q_blocks, size)
     highest, lowest = per_block.amax(1), per_block.amin(1)  # [Qb]
@@ -77,7 +79,7 @@ def causal_block_mask(
         whole = kept.all(1)
     visible = first[None, :] <= highest[:, None]  # [Qb, Kb]
     full = whole[None, :] & (key[:, -1][None, :] <= lowest[:, None])
-    if pad:
+    if q_len % size:  # rows past q_len are masked out, as torch pads: no full block there
         full[-1] = False
     num, indices = _ordered(visible & ~full)
     full_num, full_indices = _ordered(full)
@@ -87,7 +89,7 @@ def causal_block_mask(
         full_num,
         full_indices,
         BLOCK_SIZE=size,
-        mask_mod=causal_rule(q_index, keep),
+        mask_mod=causal_rule(padded, keep),
         seq_lengths=(q_len, kv_len),
         compute_q_blocks=False,
     )

@@ -205,9 +205,7 @@ class FlexBackend(AttentionBackend):
         """FlexAttention block mask of `causal_rule(q_index, keep)` over the padded [rows, keys]
         of `shape` (`mpic.kernels.block_masks`); keep: None or bool [padded_kv] on q_index's
         device."""
-        pad = shape.padded_rows - shape.rows
-        if pad:  # the extra rows see what the last query sees (their output is dropped)
-            q_index = torch.cat([q_index, q_index[-1:].expand(pad)])
+        # rows past the real ones see what the last query sees (their output is dropped)
         return causal_block_mask(q_index, keep, shape.padded_rows, shape.padded_kv, self.block_size)
 
     def prepare_corrected(self, q_index: torch.Tensor, linked: torch.Tensor, num_keys: int) -> Any:

@@ -77,13 +77,13 @@ def linked_items(
         value_parts.append(_to(take(entry.values, group, on_entries, dim=1), target))
     slots = slots[grouped.order]
     keys = rotate_keys(
-        _cat(key_parts, dim=1), _cat(old_parts, dim=-1), plan.positions[..., slots], rope
+        cat_parts(key_parts, dim=1), cat_parts(old_parts, dim=-1), plan.positions[..., slots], rope
     )
-    return LinkedItems(slots, keys, _cat(value_parts, dim=1))
+    return LinkedItems(slots, keys, cat_parts(value_parts, dim=1))
 
 
-def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """One `cat` of the parts (none for one part)."""
+def cat_parts(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """One `cat` of the parts (none for one part: the part itself)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
@@ -139,7 +139,7 @@ def gather_input_embeds(
         else:
             piece = take(entries[group.source].input_embeds, group, offsets)
         pieces.append(_cast(piece, adapter.device, adapter.dtype))
-    embeds = _cat(pieces, dim=0)
+    embeds = cat_parts(pieces, dim=0)
     return embeds if back is None else embeds[back.to(adapter.device)]
 
 

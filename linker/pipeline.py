@@ -37,7 +37,7 @@ import torch
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.kv.linked import LinkedKV
 from mpic.linker.kv.stacked import StackedLinkedKV
-from mpic.linker.link import LinkedItems, gather_input_embeds, linked_items
+from mpic.linker.link import LinkedItems, cat_parts, gather_input_embeds, linked_items
 from mpic.linker.prefix import CachedPrefix, exclude_prefix
 from mpic.linker.recipe import PlannedPrompt
 from mpic.linker.scout import ScoutReport, scout_pass
@@ -239,10 +239,6 @@ def _finish(adapter: LayerAdapter, r: _Request) -> None:
     r.embeds = gather_input_embeds(adapter, r.plan, r.planned.entries, r.index)
 
 
-def _stack(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
 def _selective_pass(
     adapter: LayerAdapter, requests: list[_Request], pass_kv: LinkedKV, compute_logits: bool
 ) -> list[PrefillResult]:
@@ -254,14 +250,16 @@ def _selective_pass(
     if not running:
         assert not compute_logits, "last token not recomputed"
     else:
-        index = _stack([requests[i].global_index for i in running])
+        index = cat_parts([requests[i].global_index for i in running])
         hidden, final, run_depth = run_layers(
             adapter,
             pass_kv,
-            _stack([requests[i].embeds for i in running]),
+            cat_parts([requests[i].embeds for i in running]),
             index,
-            _stack([requests[i].plan.positions[..., requests[i].index] for i in running], dim=-1),
-            _stack([requests[i].plan.recompute_depth[requests[i].index] for i in running]),
+            cat_parts(
+                [requests[i].plan.positions[..., requests[i].index] for i in running], dim=-1
+            ),
+            cat_parts([requests[i].plan.recompute_depth[requests[i].index] for i in running]),
             requests[0].hook if len(requests) == 1 else None,
         )
         start = 0

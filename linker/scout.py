@@ -40,7 +40,7 @@ import torch
 
 from mpic.linker.contracts import LayerAdapter
 from mpic.linker.kv.linked import LinkedKV
-from mpic.linker.link import LinkedItems, gather_input_embeds
+from mpic.linker.link import LinkedItems, cat_parts, gather_input_embeds
 from mpic.types import CacheEntry, LinkPlan
 
 
@@ -183,10 +183,6 @@ def scout_pass(
     return results
 
 
-def _stack(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
 def _layers(adapter: LayerAdapter, runs: list[_Run], linked_kv: LinkedKV) -> None:
     """The runs' tokens, stacked, through their layers; each run's scores added at its scoring
     layers (`_score`)."""
@@ -205,9 +201,9 @@ def _layers(adapter: LayerAdapter, runs: list[_Run], linked_kv: LinkedKV) -> Non
                 take = torch.cat(keep).to(adapter.device)
                 hidden, pos, gidx = hidden[take], pos[..., take], gidx[take]
             else:
-                hidden = _stack([run.hidden for run in now])
-                pos = _stack([run.pos for run in now], dim=-1)
-                gidx = _stack([run.idx + run.offset if run.offset else run.idx for run in now])
+                hidden = cat_parts([run.hidden for run in now])
+                pos = cat_parts([run.pos for run in now], dim=-1)
+                gidx = cat_parts([run.idx + run.offset if run.offset else run.idx for run in now])
             active = now
             sizes = [int(run.index.numel()) for run in active]
             ends = torch.tensor(sizes).cumsum(0).tolist()

@@ -83,3 +83,18 @@ def test_attention_under_it_equals_the_dense_rule() -> None:
     dense = torch.arange(keys)[None, :] <= q_index[:, None]
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "q_len"), [(100, 256), (130, 300), (256, 256)])
+def test_padding_rows_repeat_the_last_query(rows: int, q_len: int) -> None:
+    """Fewer indices than q_len (a caller's padding rows, `FlexShape`): the same block mask as
+    torch's over the indices padded with the last one."""
+    gen = torch.Generator().manual_seed(rows)
+    q_index = _indices(rows, 700, True, gen)
+    padded = torch.cat([q_index, q_index[-1:].expand(q_len - rows)])
+    ours = causal_block_mask(q_index, None, q_len, 700, 128)
+    theirs = create_block_mask(
+        causal_rule(padded, None), None, None, q_len, 700, device="cpu", BLOCK_SIZE=128
+    )
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
