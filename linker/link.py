@@ -119,9 +119,10 @@ def gather_input_embeds(
     nothing is read back (a boolean index on the device would read its positions back: a
     sync)."""
     index = index.cpu()  # the plan's tensors live on the host
-    if index.numel() == 0:
+    sources = plan.source_entry[index]
+    if index.numel() == 0 or bool((sources < 0).all()):  # text only (a scout's rows): one lookup
         return adapter.embed_tokens(plan.token_ids[index].to(adapter.device))
-    grouped = group_by_source(plan.source_entry[index], plan.source_offset[index])
+    grouped = group_by_source(sources, plan.source_offset[index])
     back = None if grouped.in_input_order() else torch.argsort(grouped.order)
     tables = [entries[g.source].input_embeds for g in grouped.groups if not _sliced(g)]
     offsets = None

@@ -34,7 +34,8 @@ Cost: `tokens` queries x `layers_run` layers (reported in `ScoutReport`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -123,6 +124,8 @@ class _Run:
     offset: int
     num_tokens: int
     total: torch.Tensor
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Per scoring layer reached: (q of the scored rows [R, H, D], k of the tokens [S, H_kv, D])."""
 
 
 def scout_pass(
@@ -139,16 +142,21 @@ def scout_pass(
         scoring = sorted({min(max(int(x), 0), num_layers - 1) for x in task.layers})
         plan, items = task.plan, task.items
         index = torch.nonzero(plan.recompute_depth >= num_layers).flatten()
-        rows = scoring_rows(plan, index)
-        if task.question_weight == 0.0:
-            rows = rows[-1:]  # the last prompt row only
+        if task.question_weight == 0.0:  # the last prompt row only, where it follows every item
+            last = index.numel() > 0 and bool(plan.is_text[-1])
+            rows = torch.tensor([index.numel() - 1]) if last else index[:0]
+        else:
+            rows = scoring_rows(plan, index)
         if index.numel() == 0 or rows.numel() == 0 or items is None:
             scores = torch.zeros(plan.num_tokens, dtype=torch.float32)
             out.append((scores, ScoutReport(0, 0, tuple(scoring), requests=0)))
             continue
         item_idx = items.slots
-        weights = torch.full((rows.numel(),), task.question_weight / max(rows.numel() - 1, 1))
-        weights[-1] = 1.0  # the last prompt row
+        if rows.numel() == 1:
+            weights = torch.ones(1)  # the last prompt row
+        else:
+            weights = torch.full((rows.numel(),), task.question_weight / (rows.numel() - 1))
+            weights[-1] = 1.0  # the last prompt row
         runs.append(
             _Run(
                 scoring=scoring,
@@ -184,11 +192,13 @@ def scout_pass(
 
 
 def _layers(adapter: LayerAdapter, runs: list[_Run], linked_kv: LinkedKV) -> None:
-    """The runs' tokens, stacked, through their layers; each run's scores added at its scoring
-    layers (`_score`)."""
+    """The runs' tokens, stacked, through their layers; each run's scored rows' q and its tokens'
+    k kept at its scoring layers, and its scores computed for all of them at once after its last
+    (`_score`)."""
     active: list[_Run] = []
     hidden = pos = gidx = torch.empty(0)
     bounds: list[tuple[int, int]] = []
+    scored: dict[_Run, tuple[int, int, torch.Tensor]] = {}  # run -> (a, b, its scored rows)
     for layer in range(max(run.run_to for run in runs)):
         now = [run for run in runs if run.run_to > layer]
         if now != active:  # the first layer, or a run's scoring layers ended
@@ -206,31 +216,47 @@ def _layers(adapter: LayerAdapter, runs: list[_Run], linked_kv: LinkedKV) -> Non
                 gidx = cat_parts([run.idx + run.offset if run.offset else run.idx for run in now])
             active = now
             sizes = [int(run.index.numel()) for run in active]
-            ends = torch.tensor(sizes).cumsum(0).tolist()
+            ends = list(accumulate(sizes))
             bounds = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+            scored = {
+                r: (a, b, r.rows + a if a else r.rows)
+                for r, (a, b) in zip(active, bounds, strict=True)
+            }
         q, k, v = adapter.attention_inputs(layer, hidden, pos)
         linked_kv.write(layer, gidx, k, v)
-        for run, (a, b) in zip(active, bounds, strict=True):
+        for run in active:
             if layer in run.scoring:
-                _score(adapter, run, layer, q[a:b], k[a:b])
+                a, b, rows = scored[run]
+                run.seen.append((q[rows], k[a:b]))
+                if len(run.seen) == len(run.scoring):
+                    _score(adapter, run)
         if layer + 1 < max(run.run_to for run in active):
             attn = linked_kv.attend(layer, q, gidx)
             hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
 
 
-def _score(adapter: LayerAdapter, run: _Run, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Add layer `layer`'s attention of the run's scored rows (q, k: the run's own rows) to
-    every item token's score."""
+def _score(adapter: LayerAdapter, run: _Run) -> None:
+    """The run's scores (`run.total`, every item token) from the q and k it kept at each of its
+    Ls scoring layers, all layers in ONE batch of ops (not one batch per layer): keys float32
+    [Ls, N, H_kv, D] (the item tokens' linked keys, the scout tokens' own), logits of the R
+    scored rows [Ls, H_kv, group * R, N] with query head h reading key head h // group (no
+    repeated keys), then the equation of the module docstring."""
     dev = adapter.device
-    n_kv = adapter.num_kv_heads
+    n_kv, head_dim = adapter.num_kv_heads, adapter.head_dim
     group = adapter.num_heads // n_kv
-    keys = torch.zeros((run.num_tokens, n_kv, adapter.head_dim), dtype=torch.float32, device=dev)
-    keys[run.item_dev] = run.item_k[run.scoring.index(layer)].float()
-    keys[run.idx] = k.float()
-    qr = q[run.rows].float().transpose(0, 1)  # [H, R, D]
-    kh = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
-    logits = torch.matmul(qr, kh.transpose(1, 2)) * adapter.head_dim**-0.5
-    visible = torch.arange(run.num_tokens, device=dev)[None, :] <= run.idx[run.rows][:, None]
+    layers, n = len(run.seen), run.num_tokens
+    qr = torch.stack([q for q, _ in run.seen]).float()  # [Ls, R, H, D]
+    rows = qr.shape[1]
+    keys = torch.zeros((layers, n, n_kv, head_dim), dtype=torch.float32, device=dev)
+    keys[:, run.item_dev] = run.item_k.float()
+    keys[:, run.idx] = torch.stack([k for _, k in run.seen]).float()
+    # [Ls, R, H_kv, group, D] -> [Ls, H_kv, group * R, D]: head h = kv * group + g
+    qg = qr.view(layers, rows, n_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+    logits = torch.matmul(
+        qg.reshape(layers, n_kv, group * rows, head_dim), keys.permute(0, 2, 3, 1)
+    )
+    logits = logits.view(layers, n_kv * group, rows, n) * head_dim**-0.5  # [Ls, H, R, N]
+    visible = torch.arange(n, device=dev)[None, :] <= run.idx[run.rows][:, None]  # [R, N]
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    per_key = (probs.mean(dim=0) * run.weights[:, None]).sum(dim=0)  # [N]
-    run.total += per_key[run.item_dev]
+    per_key = (probs.mean(dim=1) * run.weights[:, None]).sum(dim=1)  # [Ls, N]
+    run.total += per_key[:, run.item_dev].sum(dim=0)

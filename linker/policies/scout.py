@@ -281,9 +281,9 @@ class ScoutPolicy(Policy):
         """int64 [N] depths after the scout: text, boundaries, then the item tokens of the
         highest score x offset prior (the first `cached_prefix` tokens get depth 0 and leave
         their share to items)."""
-        depth = plan.recompute_depth.clone()
-        chosen = depth >= num_layers
-        chosen[:cached_prefix] = False
+        chosen = plan.recompute_depth >= num_layers
+        if cached_prefix:
+            chosen[:cached_prefix] = False
         chosen |= boundary_mask(plan, entries, self.sinks)
         chosen[-1] = True
         room = self.budget_tokens(plan.num_tokens) - int(chosen.sum())
@@ -294,7 +294,7 @@ class ScoutPolicy(Policy):
                 weighted = scores.float() * offset_prior(plan, self.offset_tau)
                 top = torch.topk(weighted[candidates], min(room, candidates.numel())).indices
                 chosen[candidates[top]] = True
-        return torch.where(chosen, num_layers, 0).to(torch.int64)
+        return torch.where(chosen, num_layers, 0)  # int64
 
     @property
     def corrects(self) -> bool:
