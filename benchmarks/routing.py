@@ -52,12 +52,12 @@ class RoutingResult:
 
 
 def entry_bytes(model: Path) -> int:
-    """Decoded size of one image's entry on `model` (sizes the memory tiers)."""
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+    """Decoded size of one image's entry on `model` (sizes the memory tiers), cached by the
+    reference engine through the `Engine` protocol (`Engine.cache_image`)."""
+    from mpic.benchmarks.offline.engines import get_engine
     from mpic.storage.tiers.memory import entry_nbytes
 
-    runner = ReferenceRunner(str(model))
-    return entry_nbytes(runner.cache_image(make_png(0)))
+    return entry_nbytes(get_engine("reference", str(model)).cache_image(make_png(0)))
 
 
 def app_config(model: Path, store: Path | str, router: str, memory_bytes: int):

@@ -14,8 +14,8 @@ written once (`mpic.engine.request_flow.generate`) and inherited from
 `mpic.engine.request_flow.EngineBase`. Everything around them drives this protocol: the Serve
 engines are thin adapters (`mpic.deployments.engines.engine.ServeEngine`), the offline benchmark
 drives any `Engine` directly (`mpic.benchmarks.offline.engines`: a factory by name and the
-benchmark's requests, `Driver`), and so do the vLLM compression benchmark
-(`mpic.benchmarks.compress.vllm_bench`) and `mpic demo --offline`'s answer table
+benchmark's requests, `Driver`), and so do the compression benchmark on both of its engines
+(`mpic.benchmarks.compress.rows.CompressBench`) and `mpic demo --offline`'s answer table
 (`mpic.cli.demo_answers`).
 
 Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabulary through
@@ -154,7 +154,12 @@ class GenerateRequest:
     capture_steps: bool = False
     """Report every decoded token's distribution (`Decoded.captured`), as `capture_first_token`
     reports the first's (vLLM: of `capture_top_k`'s tokens; the reference engine: the logits);
-    the fake engine captures none. The vLLM compression benchmark's per-step KL."""
+    the fake engine captures none. The compression benchmark's per-step KL."""
+    forced_ids: Sequence[int] = ()
+    """Teacher forcing: decoding takes these ids, in order, in place of its own picks (each still
+    yielded, captured by `capture_steps` with the distribution it replaced, its logprob and
+    penalties counted), then picks its own. The reference engine; vLLM and the fake engine
+    cannot (InvalidRequestError). The compression benchmark's teacher-forced KL."""
 
 
 @dataclass
@@ -173,6 +178,10 @@ class Prefill:
     """Prompt tokens the pass ran through at least one layer (over both steps of a two-step
     policy); the others were linked from entries or hit a prefix cache. None: the backend does
     not tell (read `prompt_tokens - cached_tokens`)."""
+    kv_bytes: int | None = None
+    """Bytes of KV storage the backend holds for the request while it decodes (the reference
+    engine: its dense or compressed KV, room for `max_tokens` included). None: the backend does
+    not tell (vLLM: its paged blocks are shared)."""
 
 
 @dataclass

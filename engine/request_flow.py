@@ -15,6 +15,7 @@ runner links and decodes in this process with `mpic.engine.sampling.Sampler`
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
@@ -208,6 +209,7 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
         policy="full",
         exact_decode=False,
         continue_from=[*request.continue_from, *head],
+        forced_ids=request.forced_ids[len(head) :],
         max_tokens=request.max_tokens - len(head),
         capture_first_token=False,
         press=None,  # the exact KV: the items whole
@@ -274,14 +276,20 @@ class EngineBase(Engine):
 
 
 async def decoded_ids(
-    engine: Engine, request: GenerateRequest, captured: list[Any] | None = None
+    engine: Engine,
+    request: GenerateRequest,
+    captured: list[Any] | None = None,
+    stamps: list[float] | None = None,
 ) -> tuple[list[int], Prefill]:
     """Every token id `engine.decode` gives `request`, and its `Prefill` (benchmarks, tests:
     no text, no stop strings); `captured`, when given, collects each token's distribution
-    (`Decoded.captured`, `GenerateRequest.capture_steps`)."""
+    (`Decoded.captured`, `GenerateRequest.capture_steps`), `stamps` the `time.perf_counter()`
+    at which each step arrived."""
     ids: list[int] = []
     prefill: Prefill | None = None
     async for step in decode_steps(engine, request):
+        if stamps is not None:
+            stamps.append(time.perf_counter())
         ids.extend(step.token_ids)
         prefill = step.prefill or prefill
         if captured is not None:

@@ -34,8 +34,9 @@ class Sampler:
         self.counts: dict[int, int] = {}
         self.pending: list[TokenLogprob] = []
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """The next token id."""
+    def __call__(self, logits: torch.Tensor, forced: int | None = None) -> int:
+        """The next token id; `forced` (teacher forcing, `GenerateRequest.forced_ids`) is taken
+        instead of a draw, its penalties counted and its logprob reported."""
         s, logits = self.s, logits.detach().float().cpu().clone()
         if s.logit_bias:
             ids = torch.tensor(list(s.logit_bias))
@@ -50,7 +51,9 @@ class Sampler:
             ids = torch.tensor(list(self.counts))
             n = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             logits[ids] -= s.frequency_penalty * n + s.presence_penalty
-        if s.temperature <= 0:
+        if forced is not None:
+            token = forced
+        elif s.temperature <= 0:
             token = int(logits.argmax())
         else:
             probs = torch.softmax(logits / s.temperature, dim=-1)

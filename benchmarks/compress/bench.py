@@ -18,34 +18,27 @@ and is the reference. Per (press, budget), means over the prompts:
 - `token_agreement`: share of the `--steps` free-running greedy positions equal to the
   reference's.
 
-`--engine vllm` runs the presses' uniform variant as compressed image entries on vLLM
-(`mpic.benchmarks.compress.vllm_bench`, whose docstring defines its columns). Budget 1.0 is the
-uncompressed run itself (presses do nothing at 1.0). Writes a table, JSON
+Both engines are driven through the `Engine` protocol by the same measuring code
+(`mpic.benchmarks.compress.rows`: `CompressBench`, requests by the offline benchmark's `Driver`,
+and `run_compress`); they differ in the engine `get_engine` returns. `--engine reference`: the
+reference engine (`mpic.engine.hf.engine.ReferenceEngine`), every press exactly over the whole
+prompt KV (`GenerateRequest.press`), teacher-forced by `GenerateRequest.forced_ids`, the KV bytes
+its `Prefill.kv_bytes`. `--engine vllm` runs the presses' uniform variant as compressed image
+entries on vLLM (`mpic.benchmarks.compress.vllm_bench`, whose docstring defines its columns).
+Budget 1.0 is the uncompressed run itself (presses do nothing at 1.0). Writes a table, JSON
 `{"engine", "model", "results": [...]}` and a PNG. docs/presses.md has measured results.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import statistics
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mpic.benchmarks.compress.rows import baseline_row, press_row
-from mpic.benchmarks.offline.bench import kl_divergence
-from mpic.samples import interleaved_prompt, synthetic_png
-
 if TYPE_CHECKING:
-    import torch
-
-    from mpic.engine.hf.reference_runner import ReferenceRunner
-    from mpic.prompt_parts import PromptPart
-
-logger = logging.getLogger(__name__)
+    from mpic.benchmarks.compress.rows import CompressBench
 
 DEFAULT_PRESSES = "elastic,mm-shiftkv,meda,window,snapkv"
 DEFAULT_BUDGETS = "1,0.5,0.3,0.2,0.1"
@@ -62,88 +55,6 @@ ROW_KEYS = (
     "token_agreement",
     "prompt_tokens",
 )
-
-
-def kl_steps(ref: list[torch.Tensor], got: list[torch.Tensor]) -> list[float]:
-    """KL(p_ref || p) per step (nats) of two lists of logits [V]."""
-    return [kl_divergence(r, g) for r, g in zip(ref, got, strict=False)]
-
-
-def _run(
-    runner: ReferenceRunner,
-    parts: list[PromptPart],
-    policy: str,
-    steps: int,
-    press: str | None,
-    budget: float,
-    force: list[int] | None,
-) -> dict[str, Any]:
-    """One generation of `steps` tokens: free-running greedy (force None) or teacher-forced."""
-    logits: list[torch.Tensor] = []
-
-    def pick(lg: torch.Tensor) -> int:
-        logits.append(lg.detach().float().cpu())
-        return force[len(logits) - 1] if force is not None else int(lg.argmax())
-
-    stamps: list[float] = []
-    tokens: list[int] = []
-    pre = None
-    for token, step_pre in runner.stream(
-        parts, policy, steps, stop_at_eos=False, pick=pick, press=press, budget=budget
-    ):
-        pre = step_pre
-        stamps.append(time.perf_counter())
-        tokens.append(token)
-    assert pre is not None
-    kv = pre.kv
-    per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
-    return {
-        "tokens": tokens,
-        "logits": logits,
-        "kv_bytes": kv.nbytes() if hasattr(kv, "nbytes") else kv.keys.nbytes + kv.values.nbytes,
-        "prompt_tokens": pre.plan.num_tokens,
-        "ms_per_token": per_token * 1e3,
-    }
-
-
-def run_compress(
-    runner: ReferenceRunner,
-    prompts: list[list[PromptPart]],
-    policy: str,
-    presses: list[str],
-    budgets: list[float],
-    steps: int,
-) -> list[dict[str, Any]]:
-    """The rows of the table (one per press and budget; budget 1.0 once, as `none`)."""
-    refs = [_run(runner, p, policy, steps, None, 1.0, None) for p in prompts]
-    rows: list[dict[str, Any]] = []
-    full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
-    n_tokens = statistics.mean(r["prompt_tokens"] for r in refs)
-    if 1.0 in budgets:
-        rows.append(baseline_row(refs))
-    for press in presses:
-        for budget in [b for b in budgets if b < 1.0]:
-            kl, top1, agree, kvb, ms = [], [], [], [], []
-            for parts, ref in zip(prompts, refs, strict=True):
-                forced = _run(runner, parts, policy, steps, press, budget, ref["tokens"])
-                free = _run(runner, parts, policy, steps, press, budget, None)
-                kl.append(statistics.mean(kl_steps(ref["logits"], forced["logits"])))
-                top1.append(
-                    statistics.mean(
-                        float(int(g.argmax()) == t)
-                        for g, t in zip(forced["logits"], ref["tokens"], strict=True)
-                    )
-                )
-                agree.append(
-                    statistics.mean(
-                        float(a == b) for a, b in zip(free["tokens"], ref["tokens"], strict=True)
-                    )
-                )
-                kvb.append(free["kv_bytes"])
-                ms.append(free["ms_per_token"])
-            rows.append(press_row(press, budget, kvb, full_bytes, ms, kl, top1, agree, n_tokens))
-            logger.info("%s @ %s done", press, budget)
-    return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -190,56 +101,30 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def build_prompts(
-    runner: ReferenceRunner, items: str, count: int, per_prompt: int
-) -> list[list[PromptPart]]:
-    """`count` prompts of `per_prompt` images or cached text documents each."""
-    prompts = []
-    if items == "images":
-        for p in range(count):
-            ids = [
-                runner.cache_image(synthetic_png(100 * p + i)).entry_id for i in range(per_prompt)
-            ]
-            prompts.append(interleaved_prompt(ids))
-        return prompts
-    from mpic.benchmarks.fidelity.prompts import passages, question_parts
+def open_bench(engine: str, model: str, device: str, press: str) -> CompressBench:
+    """The measuring code over the engine called `engine` (`get_engine`; `device`: the
+    reference engine's); exit 2 for a device torch does not see, or a model whose items vLLM
+    cannot shorten by `press`."""
+    from mpic.benchmarks.compress.rows import CompressBench
+    from mpic.benchmarks.offline.engines import get_engine
 
-    docs = passages(per_prompt * count)
-    for p in range(count):
-        mine = docs[p * per_prompt : (p + 1) * per_prompt]
-        ids = [runner.cache_document(d.text).entry_id for d in mine]
-        prompts.append(question_parts(mine, ids, p))
-    return prompts
-
-
-def _run_vllm(
-    model: str,
-    items: str,
-    prompts: int,
-    count: int,
-    policy: str,
-    names: list[str],
-    budgets: list[float],
-    steps: int,
-) -> list[dict[str, Any]]:
-    """The rows on vLLM: the presses' uniform variant as compressed image entries
-    (`mpic.benchmarks.compress.vllm_bench`); exit 2 for a model whose items vLLM cannot shorten."""
-    from mpic.benchmarks.compress.vllm_bench import VllmCompressBench, run_compress_vllm
+    if engine == "reference":
+        try:
+            return CompressBench(get_engine("reference", model, device))
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from exc
+    from mpic.benchmarks.compress.vllm_bench import VllmCompressBench
     from mpic.engine.vllm.presses import check_press
     from mpic.errors import InvalidRequestError
     from mpic.model_spec import ModelSpec
 
     try:
-        check_press(ModelSpec.from_pretrained(model), names[0], 0.5)
+        check_press(ModelSpec.from_pretrained(model), press, 0.5)
     except InvalidRequestError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
-    bench = VllmCompressBench(model)
-    try:
-        return run_compress_vllm(bench, bench.prompts(prompts, count, items), policy, names,
-                                 budgets, steps)  # fmt: skip
-    finally:
-        bench.close()
+    return VllmCompressBench(model)
 
 
 def command(
@@ -262,6 +147,7 @@ def command(
     """Benchmark KV presses: memory, decode time and fidelity per budget."""
     import torch
 
+    from mpic.benchmarks.compress.rows import run_compress
     from mpic.linker.policies import get_policy
     from mpic.presses.registry import check_budget, get_press
 
@@ -285,14 +171,11 @@ def command(
     torch.set_grad_enabled(False)
     if threads:
         torch.set_num_threads(threads)
-    if engine == "vllm":
-        rows = _run_vllm(model, items, prompts, count, policy, names, bs, steps)
-    else:
-        from mpic.engine.hf.reference_runner import ReferenceRunner
-
-        runner = ReferenceRunner(model, device=device)
-        rows = run_compress(runner, build_prompts(runner, items, prompts, count), policy, names,
-                            bs, steps)  # fmt: skip
+    bench = open_bench(engine, model, device, names[0])
+    try:
+        rows = run_compress(bench, bench.prompts(prompts, count, items), policy, names, bs, steps)
+    finally:
+        bench.close()
     print_table(rows)
     if json_out:
         doc = {

@@ -2,9 +2,11 @@
 processes): the presses' uniform-across-layers variant on vLLM, i.e. compressed image and
 document entries (`mpic.engine.vllm.presses`), per press and budget against the uncompressed
 linked run. It drives `mpic bench offline`'s vLLM engine (`mpic.engine.vllm.async_engine
-.AsyncVllmEngine`) through the `Engine` protocol alone, by that benchmark's `Driver`
-(`mpic.benchmarks.offline.engines`): every run is a linked `GenerateRequest` (never `plain`,
-`full` included) with a fresh `cache_salt`, decoded by `decoded_ids`.
+.AsyncVllmEngine`) through the `Engine` protocol alone, by the measuring code the reference
+engine's run uses (`mpic.benchmarks.compress.rows`: `CompressBench` over that benchmark's
+`Driver`, `run_compress`): every run is a linked `GenerateRequest` (never `plain`, `full`
+included) with a fresh `cache_salt`, decoded by `decoded_ids`; `VllmCompressBench` replaces
+only what vLLM measures differently (below).
 
 Prompts: `--prompts` interleaved prompts of `--images` synthetic images, or `--documents`
 standard-library passages cached as text documents with a question (`--items documents`, for a
@@ -38,27 +40,28 @@ from __future__ import annotations
 import math
 import statistics
 import time
-import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from mpic.benchmarks.compress.rows import baseline_row, press_row
+from mpic.benchmarks.compress.rows import CompressBench
 from mpic.benchmarks.offline.bench import kl_divergence
-from mpic.benchmarks.offline.engines import Driver, first_token_logits, get_engine
+from mpic.benchmarks.offline.engines import get_engine
 from mpic.engine.request_flow import pressed_parts
-from mpic.samples import interleaved_prompt, synthetic_png
 
 if TYPE_CHECKING:
-    from mpic.engine.first_token import FirstToken
-    from mpic.engine.protocol import GenerateRequest
+    from mpic.engine.protocol import Prefill
     from mpic.engine.vllm.async_engine import AsyncVllmEngine
     from mpic.prompt_parts import PromptPart
 
 
-class VllmCompressBench:
-    """The benchmark's requests to a vLLM `Engine` (`AsyncVllmEngine`, full-vocabulary
-    log-probs) through the offline benchmark's `Driver`, with the entries it cached."""
+class VllmCompressBench(CompressBench):
+    """`CompressBench` on a vLLM `Engine` (`AsyncVllmEngine`, full-vocabulary log-probs): the
+    same requests, with what vLLM measures differently (module docstring): compressed entries
+    made before a run, paged KV bytes, decode time by difference, no teacher forcing."""
+
+    warm_up = True
 
     def __init__(self, model_dir: str | None = None, engine: AsyncVllmEngine | None = None) -> None:
         """A new engine for `model_dir` (`mpic bench offline`'s vLLM engine: entries in a
@@ -66,10 +69,8 @@ class VllmCompressBench:
         if engine is None:
             assert model_dir is not None
             engine = cast("AsyncVllmEngine", get_engine("vllm", model_dir))
-        self.engine = engine
-        self.spec = engine.spec
-        self.driver = Driver(engine)
-        self.entries = self.driver.entries
+        super().__init__(engine)
+        self.vllm = engine
         # vLLM's paged cache (its configuration): bytes of one token's K and V in every layer
         cfg = engine.cfg
         dtype_bytes = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
@@ -78,70 +79,62 @@ class VllmCompressBench:
         )
         self.block_size = cfg.block_size
 
-    def prompts(self, count: int, per_prompt: int, items: str = "images") -> list[list[PromptPart]]:
-        """`count` prompts of `per_prompt` synthetic images, or standard-library passages cached
-        as text documents with a question (`items="documents"`, as the reference benchmark's),
-        their entries computed by vLLM."""
-        if items == "documents":
-            from mpic.benchmarks.fidelity.prompts import passages, question_parts
-
-            docs = passages(per_prompt * count)
-            out = []
-            for p in range(count):
-                mine = docs[p * per_prompt : (p + 1) * per_prompt]
-                ids = [self.driver.cache_document(d.text) for d in mine]
-                out.append(question_parts(mine, ids, p))
-            return out
-        return [
-            interleaved_prompt(
-                [self.driver.cache_image(synthetic_png(100 * p + i)) for i in range(per_prompt)]
-            )
-            for p in range(count)
-        ]
-
     def pressed(self, parts: list[PromptPart], press: str, budget: float) -> list[PromptPart]:
         """`parts` with every image and document replaced by its compressed entry
         (`Engine.press_entry`, made by vLLM's worker on first use)."""
-        return pressed_parts(
-            parts, self.entries, lambda e: self.engine.press_entry(e, press, budget)
-        )
+        return pressed_parts(parts, self.entries, lambda e: self.vllm.press_entry(e, press, budget))
 
-    def _request(
-        self, parts: list[PromptPart], policy: str, steps: int, **options: Any
-    ) -> GenerateRequest:
-        """The greedy linked request of `steps` tokens (`full` too: never plain), salted: no
-        prefix-cache hit between runs."""
-        salt = f"mpic-bench-{uuid.uuid4().hex}"
-        return self.driver.request(parts, policy, steps, plain=False, cache_salt=salt, **options)
+    def run(
+        self,
+        parts: list[PromptPart],
+        policy: str,
+        steps: int,
+        press: str | None = None,
+        budget: float | None = None,
+        forced: Sequence[int] = (),
+    ) -> dict[str, Any]:
+        """`CompressBench.run` over `parts` with its items' compressed entries linked when a
+        press is named (`pressed`: made before the run, not timed)."""
+        if press is not None:
+            parts = self.pressed(parts, press, 1.0 if budget is None else budget)
+        return super().run(parts, policy, steps, forced=forced)
 
-    def run(self, parts: list[PromptPart], policy: str, steps: int) -> dict[str, Any]:
-        """Greedy `steps` tokens with per-step log-probs [V], KV bytes held and decode time."""
-        run = self.driver.run
-        # untimed: per-step log-probs over the whole vocabulary
-        captured: list[FirstToken] = []
-        request = self._request(parts, policy, steps, capture_steps=True, capture_top_k=-1)
-        tokens, prefill = run(request, captured)
-        # timed without log-probs (building a vocabulary-sized dict per step would dominate)
+    def kv_bytes(self, prefill: Prefill, steps: int) -> int:
+        """The request's paged KV: ceil((N + steps) / block_size) blocks."""
+        blocks = math.ceil((prefill.prompt_tokens + steps) / self.block_size)
+        return blocks * self.block_size * self.token_bytes
+
+    def ms_per_token(
+        self, stamps: list[float], parts: list[PromptPart], policy: str, steps: int
+    ) -> float:
+        """(time of a `steps`-token request - time of a 1-token request) / (steps - 1), both
+        timed without log-probs (building a vocabulary-sized dict per step would dominate)."""
         t0 = time.perf_counter()
-        run(self._request(parts, policy, steps))
+        self.driver.run(self.request(parts, policy, steps))
         t_steps = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run(self._request(parts, policy, 1))
+        self.driver.run(self.request(parts, policy, 1))
         t_one = time.perf_counter() - t0
-        n = prefill.prompt_tokens
-        blocks = math.ceil((n + steps) / self.block_size)
-        return {
-            "tokens": tokens,
-            "logits": [first_token_logits(c, self.spec.vocab_size) for c in captured],
-            "prompt_tokens": n,
-            "kv_bytes": blocks * self.block_size * self.token_bytes,
-            "ms_per_token": 1e3 * max(t_steps - t_one, 0.0) / (steps - 1),
-        }
+        return 1e3 * max(t_steps - t_one, 0.0) / (steps - 1)
+
+    def pressed_run(
+        self,
+        ref: dict[str, Any],
+        parts: list[PromptPart],
+        policy: str,
+        steps: int,
+        press: str,
+        budget: float,
+    ) -> tuple[dict[str, Any], float, float]:
+        """The press run, its KL over the steps in the reference's context (`_common_kl`: vLLM
+        cannot teacher-force) and whether its first token is the reference's."""
+        got = self.run(parts, policy, steps, press, budget)
+        return got, _common_kl(ref, got), float(ref["tokens"][0] == got["tokens"][0])
 
     def close(self) -> None:
         """Close the driver's loop and stop vLLM's processes."""
-        self.driver.close()
-        self.engine.close()
+        super().close()
+        self.vllm.close()
 
 
 def _common_kl(ref: dict[str, Any], got: dict[str, Any]) -> float:
@@ -155,39 +148,3 @@ def _common_kl(ref: dict[str, Any], got: dict[str, Any]) -> float:
         if r_t != g_t:
             break
     return statistics.mean(kls)
-
-
-def run_compress_vllm(
-    bench: VllmCompressBench,
-    prompts: list[list[PromptPart]],
-    policy: str,
-    presses: list[str],
-    budgets: list[float],
-    steps: int,
-) -> list[dict[str, Any]]:
-    """The rows of the table, as `mpic.benchmarks.compress.bench.run_compress`'s."""
-    bench.run(prompts[0], policy, steps)  # warm-up (first decode steps), not counted
-    refs = [bench.run(p, policy, steps) for p in prompts]
-    full_bytes = statistics.mean(r["kv_bytes"] for r in refs)
-    rows: list[dict[str, Any]] = [baseline_row(refs)] if 1.0 in budgets else []
-    for press in presses:
-        for budget in [b for b in budgets if b < 1.0]:
-            runs = [bench.run(bench.pressed(p, press, budget), policy, steps) for p in prompts]
-            pairs = list(zip(refs, runs, strict=True))
-            rows.append(
-                press_row(
-                    press,
-                    budget,
-                    [r["kv_bytes"] for r in runs],
-                    full_bytes,
-                    [r["ms_per_token"] for r in runs],
-                    [_common_kl(ref, got) for ref, got in pairs],
-                    [float(ref["tokens"][0] == got["tokens"][0]) for ref, got in pairs],
-                    [
-                        statistics.mean(float(a == b) for a, b in zip(*tok, strict=True))
-                        for tok in ((ref["tokens"], got["tokens"]) for ref, got in pairs)
-                    ],
-                    statistics.mean(r["prompt_tokens"] for r in runs),
-                )
-            )
-    return rows

@@ -19,10 +19,10 @@ out as `plain` requests: vLLM runs them as plain vLLM (its own baselines, docs/v
 backend with its own prefix cache (`prefix_cache`) each timed `full` request gets a fresh
 `cache_salt` (no reuse) and each timed `prefix` one a new opening text (only the shared
 system prompt can hit, MPIC paper Fig. 3). The floor, op-count and device hooks are the
-protocol's optional members (`Engine`'s docstring), read with getattr. The vLLM compression
-benchmark (`mpic.benchmarks.compress.vllm_bench`) drives its engine by the same `Driver`
+protocol's optional members (`Engine`'s docstring), read with getattr. The compression benchmark
+(`mpic.benchmarks.compress.rows.CompressBench`) drives both of its engines by the same `Driver`
 (documents cached too, linked requests of any policy: `plain=False`, every step's distribution:
-`GenerateRequest.capture_steps` collected by `Driver.run`).
+`GenerateRequest.capture_steps` collected by `Driver.run`, with each step's arrival time).
 """
 
 from __future__ import annotations
@@ -208,11 +208,15 @@ class Driver:
         )
 
     def run(
-        self, request: GenerateRequest, captured: list[FirstToken] | None = None
+        self,
+        request: GenerateRequest,
+        captured: list[FirstToken] | None = None,
+        stamps: list[float] | None = None,
     ) -> tuple[list[int], Prefill]:
         """`request`'s token ids and `Prefill` (`decoded_ids` on the driver's loop; `captured`
-        collects each token's distribution when the request asks `capture_steps`)."""
-        return self._loop.run_until_complete(decoded_ids(self.engine, request, captured))
+        collects each token's distribution when the request asks `capture_steps`, `stamps` the
+        time each step arrived)."""
+        return self._loop.run_until_complete(decoded_ids(self.engine, request, captured, stamps))
 
     def first_token(self, parts: Sequence[PromptPart], policy: str) -> TimedRun:
         """Time one first token (module docstring: salts and opening texts on a backend with

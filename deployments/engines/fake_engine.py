@@ -180,7 +180,10 @@ class FakeEngine(EngineBase):
         return 4 * turns + words + linked, cached, echo
 
     async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
-        """Echo the last user message's words under `request.sampling`, one word per step."""
+        """Echo the last user message's words under `request.sampling`, one word per step (no
+        teacher forcing: InvalidRequestError for `forced_ids`)."""
+        if request.forced_ids:
+            raise InvalidRequestError("the fake engine cannot teacher-force (forced_ids)")
         start = time.perf_counter()
         prompt_tokens, cached, echo = self._prompt(request)
         if prompt_tokens + request.max_tokens > CONTEXT_LIMIT:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mpic.engine.first_token import FirstToken
+from mpic.engine.hf.compress import dense_nbytes
 from mpic.engine.hf.reference_runner import ReferenceRunner
 from mpic.engine.protocol import Decoded, GenerateRequest
 from mpic.engine.request_flow import EngineBase, continued, prefill_of
@@ -36,8 +37,15 @@ from mpic.engine.sampling import Sampler
 from mpic.engine.token_bytes import TokenBytes
 from mpic.linker.prompt import tokenizer_of
 from mpic.linker.recipe import PlannedPrompt
+from mpic.presses.cache import CompressedKV
 from mpic.prompt_parts import PromptPart
 from mpic.types import CacheEntry
+
+
+def kv_nbytes(kv: Any) -> int:
+    """Bytes of a request's KV storage, room for the decoded tokens included: a
+    `CompressedKV`'s (`nbytes`) or a dense linked KV's (`dense_nbytes`)."""
+    return kv.nbytes() if isinstance(kv, CompressedKV) else dense_nbytes(kv)
 
 
 class ReferenceEngine(EngineBase):
@@ -93,9 +101,10 @@ class ReferenceEngine(EngineBase):
             )
 
     async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
-        """`Engine.decode` on a decode thread (module docstring): one step per token, the first
-        carrying the prefill (its first-token logits when `capture_first_token`; each token's
-        logits [V] in `captured` when `capture_steps`)."""
+        """`Engine.decode` on a decode thread (module docstring): one step per token (the
+        request's `forced_ids` first), the first carrying the prefill (the KV bytes held,
+        `kv_nbytes`; its first-token logits when `capture_first_token`; each token's logits [V]
+        in `captured` when `capture_steps`)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         gone = threading.Event()
@@ -124,6 +133,7 @@ class ReferenceEngine(EngineBase):
                     prefill = prefill_of(
                         pre.plan, pre.ttft_s, first_token=captured, recomputed=pre.recomputed_tokens
                     )
+                    prefill.kv_bytes = kv_nbytes(pre.kv)
                     first = False
                 yield Decoded([token], logprobs, prefill, None if step is None else [step])
         finally:
@@ -204,11 +214,13 @@ class ReferenceEngine(EngineBase):
             tokenizer = tokenizer_of(self.runner.processor)
             sampler = Sampler(request.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
             picked: list[FirstToken | None] = [None]
+            forced, step = list(request.forced_ids), [0]
 
             def pick(logits: torch.Tensor) -> int:
                 if request.capture_steps:
                     picked[0] = FirstToken.from_logits(logits)
-                return sampler(logits)
+                step[0] += 1
+                return sampler(logits, forced[step[0] - 1] if step[0] <= len(forced) else None)
 
             with self._held_unless(gone.is_set) as held:
                 if not held or gone.is_set():  # abandoned while queued: no prefill at all

@@ -110,7 +110,9 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
         top-`TOP_K` raw logprobs, or `capture_top_k`'s, when `capture_first_token`: vLLM
         returns logprobs, not logits; every token's the same way in `captured` when
         `capture_steps`). A linked request that fails to link is answered by its exact fallback
-        (`Prefill.fallbacks`)."""
+        (`Prefill.fallbacks`). No teacher forcing (`forced_ids`: InvalidRequestError)."""
+        if request.forced_ids:
+            raise InvalidRequestError("the vLLM engine cannot teacher-force (forced_ids)")
         start = time.perf_counter()
         tokenizer = tokenizer_of(self.processor)
         sampling = sampling_kwargs(request.sampling, len(tokenizer))

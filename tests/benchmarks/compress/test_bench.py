@@ -1,6 +1,8 @@
 """`mpic bench compress` on the tiny LLaVA: JSON shape, the memory figures against the exact
-byte count of the compressed KV, fidelity columns, bad options exit 2; the uniform-across-layers
-selection (the vLLM path's variant) keeps one token set of exactly the budget."""
+byte count of the compressed KV, fidelity columns, bad options exit 2; every reference run goes
+through the `Engine` protocol (`ReferenceEngine.decode`, the press and the teacher forcing in its
+`GenerateRequest`); the uniform-across-layers selection (the vLLM path's variant) keeps one token
+set of exactly the budget."""
 
 from __future__ import annotations
 
@@ -47,6 +49,32 @@ def test_json_table_and_plot(bench, tiny_llava_dir):
         assert r["kl_mean"] >= 0 and 0 <= r["token_agreement"] <= 1
     assert "| window | 0.5 |" in output
     assert (out / "c.png").stat().st_size > 0
+
+
+def test_reference_runs_go_through_the_engine_protocol(tiny_llava_dir, monkeypatch):
+    from mpic.engine.hf.engine import ReferenceEngine
+
+    seen = []
+    decode = ReferenceEngine.decode
+
+    def spy(self, request):  # noqa: ANN001, ANN202
+        seen.append(request)
+        return decode(self, request)
+
+    monkeypatch.setattr(ReferenceEngine, "decode", spy)
+    args = [
+        "bench", "compress", "--model", str(tiny_llava_dir), "--presses", "window",
+        "--budgets", "1,0.5", "--images", "1", "--prompts", "2", "--steps", "3",
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    # per prompt: the reference run, then the press run teacher-forced on its tokens and free
+    assert [(r.press, r.budget, len(r.forced_ids)) for r in seen] == [
+        (None, None, 0),
+        (None, None, 0),
+        *[("window", 0.5, 3), ("window", 0.5, 0)] * 2,
+    ]
+    assert all(r.capture_steps and not r.plain and r.max_tokens == 3 for r in seen)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """`mpic bench compress --engine vllm` through the `Engine` protocol (`AsyncVllmEngine` driven by
-the offline benchmark's `Driver`) on both 1-D RoPE tiny families: every step's log-probs cover
-the whole vocabulary (a distribution whose argmax is the greedy token), the rows' prompts are
-shorter by exactly the tokens each press dropped and their KV bytes are vLLM's blocks."""
+the offline benchmark's `Driver`, by the reference engine's measuring code: `run_compress`) on
+both 1-D RoPE tiny families: every step's log-probs cover the whole vocabulary (a distribution
+whose argmax is the greedy token), the rows' prompts are shorter by exactly the tokens each press
+dropped and their KV bytes are vLLM's blocks."""
 
 from __future__ import annotations
 
@@ -50,11 +51,11 @@ def test_each_step_is_a_full_vocabulary_distribution(bench) -> None:  # noqa: AN
 
 
 def test_rows(bench) -> None:  # noqa: ANN001
-    from mpic.benchmarks.compress.vllm_bench import run_compress_vllm
+    from mpic.benchmarks.compress.rows import run_compress
 
     (parts,) = prompts = bench.prompts(1, 2)  # LLaVA-NeXT's anyres images are long
     images = [bench.entries[p.entry_id] for p in parts if isinstance(p, ImageRef)]
-    rows = run_compress_vllm(bench, prompts, POLICY, ["elastic", "snapkv"], [1.0, BUDGET], 4)
+    rows = run_compress(bench, prompts, POLICY, ["elastic", "snapkv"], [1.0, BUDGET], 4)
     assert [(r["press"], r["budget"]) for r in rows] == [
         ("none", 1.0),
         ("elastic", BUDGET),
