@@ -12,6 +12,7 @@ first-token distribution are peaked but not one-hot); the tokenizer is trained o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -79,11 +80,14 @@ def make_tiny(
     seed: int = 0,
     device: str | None = None,
     dtype: str | None = None,
+    layers: int | None = None,
 ) -> Path:
     """Write a random-weight HF folder for `family` at `size` into `out`; returns its path.
 
     device: where weights are drawn (default `default_device(size)`); dtype: "float32" or
-    "bfloat16" as saved (default bfloat16 for `7b`, float32 otherwise). The folder is assembled
+    "bfloat16" as saved (default bfloat16 for `7b`, float32 otherwise); layers: the language
+    model's decoder layers instead of the size's (e.g. `small` at 7B's 32 layers: per-request
+    costs weighed at a real depth on a CPU). The folder is assembled
     in a temporary sibling and renamed into place, so a failure never leaves a half-written model
     behind. Raises ValueError on an unknown family, size or dtype.
     """
@@ -95,6 +99,8 @@ def make_tiny(
     dtype = dtype or ("bfloat16" if size == "7b" else "float32")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"unknown dtype {dtype!r}: float32 or bfloat16")
+    if layers is not None and not 1 <= layers <= 128:
+        raise ValueError(f"layers must be in [1, 128], got {layers}")
     import torch
     from transformers import (
         LlavaForConditionalGeneration,
@@ -110,6 +116,8 @@ def make_tiny(
     from mpic.engine.tiny.tokenizer import build_tokenizer
 
     shape = SHAPES[(family, size)]
+    if layers is not None:
+        shape = dataclasses.replace(shape, layers=layers)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
@@ -136,7 +144,14 @@ def make_tiny(
         processor(family, shape, tokenizer, size).save_pretrained(stage)
         (stage / "mpic_tiny.json").write_text(
             json.dumps(
-                {"family": family, "size": size, "seed": seed, "dtype": dtype, "device": device},
+                {
+                    "family": family,
+                    "size": size,
+                    "seed": seed,
+                    "dtype": dtype,
+                    "device": device,
+                    "layers": shape.layers,
+                },
                 indent=1,
             )
         )
@@ -163,8 +178,14 @@ def make_tiny_command(
     lm: str = typer.Option(
         None, "--lm", help="smollm2: the trained SmolLM2-135M as the language model (llava)"
     ),
+    layers: int = typer.Option(
+        None, "--layers", help="language model decoder layers (default: the size's; 7b has 32)"
+    ),
 ) -> None:
     """Write a random-weight HF model folder (config, weights, tokenizer, processor)."""
+    if lm is not None and layers is not None:
+        typer.echo("error: --layers sets a random language model's depth; not with --lm", err=True)
+        raise typer.Exit(code=2)
     if lm is not None:  # a trained language model behind a random vision tower
         from mpic.engine.tiny.smollm2 import make_with_trained_lm_command
 
@@ -181,7 +202,7 @@ def make_tiny_command(
 
     try:
         with Console(stderr=True).status(f"writing {family} {size} model to {out} ..."):
-            path = make_tiny(family, size, out, seed, device, dtype)  # type: ignore[arg-type]
+            path = make_tiny(family, size, out, seed, device, dtype, layers)  # type: ignore[arg-type]
     except (FileExistsError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc

@@ -183,3 +183,28 @@ def test_make_tiny_rejects_unknown_names(tmp_path: Path):
     with pytest.raises(ValueError, match="size one of"):
         make_tiny("llava", "huge", tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+def test_layers_sets_the_language_model_depth(tmp_path: Path):
+    """`--layers`: the size's shape at another depth; the folder loads and its decoder has that
+    many layers (weights included); bad values and `--lm` beside it are CLI errors."""
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    result = CliRunner().invoke(
+        app,
+        ["model", "make-tiny", "--family", "llava", "--layers", "3", "--out", str(tmp_path / "m")],
+    )
+    assert result.exit_code == 0, result.output
+    config = AutoConfig.from_pretrained(tmp_path / "m")
+    assert config.text_config.num_hidden_layers == 3 != SHAPES[("llava", "tiny")].layers
+    model = LlavaForConditionalGeneration.from_pretrained(tmp_path / "m")
+    assert len(model.model.language_model.layers) == 3
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as handle:
+        assert any(".layers.2." in k and "language_model" in k for k in handle.keys())
+    for bad in (["--layers", "0"], ["--layers", "2", "--lm", "smollm2"]):
+        out = tmp_path / f"bad{len(bad)}"
+        result = CliRunner().invoke(
+            app, ["model", "make-tiny", "--family", "llava", *bad, "--out", str(out)]
+        )
+        assert result.exit_code == 2 and "error:" in result.output, result.output
+        assert not out.exists()
