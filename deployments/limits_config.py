@@ -63,7 +63,13 @@ class LimitsConfig(BaseModel):
         description="Estimated prompt + max_tokens of the generations one LLM-worker replica "
         "runs at once (else HTTP 429).",
     )
-    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 from the budget.")
+    retry_after_s: int = Field(
+        1,
+        ge=1,
+        description="The least Retry-After of a 429 from the LLM worker's budget; it announces "
+        "its estimate of when a slot frees (mean generation time / requests in flight) when "
+        "that is longer.",
+    )
     ttft_target_s: float = Field(
         10.0,
         ge=0,

@@ -2,12 +2,20 @@
 
 Closed loop (default): C concurrent clients (asyncio + httpx) each loop for `duration` seconds:
 one streaming chat completion that links the same cached files in a client-specific interleaved
-prompt. Open loop (`--rate R`): requests arrive as a Poisson process of R per second whatever the
+prompt. A refused client waits as OpenAI's Python client does before it retries (`--retry
+openai`, the default; `retry_delay_s`): the wait the refusal announces (`retry-after-ms`, else
+`Retry-After`) when it is within (0, 120] s, else an exponential backoff (0.5 s doubling per
+refusal in a row, at most 8 s, less up to 25 % jitter). `--retry fixed` keeps the earlier
+default, a retry 0.2 s after each refusal (the load tables of docs/serving.md before "Refusals
+that say when to come back"), and `--retry retry-after` the earlier `--honor-retry-after` (the
+integer `Retry-After`, else 0.2 s).
+Open loop (`--rate R`): requests arrive as a Poisson process of R per second whatever the
 server does (each arrival its own task), the way overload really comes.
 
 Every answer is admitted (200), rejected (429/503 with `Retry-After`: the admission control) or an
 error. Reports admitted / rejected / errors, TTFT p50/p99 of the admitted (first SSE content
-chunk), output tokens/s, and the RSS of every Serve deployment's replica processes over the run
+chunk), output tokens/s, answered (goodput) and refused requests per second, the waits the
+refusals announced, and the RSS of every Serve deployment's replica processes over the run
 (sampled each second from the local processes Ray names `ServeReplica:<app>:<Deployment>`).
 `--abandon N` first opens N streams, drops each after its first chunk (with `--abandon-queued`:
 all of them once the first streams, the others still queued), and times the next small request
@@ -26,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 import random
 import time
 
@@ -35,7 +44,12 @@ import typer
 
 from mpic.benchmarks.load.replica_rss import RssSampler
 from mpic.benchmarks.load.report import LoadResult, write_outputs
-from mpic.benchmarks.load.requests import metrics_rejections, metrics_ttft, send_one
+from mpic.benchmarks.load.requests import (
+    announced_wait_s,
+    metrics_rejections,
+    metrics_ttft,
+    send_one,
+)
 from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
 
 logger = logging.getLogger(__name__)
@@ -108,6 +122,36 @@ async def abandon_probe(
     return time.perf_counter() - t0
 
 
+RETRY_POLICIES = ("openai", "fixed", "retry-after")
+"""How a refused closed-loop client waits before it retries (`retry_delay_s`)."""
+FIXED_RETRY_S = 0.2
+"""`--retry fixed`: the earlier default wait after a refusal."""
+OPENAI_MAX_RETRY_AFTER_S = 120.0
+"""OpenAI's Python client honours an announced wait up to this (`MAX_RETRY_AFTER_DELAY`)."""
+
+
+def retry_delay_s(
+    policy: str, headers: httpx.Headers, attempt: int, rng: random.Random | None = None
+) -> float:
+    """Seconds a refused client waits before its next try. `attempt`: refusals in a row before
+    this one (0 for the first). "openai": as OpenAI's Python client (`_calculate_retry_timeout`):
+    the announced wait (`announced_wait_s`: `retry-after-ms`, else `Retry-After`) when it is in
+    (0, 120] s, else `min(0.5 · 2^attempt, 8)` s less up to 25 % jitter; "retry-after": the
+    integer `Retry-After`, else 0.2 s (the earlier `--honor-retry-after`); "fixed": 0.2 s."""
+    if policy == "fixed":
+        return FIXED_RETRY_S
+    if policy == "retry-after":
+        raw = headers.get("retry-after") or ""
+        return float(raw) if raw.isdigit() else FIXED_RETRY_S
+    if policy != "openai":
+        raise ValueError(f"unknown retry policy {policy!r} (one of {RETRY_POLICIES})")
+    wait = announced_wait_s(headers)
+    if wait is not None and math.isfinite(wait) and 0 < wait <= OPENAI_MAX_RETRY_AFTER_S:
+        return wait
+    backoff = min(0.5 * 2.0 ** min(attempt, 1000), 8.0)
+    return backoff * (1 - 0.25 * (rng or random).random())
+
+
 async def _client(
     cid: int,
     http: httpx.AsyncClient,
@@ -118,17 +162,20 @@ async def _client(
     t_end: float,
     out: LoadResult,
     rejected_lat: list,
-    honor_retry_after: bool = False,
+    retry: str = "openai",
+    announced: list | None = None,
 ) -> None:
-    turn = 0
+    turn, in_a_row, rng = 0, 0, random.Random(cid)
     while time.perf_counter() < t_end:
         turn += 1
-        before = out.rejected
         body = _body(cid, turn, file_ids, policy, max_tokens)
-        retry = await send_one(http, body, t_start, out, rejected_lat)
-        if out.rejected > before:  # a rejected closed-loop client backs off (0.2 s or as told)
-            wait = float(retry) if honor_retry_after and (retry or "").isdigit() else 0.2
-            await asyncio.sleep(min(wait, max(0.0, t_end - time.perf_counter())))
+        refused = await send_one(http, body, t_start, out, rejected_lat, announced)
+        if refused is None:
+            in_a_row = 0
+            continue
+        wait = retry_delay_s(retry, refused, in_a_row, rng)  # a refused client backs off
+        in_a_row += 1
+        await asyncio.sleep(min(wait, max(0.0, t_end - time.perf_counter())))
 
 
 async def run_load_async(
@@ -144,20 +191,24 @@ async def run_load_async(
     seed: int = 0,
     burst: int = 0,
     abandon_queued: bool = False,
-    honor_retry_after: bool = False,
+    retry: str = "openai",
 ) -> LoadResult:
     """Run `clients` closed-loop clients, or open-loop Poisson arrivals at `rate`/s, for
     `duration_s` against `url` (after the `abandon` probe when asked); or, with `burst`, send
     `burst` requests at once and wait for every answer. The server's counted rejections
-    (/metrics) are scraped before and after."""
+    (/metrics) are scraped before and after. `retry`: how a refused closed-loop client waits
+    (`retry_delay_s`); the open loop and the burst do not retry."""
+    if retry not in RETRY_POLICIES:
+        raise ValueError(f"unknown retry policy {retry!r} (one of {RETRY_POLICIES})")
     out = LoadResult(clients, duration_s, 0, 0, 0.0, 0.0, 0, 0.0, 0.0)
     out.mode, out.rate = ("open", rate) if rate else ("closed", None)
     out.mode, out.burst = ("burst", burst) if burst else (out.mode, 0)
-    out.honor_retry_after = honor_retry_after
+    out.retry = retry
     conns = clients + abandon + 4 if not rate else max(64, int(rate * 30))
     conns = max(conns, burst + 4)
     limits = httpx.Limits(max_connections=conns)
     rejected_lat: list[float] = []
+    announced: list[float] = []
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120, limits=limits
     ) as http:
@@ -180,6 +231,7 @@ async def run_load_async(
                             t_start,
                             out,
                             rejected_lat,
+                            announced,
                         )
                         for i in range(burst)
                     )
@@ -192,7 +244,9 @@ async def run_load_async(
                     n += 1
                     body = _body(n, 0, file_ids, policy, max_tokens)
                     tasks.append(
-                        asyncio.create_task(send_one(http, body, t_start, out, rejected_lat))
+                        asyncio.create_task(
+                            send_one(http, body, t_start, out, rejected_lat, announced)
+                        )
                     )
                 await asyncio.gather(*tasks)
             else:
@@ -208,7 +262,8 @@ async def run_load_async(
                             t_end,
                             out,
                             rejected_lat,
-                            honor_retry_after,
+                            retry,
+                            announced,
                         )
                         for i in range(clients)
                     ]
@@ -238,12 +293,16 @@ async def run_load_async(
             out.server_ttft = grown_ttft
     if rejected_lat:
         out.rejected_latency_p99_s = float(np.percentile(rejected_lat, 99))
+    if announced:
+        out.retry_after_p50_s = float(np.percentile(announced, 50))
+        out.retry_after_max_s = float(max(announced))
     ttfts = np.array([s[1] for s in out.samples]) if out.samples else np.zeros(1)
     out.duration_s = elapsed
     out.ttft_p50_s = float(np.percentile(ttfts, 50))
     out.ttft_p99_s = float(np.percentile(ttfts, 99))
     out.output_tokens_per_s = out.output_tokens / elapsed
     out.requests_per_s = out.requests / elapsed
+    out.rejected_per_s = out.rejected / elapsed
     return out
 
 
@@ -269,11 +328,18 @@ def command(
         "--abandon-queued",
         help="With --abandon N: drop all N once the first streams (the rest still queued).",
     ),
+    retry: str = typer.Option(
+        "openai",
+        "--retry",
+        help="Closed loop: how a refused client waits before it retries: openai (as OpenAI's "
+        "Python client: retry-after-ms / Retry-After, else exponential backoff), fixed (0.2 s, "
+        "the earlier default), retry-after (the integer Retry-After, else 0.2 s).",
+    ),
     honor_retry_after: bool = typer.Option(
         False,
         "--honor-retry-after",
-        help="Closed loop: a rejected client waits the answer's Retry-After (as OpenAI's "
-        "clients do) instead of 0.2 s.",
+        hidden=True,
+        help="The earlier flag: --retry retry-after.",
     ),
     port: int = typer.Option(8000, "--port"),
     json_out: str = typer.Option("out/load.json", "--json"),
@@ -287,6 +353,8 @@ def command(
     from mpic.deployments.config import load_config
     from mpic.deployments.local import start_local, stop_local
 
+    if retry not in RETRY_POLICIES:
+        raise typer.BadParameter(f"one of {', '.join(RETRY_POLICIES)}", param_hint="--retry")
     started = url is None
     cfg = load_config(config) if started or config else None
     if started:
@@ -306,7 +374,7 @@ def command(
                 abandon,
                 burst=burst,
                 abandon_queued=abandon_queued,
-                honor_retry_after=honor_retry_after,
+                retry="retry-after" if honor_retry_after else retry,
             )
         )
         res.ttft_target_s = cfg.limits.ttft_target_s if cfg is not None else None

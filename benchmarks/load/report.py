@@ -1,7 +1,8 @@
 """What one `mpic bench load` run measured (CLI process): `LoadResult` (admitted, rejected and
-failed requests, TTFT percentiles of the admitted, throughput, rejections by status and code and
-as the server counted them, the replicas' RSS over the run), and `write_outputs`: the printed
-tables, the JSON and the PNG (TTFT over time, its distribution, RSS per deployment over time).
+failed requests, TTFT percentiles of the admitted, throughput (answered and refused requests per
+second), rejections by status and code and as the server counted them, the waits they
+announced, the replicas' RSS over the run), and `write_outputs`: the printed tables, the JSON
+and the PNG (TTFT over time, its distribution, RSS per deployment over time).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class LoadResult:
     output_tokens: int
     output_tokens_per_s: float
     requests_per_s: float
+    """Answered (admitted and served) requests per second: the goodput."""
     error_samples: list[str] = field(default_factory=list)
     samples: list[tuple[float, float]] = field(default_factory=list)
     """(start offset s, TTFT s) of every successful request."""
@@ -48,9 +50,16 @@ class LoadResult:
     rejected_by_code: dict[str, int] = field(default_factory=dict)
     """Rejections by the JSON body's `error.code` (server_overloaded, engine_unavailable, ...)."""
     rejected_not_json: int = 0
-    honor_retry_after: bool = False
-    """Closed loop: a rejected client waited the answer's Retry-After (else 0.2 s)."""
     """Rejections whose body is not the OpenAI-style JSON error (e.g. a proxy's plain text)."""
+    retry: str = "openai"
+    """Closed loop: how a refused client waited before it retried (`bench.retry_delay_s`):
+    "openai" (the announced wait, else exponential backoff), "fixed" (0.2 s), "retry-after"
+    (the integer Retry-After, else 0.2 s)."""
+    rejected_per_s: float = 0.0
+    """Refusals (429/503) per second of the run."""
+    retry_after_p50_s: float | None = None
+    retry_after_max_s: float | None = None
+    """Median and largest wait the refusals announced (`retry-after-ms`, else `Retry-After`)."""
     metrics_rejected: dict[str, float] = field(default_factory=dict)
     """Growth of the server's `mpic_requests_total{outcome=429|503}` for the chat route over
     the run (scraped from /metrics before and after)."""
@@ -70,6 +79,7 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
 
     who = f"{res.rate:g} req/s Poisson" if res.rate else f"{res.clients} clients"
     who = f"burst of {res.burst}" if res.burst else who
+    who = f"{who}, retry {res.retry}" if res.mode == "closed" and not res.burst else who
     table = Table(title=f"load: {who}, {res.duration_s:.1f} s")
     cols = [
         "sent",
@@ -79,7 +89,8 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         "TTFT p50 ms",
         "TTFT p99 ms",
         "out tok/s",
-        "req/s",
+        "answered/s",
+        "refused/s",
     ]
     for col in cols:
         table.add_column(col, justify="right")
@@ -92,6 +103,7 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
         f"{res.ttft_p99_s * 1e3:.1f}",
         f"{res.output_tokens_per_s:.1f}",
         f"{res.requests_per_s:.2f}",
+        f"{res.rejected_per_s:.2f}",
     )
     Console().print(table)
     if res.rejected:
@@ -100,6 +112,11 @@ def write_outputs(res: LoadResult, json_out: str | None, plot: str | None) -> No
             f"JSON, {res.rejected - res.rejected_without_retry_after} with Retry-After, p99 "
             f"{res.rejected_latency_p99_s * 1e3:.0f} ms, by code {res.rejected_by_code}; counted "
             f"by the server (/metrics): {res.metrics_rejected or 'none'}"
+        )
+    if res.retry_after_p50_s is not None:
+        Console().print(
+            f"announced waits (retry-after-ms, else Retry-After): p50 "
+            f"{res.retry_after_p50_s:.2f} s, max {res.retry_after_max_s:.2f} s"
         )
     if res.ttft_target_s is not None:
         Console().print(

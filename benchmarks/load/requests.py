@@ -1,7 +1,8 @@
 """One request of `mpic bench load` (CLI process) and how its answer is classified: admitted
 (200, TTFT to the first SSE content chunk, output tokens from the usage chunk), rejected (429/503:
-the admission control; its `Retry-After`, whether the body is OpenAI-style JSON and its
-`error.code` are recorded) or an error. Also the server's own count of the rejections
+the admission control; its `Retry-After`, the wait it announces as OpenAI's client reads it
+(`announced_wait_s`), whether the body is OpenAI-style JSON and its `error.code` are recorded)
+or an error. Also the server's own count of the rejections
 (`mpic_requests_total` of the chat route on /metrics), to compare with what the clients saw.
 """
 
@@ -17,16 +18,37 @@ from mpic.deployments.http.chat_client import sse_chunk
 
 
 class _Rejected(Exception):
-    def __init__(self, status: int, retry_after: str | None) -> None:
+    def __init__(self, status: int, headers: httpx.Headers) -> None:
         super().__init__(f"HTTP {status}")
-        self.status, self.retry_after = status, retry_after
+        self.status, self.headers = status, headers
+
+
+def announced_wait_s(headers: httpx.Headers) -> float | None:
+    """The wait a refusal announces, read as OpenAI's Python client reads it
+    (`_parse_retry_after_header`): `retry-after-ms` first, then `Retry-After` as (possibly
+    fractional) seconds; None when neither is a number (an HTTP date is not sent here)."""
+    for name, divisor in (("retry-after-ms", 1000), ("retry-after", 1)):
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            return float(raw) / divisor
+        except ValueError:
+            continue
+    return None
 
 
 async def send_one(
-    http: httpx.AsyncClient, body: dict, t_start: float, out: LoadResult, rejected_lat: list
-) -> str | None:
+    http: httpx.AsyncClient,
+    body: dict,
+    t_start: float,
+    out: LoadResult,
+    rejected_lat: list,
+    announced: list | None = None,
+) -> httpx.Headers | None:
     """One streaming request, classified as admitted, rejected (429/503) or an error; the
-    Retry-After of a rejection (None otherwise)."""
+    headers of a rejection (None otherwise). `announced` collects each rejection's announced
+    wait (s; `announced_wait_s`)."""
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     out.sent += 1
@@ -37,7 +59,7 @@ async def send_one(
                 out.rejected_not_json += not _is_json_error(resp.headers, raw)
                 code = _error_code(raw)
                 out.rejected_by_code[code] = out.rejected_by_code.get(code, 0) + 1
-                raise _Rejected(resp.status_code, resp.headers.get("retry-after"))
+                raise _Rejected(resp.status_code, resp.headers)
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             async for line in resp.aiter_lines():
@@ -63,9 +85,11 @@ async def send_one(
         out.rejected += 1
         key = str(rej.status)
         out.rejected_by_status[key] = out.rejected_by_status.get(key, 0) + 1
-        out.rejected_without_retry_after += rej.retry_after is None
+        out.rejected_without_retry_after += rej.headers.get("retry-after") is None
         rejected_lat.append(time.perf_counter() - t0)
-        return rej.retry_after
+        if announced is not None and (wait := announced_wait_s(rej.headers)) is not None:
+            announced.append(wait)
+        return rej.headers
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError, KeyError) as exc:
         out.errors += 1
         if len(out.error_samples) < 5:

@@ -100,12 +100,16 @@ def error_response(
     code: str | None,
     param: str | None = None,
     retry_after: int | None = None,
+    retry_after_ms: int | None = None,
 ) -> JSONResponse:
-    """One OpenAI error body with `status`."""
+    """One OpenAI error body with `status` (with `Retry-After`, and `retry-after-ms` where the
+    wait is known more finely: `mpic.deployments.serve.admission.retry_wait`)."""
     body = ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=code))
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
+        if retry_after_ms is not None:
+            headers["retry-after-ms"] = str(retry_after_ms)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
 
 
@@ -137,7 +141,8 @@ def mpic_error_response(exc: MPICError, request: Request | None = None) -> JSONR
         logger.warning("answering %d: %s", exc.status, exc.message)
     else:
         log_client_error(request, exc.status, exc.code, message)
-    return error_response(exc.status, message, exc.type, exc.code, exc.param, retry)
+    retry_ms = getattr(exc, "retry_after_ms", None)
+    return error_response(exc.status, message, exc.type, exc.code, exc.param, retry, retry_ms)
 
 
 _TYPE_LABEL = re.compile(r"^(str|int|float|bool|list|dict|none|[\w-]+\[.*\])$")

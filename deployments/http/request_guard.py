@@ -30,6 +30,7 @@ from mpic.deployments.serve.admission import (
     OverloadedError,
     as_backpressure,
     queue_full,
+    retry_headers,
 )
 
 PUBLIC_PATHS = (
@@ -162,7 +163,9 @@ class RequestGuard:
                     if not message.get("more_body"):
                         busy = _plain_503_as(plain)
                         status, body = _body(busy.status, busy.message, busy.type, busy.code)
-                        retry = [(b"retry-after", str(busy.retry_after).encode())]
+                        retry = retry_headers(
+                            busy.retry_after, getattr(busy, "retry_after_ms", None)
+                        )
                         await _send_json(send, status, body, retry)
                 started = True
                 return
@@ -180,7 +183,7 @@ class RequestGuard:
                 raise
             else:  # Serve's queue bound (429), answered here so Serve's plain 503 never shows
                 status, body = _body(busy.status, busy.message, busy.type, busy.code)
-                retry = [(b"retry-after", str(busy.retry_after).encode())]
+                retry = retry_headers(busy.retry_after, getattr(busy, "retry_after_ms", None))
                 return await _send_json(send, status, body, retry)
         if over and not started:
             await _send_json(send, *_too_large(what, limit))

@@ -25,11 +25,21 @@ Three layers keep an overloaded deployment answering fast instead of queueing wi
 
 Every rejection is counted by the ingress's request counter (`mpic_requests_total`, outcome
 "429" / "503").
+
+**Retry-After** says when capacity is likely back, by one recipe (`retry_wait`): the expected
+wait for a slot, clamped to [1 s, `RETRY_AFTER_MAX_S`], as the integer `Retry-After` (HTTP's
+delay-seconds, rounded up) and `retry-after-ms` (milliseconds, which OpenAI's clients read
+first). The ingress's TTFT admission (`mpic.deployments.http.shedding`) knows the wait: the
+backlog above its bound over the measured first-token rate. The worker's budget estimates it
+by Little's law from the generations it holds: a slot frees about every `mean generation time /
+requests in flight` seconds (`EngineBudget.expected_wait_s`), at least `limits.retry_after_s`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,9 +54,35 @@ class OverloadedError(MPICError):
     type = "rate_limit_error"
     code = "engine_overloaded"
 
-    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+    def __init__(
+        self, message: str, *, retry_after: int = 1, retry_after_ms: int | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.retry_after_ms = retry_after_ms
+
+
+RETRY_AFTER_MAX_S = 60
+"""Longest wait a refusal announces: OpenAI's Python client honours a `Retry-After` of up to 60 s
+(120 s in recent releases) and does not retry past it."""
+
+
+def retry_wait(wait_s: float, max_s: int = RETRY_AFTER_MAX_S) -> tuple[int, int]:
+    """(Retry-After s, retry-after-ms) of a refusal whose client can expect capacity back in
+    about `wait_s` seconds: the wait clamped to [1 s, `max_s`], in milliseconds rounded up, and
+    in whole seconds rounded up (so `Retry-After` is never earlier than `retry-after-ms`)."""
+    wait = wait_s if math.isfinite(wait_s) else float(max_s)
+    ms = math.ceil(min(max(wait, 1.0), float(max_s)) * 1000 - 1e-6)
+    return math.ceil(ms / 1000), ms
+
+
+def retry_headers(retry_after: int, retry_after_ms: int | None = None) -> list[tuple[bytes, bytes]]:
+    """The raw ASGI headers of a refusal: `retry-after` (integer seconds) and, when known,
+    `retry-after-ms`."""
+    out = [(b"retry-after", str(retry_after).encode())]
+    if retry_after_ms is not None:
+        out.append((b"retry-after-ms", str(retry_after_ms).encode()))
+    return out
 
 
 class EngineUnavailableError(MPICError):
@@ -62,14 +98,31 @@ class EngineUnavailableError(MPICError):
 
 
 class EngineBudget:
-    """Requests and tokens in flight on one LLM-worker replica; thread-safe."""
+    """Requests and tokens in flight on one LLM-worker replica; thread-safe. `clock` is
+    injectable for tests."""
 
-    def __init__(self, max_requests: int, max_tokens: int, retry_after_s: int = 1) -> None:
+    def __init__(
+        self,
+        max_requests: int,
+        max_tokens: int,
+        retry_after_s: int = 1,
+        clock: Any = None,
+    ) -> None:
         self.max_requests, self.max_tokens = max_requests, max_tokens
-        self.retry_after = retry_after_s
+        self.retry_after = retry_after_s  # the least wait a refusal announces
         self.requests = self.tokens = 0
         self.rejected = 0
+        self.clock = clock or time.monotonic
+        self.mean_s: float | None = None  # moving mean of a generation's time in the budget
         self._lock = threading.Lock()
+
+    def expected_wait_s(self) -> float:
+        """Seconds until a slot is likely free (Little's law: the requests in flight leave at
+        about `requests / mean generation time` per second), at least `retry_after_s`; before
+        any generation has finished, `retry_after_s`. Call with the lock held."""
+        if self.mean_s is None or self.requests == 0:
+            return float(self.retry_after)
+        return max(float(self.retry_after), self.mean_s / self.requests)
 
     @contextmanager
     def admit(self, cost: int) -> Iterator[None]:
@@ -82,19 +135,27 @@ class EngineBudget:
                 busy and self.tokens + cost > self.max_tokens
             ):
                 self.rejected += 1
+                retry, retry_ms = retry_wait(self.expected_wait_s())
                 raise OverloadedError(
                     f"the engine is at capacity ({self.requests} requests, {self.tokens} tokens "
-                    "in flight); retry later",
-                    retry_after=self.retry_after,
+                    f"in flight); retry after {retry} s",
+                    retry_after=retry,
+                    retry_after_ms=retry_ms,
                 )
             self.requests += 1
             self.tokens += cost
+        t0 = self.clock()
         try:
             yield
         finally:
+            took = self.clock() - t0
             with self._lock:
                 self.requests -= 1
                 self.tokens -= cost
+                # a moving mean over about the last 20 generations
+                self.mean_s = (
+                    took if self.mean_s is None else self.mean_s + (took - self.mean_s) / 20
+                )
 
     def stats(self) -> dict[str, int]:
         """Current load and rejections (engine_stats)."""
@@ -169,7 +230,8 @@ QUEUE_FULL_MESSAGE = "the service is at capacity (request queue full); retry lat
 
 def queue_full(retry_after: int = 1) -> OverloadedError:
     """The 429 for a full Serve queue: load, not an outage (module docstring, layer 2)."""
-    return OverloadedError(QUEUE_FULL_MESSAGE, retry_after=retry_after)
+    retry, retry_ms = retry_wait(retry_after)
+    return OverloadedError(QUEUE_FULL_MESSAGE, retry_after=retry, retry_after_ms=retry_ms)
 
 
 def as_backpressure(exc: BaseException) -> OverloadedError | None:

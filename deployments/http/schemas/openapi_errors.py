@@ -16,7 +16,8 @@ ERROR_RESPONSES: dict[int, str] = {
     410: "The file expired, or its cached data and media are lost.",
     413: "Body, upload or image over the configured limits.",
     415: "The upload is not a decodable image or a supported document.",
-    429: "The engine's budget is spent; retry after `Retry-After` seconds.",
+    429: "The engine's budget is spent or the TTFT target would break; retry after "
+    "`Retry-After` seconds (`retry-after-ms`: the same wait in milliseconds).",
     503: "The engine restarts, a queue is full or the object store is unreachable; retry after "
     "`Retry-After` seconds.",
     507: "The object store is full (nothing of the upload is kept); retry after `Retry-After` "
@@ -41,6 +42,8 @@ def install_openapi_errors(app: Any, error_schema: Any) -> None:
         for defs_name, sub in schemas[name].pop("$defs", {}).items():
             schemas.setdefault(defs_name, sub)
         retry = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."}}
+        ms = "Milliseconds, the same wait (OpenAI's clients read it first); on load refusals."
+        retry_429 = {**retry, "retry-after-ms": {"schema": {"type": "integer"}, "description": ms}}
         for path, ops in doc.get("paths", {}).items():
             for op in ops.values():
                 responses = op.setdefault("responses", {})
@@ -53,7 +56,7 @@ def install_openapi_errors(app: Any, error_schema: Any) -> None:
                     }
                     responses[str(status)] = {"description": text, "content": body}
                     if status in (429, 503, 507):
-                        responses[str(status)]["headers"] = retry
+                        responses[str(status)]["headers"] = retry_429 if status == 429 else retry
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
         app.openapi_schema = doc

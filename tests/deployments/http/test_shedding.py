@@ -34,6 +34,7 @@ def test_bound_follows_the_measured_first_token_rate() -> None:
     got = [adm.try_admit() for _ in range(11)]
     assert [d.admitted for d in got] == [True] * 10 + [False]
     assert got[-1].bound == 10 and got[-1].retry_after == 1  # 1 excess / 2 per s -> 1 s
+    assert got[-1].retry_after_ms == 1000  # 0.5 s, clamped to the 1 s floor
     # the backlog drains at 4 first tokens per second of busy time
     for _ in range(8):
         clock.t += 0.25
@@ -72,7 +73,12 @@ def test_bound_follows_the_measured_first_token_rate() -> None:
     # Retry-After grows with the excess over the bound
     slow = TTFTAdmission(1.0, initial_rate=0.5, clock=clock)
     assert slow.try_admit().admitted
-    assert slow.try_admit().retry_after == 2  # (1 + 1 - 1) / 0.5
+    refused = slow.try_admit()
+    assert (refused.retry_after, refused.retry_after_ms) == (2, 2000)  # (1 + 1 - 1) / 0.5
+    slower = TTFTAdmission(1.0, initial_rate=0.8, clock=clock)
+    assert slower.try_admit().admitted
+    refused = slower.try_admit()  # 1 / 0.8 = 1.25 s: whole seconds rounded up, ms exact
+    assert (refused.retry_after, refused.retry_after_ms) == (2, 1250)
 
 
 def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
@@ -119,6 +125,9 @@ def test_ingress_sheds_with_json_429_and_retry_after(tmp_path: Path) -> None:
             err = _is_error(r, 429, "server_overloaded")
             assert r.headers["content-type"] == "application/json"
             assert int(r.headers["retry-after"]) >= 1
+            # OpenAI's clients read retry-after-ms first: the same wait, finer
+            ms = int(r.headers["retry-after-ms"])
+            assert 1000 <= ms <= 1000 * int(r.headers["retry-after"]) < ms + 1000
             assert err["type"] == "rate_limit_error" and "TTFT target" in err["message"]
         assert time.perf_counter() - t0 < 1.0  # refused at once, nothing queued
         # other routes are not shed
@@ -202,8 +211,14 @@ def test_batching_engine_cold_start_admits_one_batch_and_ramps_with_first_tokens
     assert [d.admitted for d in got] == [True] * 16 + [False] * 4
     refused = got[-1]
     assert refused.bound == 16 and refused.rate == pytest.approx(1.6)
-    # slots free a batch at a time: at least half a cycle, 8 / 1.6 per s on the prior
-    assert refused.retry_after == 5
+    # slots free a batch at a time: at least half a cycle, 8 / 1.6 per s on the prior; the
+    # refused after the first are paced one per 1 / 1.6 s behind it
+    assert [(d.retry_after, d.retry_after_ms) for d in got[16:]] == [
+        (5, 5000),
+        (6, 5625),
+        (7, 6250),
+        (7, 6875),
+    ]
     plain = TTFTAdmission(10.0, initial_rate=2.0, clock=Clock())
     assert sum(plain.try_admit().admitted for _ in range(30)) == 20  # the old cold bound
 
@@ -219,7 +234,12 @@ def test_batching_engine_cold_start_admits_one_batch_and_ramps_with_first_tokens
     assert adm.ramp == 18 and adm.bound(rate) == 18
     got = [adm.try_admit() for _ in range(20)]
     assert sum(d.admitted for d in got) == 18 and adm.waiting == 18
-    assert got[-1].retry_after == 2  # ceil(8 / 5.3)
+    # the drain is now 8 / 5.3 s = 1.5 s, but the 4 refused before have their turns up to
+    # 7.5 s after the start (4.5 s from now): these two come after them
+    assert [d.retry_after_ms for d in got[18:]] == [
+        math.ceil((107.5 - clock.t) * 1000 - 1e-6),
+        math.ceil((107.5 + 1 / rate - clock.t) * 1000 - 1e-6),
+    ]
     # a first token after more than half the target does not raise the cap: waits are seen one
     # wait late, by when the cap may have doubled
     clock.t += 0.25
@@ -249,6 +269,38 @@ def test_batching_engine_cold_start_admits_one_batch_and_ramps_with_first_tokens
     clock.t += 60
     assert adm.bound(adm.rate()) == 16
     assert sum(adm.try_admit().admitted for _ in range(20)) == 16
+
+
+def test_refused_clients_are_paced_at_the_first_token_rate() -> None:
+    """Refused clients are told to come back one per 1 / σ after the drain, not all at once;
+    past a bound's worth of them (drain + bound / σ) the turns start over from the drain, so
+    early retries cannot push the waits further and a burst is spread in layers; once the
+    turns are past, a refusal is told the drain alone."""
+    from mpic.deployments.http.shedding import TTFTAdmission
+
+    clock = Clock()
+    adm = TTFTAdmission(10.0, batch=16, clock=clock)  # σ0 = 1.6/s, bound 16
+    assert sum(adm.try_admit().admitted for _ in range(16)) == 16
+    waits = [adm.try_admit().retry_after_ms / 1000 for _ in range(40)]
+    # drain 8 / 1.6 = 5 s, then one per 0.625 s up to 5 + 16 / 1.6 = 15 s, then again from 5 s
+    assert waits[:17] == pytest.approx([5 + 0.625 * k for k in range(17)], abs=1e-3)
+    assert waits[17:34] == pytest.approx(waits[:17], abs=1e-3)
+    assert min(waits) == 5.0 and max(waits) == 15.0
+    d = adm.try_admit()  # the 7th of the third layer: 5 + 6 x 0.625 s, in whole seconds 9
+    assert (d.retry_after, d.retry_after_ms) == (9, 8750)
+    # every refusal stays within the window however many came before (an impatient client)
+    for _ in range(500):
+        d = adm.try_admit()
+        assert 5000 <= d.retry_after_ms <= 15000 and d.retry_after <= 15
+    clock.t += 20  # the turns told are past: the drain alone
+    assert adm.try_admit().retry_after_ms == 5000
+
+    # an engine that serves one request at a time: the same pacing (0.5 s at 2/s), at least 1 s
+    one = TTFTAdmission(10.0, initial_rate=2.0, clock=clock)  # bound 20
+    assert sum(one.try_admit().admitted for _ in range(20)) == 20
+    waits = [one.try_admit().retry_after_ms for _ in range(24)]
+    paced = [max(1000, 500 + 500 * k) for k in range(21)]  # up to 0.5 + 20 / 2 = 10.5 s
+    assert waits == paced + paced[:3]
 
 
 def test_configure_shedding_takes_the_engine_batch() -> None:

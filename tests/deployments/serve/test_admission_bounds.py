@@ -38,7 +38,69 @@ def test_backpressure_maps_to_429_with_retry_after() -> None:
         assert isinstance(busy, OverloadedError)
         assert (busy.status, busy.type, busy.code) == (429, "rate_limit_error", "engine_overloaded")
         assert busy.retry_after == 1 and "num_queued" not in busy.message
+        assert busy.retry_after_ms == 1000  # the same wait for OpenAI's clients
     assert as_backpressure(RuntimeError("other")) is None
+
+
+def test_retry_wait_clamps_and_rounds_up() -> None:
+    """One recipe for every refusal's wait: clamped to [1 s, 60 s], `retry-after-ms` rounded up
+    to the millisecond, `Retry-After` to the second (never earlier than the ms value)."""
+    from mpic.deployments.serve.admission import RETRY_AFTER_MAX_S, retry_headers, retry_wait
+
+    assert retry_wait(0.0) == (1, 1000) and retry_wait(0.4) == (1, 1000)
+    assert retry_wait(1.0) == (1, 1000)
+    assert retry_wait(1.2345) == (2, 1235)
+    assert retry_wait(8 / 1.6) == (5, 5000)  # float noise does not round up a whole second
+    assert retry_wait(500.0) == (RETRY_AFTER_MAX_S, RETRY_AFTER_MAX_S * 1000)
+    assert retry_wait(float("inf")) == (60, 60000) and retry_wait(float("nan")) == (60, 60000)
+    assert retry_wait(3.5, max_s=2) == (2, 2000)
+    assert retry_headers(2, 1235) == [(b"retry-after", b"2"), (b"retry-after-ms", b"1235")]
+    assert retry_headers(1) == [(b"retry-after", b"1")]
+
+
+def test_budget_refusal_announces_its_littles_law_wait() -> None:
+    """The worker's budget tells a refused request when a slot is likely free: its generations
+    leave at about `in flight / mean generation time` per second (Little's law), so one slot
+    frees in `mean / in flight` seconds, at least `limits.retry_after_s` (also before any
+    generation finished)."""
+    from mpic.deployments.serve.admission import EngineBudget, OverloadedError
+
+    now = [0.0]
+    budget = EngineBudget(2, 10_000, retry_after_s=1, clock=lambda: now[0])
+    with budget.admit(10), budget.admit(10):
+        with pytest.raises(OverloadedError) as err:
+            with budget.admit(10):
+                pass
+        assert (err.value.retry_after, err.value.retry_after_ms) == (1, 1000)  # nothing timed
+        now[0] += 7.0  # two generations of 7 s
+    assert budget.mean_s == pytest.approx(7.0)
+    with budget.admit(10), budget.admit(10):
+        with pytest.raises(OverloadedError) as err:
+            with budget.admit(10):
+                pass
+        # 2 in flight, 7 s each: a slot frees about every 3.5 s
+        assert (err.value.retry_after, err.value.retry_after_ms) == (4, 3500)
+        assert "retry after 4 s" in err.value.message
+    # the moving mean follows shorter generations; the floor holds
+    for _ in range(200):
+        with budget.admit(10):
+            now[0] += 0.1
+    with budget.admit(10), budget.admit(10):
+        with pytest.raises(OverloadedError) as err:
+            with budget.admit(10):
+                pass
+        assert (err.value.retry_after, err.value.retry_after_ms) == (1, 1000)
+    # the ms value crosses Ray's hop with the error (pickled) and reaches the header
+    import pickle
+
+    from mpic.deployments.http.http_errors import mpic_error_response
+
+    crossed = pickle.loads(
+        pickle.dumps(OverloadedError("busy", retry_after=4, retry_after_ms=3500))
+    )
+    resp = mpic_error_response(crossed)
+    assert resp.status_code == 429
+    assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("4", "3500")
 
 
 def test_worker_capacity_from_vllm_batch_and_kv() -> None:
