@@ -222,11 +222,14 @@ def attend_groups(
     s: float,
     scale: float,
     groups: Groups,
+    lse_a_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The two-call CPU path over K/V already split into the groups: group_a = the keys and
     values at `groups.index_a` ([N_A, H_kv, D] each), group_b likewise at `groups.index_b`
     (a caller that reads them straight from its own cache, e.g. a paged one, gathers only these
-    rows). Same result as `corrected_attention` over the full K/V with the same `groups`."""
+    rows). Same result as `corrected_attention` over the full K/V with the same `groups`.
+    lse_a_out: a list that receives the linked group's log-sum-exps float32 [H, S] (-inf for a
+    query that sees no linked key), e.g. for the vLLM worker's shift of the last query's keys."""
     flash = _flash_with_lse()
     qh = q.float().transpose(0, 1)[None]  # [1, H, S, D]
     parts = []
@@ -242,6 +245,8 @@ def attend_groups(
     (out_a, lse_a), (out_b, lse_b) = parts
     # a query that sees no linked key: the kernel returns lse 0 for its empty row, not -inf
     lse_a = torch.where(groups.sees_a, lse_a, -math.inf)
+    if lse_a_out is not None:
+        lse_a_out.append(lse_a)
     return merge_groups(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
 

@@ -71,12 +71,13 @@ class PagedLinkedKV:
         self._grouped: tuple[torch.Tensor, torch.Tensor, int, Groups, Any, Any] | None = None
         """(index, linked, N, the two groups, where each group's rows lie) of the last query
         set whose groups are read straight from the blocks (`attend`)."""
-        self._last_q: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """layer -> (prompt index int64 [1], q [H, D]) of the last query a corrected layer saw
+        self._last_q: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        """layer -> (prompt index int64 [1], q [H, D], its linked group's log-sum-exp float32
+        [H] where the attention gave it, else None) of the last query a corrected layer saw
         (tensors on the queries' device: no host read per layer)."""
-        self._shifted: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        """(layer, prompt indices, their true keys or None with mirrors) whose keys
-        `shift_for_last_query` moved (undone by `restore`)."""
+        self._shifted: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """(layer, cache slots, their true keys and values) that `shift_for_last_query` moved
+        (undone by `restore`)."""
 
     @property
     def mirrored(self) -> bool:
@@ -164,7 +165,7 @@ class PagedLinkedKV:
         keys, values = self._kv(layer, num_keys)
         index = index.to(keys.device)
         linked = corr.linked(layer, int(keys.shape[0]), keys.device)
-        self._last_q[layer] = (index[-1:].detach(), q[-1].detach().clone())
+        self._last_q[layer] = (index[-1:].detach(), q[-1].detach().clone(), None)
         return self._corrected(
             q, index, keys, values, self._scale(layer), linked=linked, s=corr.scale_at(layer)
         )
@@ -188,12 +189,14 @@ class PagedLinkedKV:
             held = (index, linked, num_keys, groups, where_a, where_b)
             self._grouped = held
         _, _, _, groups, where_a, where_b = held
-        self._last_q[layer] = (index[-1:].detach(), q[-1].detach().clone())
         group_a = self._ops.read_located(layer, where_a)
         group_b = self._ops.read_located(layer, where_b)
         scale = self._scale(layer)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return attend_groups(q, group_a, group_b, corr.scale_at(layer), scale, groups)
+        lse_a: list[torch.Tensor] = []
+        out = attend_groups(q, group_a, group_b, corr.scale_at(layer), scale, groups, lse_a)
+        self._last_q[layer] = (index[-1:].detach(), q[-1].detach().clone(), lse_a[0][:, -1])
+        return out
 
     def _scale(self, layer: int) -> float | None:
         scale = self._ops.scale(layer)
@@ -211,48 +214,80 @@ class PagedLinkedKV:
         last query's heads sharing g, so that scale * q_h . (k_j + delta_g) = scale * q_h . k_j
         + c_h for every linked key j and every h of the group. The shifted keys are written
         into the cache only (mirrors keep the linked keys); call `restore` after vLLM's forward
-        so decoding reads the true keys again. Returns the number of layers shifted."""
+        so decoding reads the true keys again. Returns the number of layers shifted.
+
+        In bulk: the layers that share a linked set (one mask object per depth level,
+        `LinkCorrection.linked`) read their linked rows through one located set of slots, and
+        the deltas of all of them are ONE batch of ops ([layers, H_kv, ...]); per layer only a
+        read and a write remain (and `restore`'s write: the true keys and values read here are
+        kept, nothing is read back)."""
         corr = self._correction
         if corr is None or not corr.active:
             return 0
         self._shifted = []
         seen = sorted(self._last_q.items())
-        lasts = torch.cat([i.cpu() for _, (i, _) in seen]).tolist() if seen else []  # one read
-        for (layer, (_, q)), index in zip(seen, lasts, strict=True):
-            if index != last_index:
-                continue
-            keys, values = self._kv(layer, index + 1)
-            n = index + 1
-            linked = corr.linked(layer, n, keys.device)
+        lasts = torch.cat([i.cpu() for _, (i, _, _) in seen]).tolist() if seen else []  # 1 read
+        by_set: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor, Any]]]] = {}
+        for (layer, (_, q, lse)), index in zip(seen, lasts, strict=True):
+            if index == last_index:
+                linked = corr.linked(layer, last_index + 1, q.device)
+                by_set.setdefault(id(linked), (linked, []))[1].append((layer, q, lse))
+        for linked, layers in by_set.values():
             slots = torch.nonzero(linked).flatten()
             if slots.numel() == 0:
                 continue
-            heads, dim = q.shape
-            kv_heads = keys.shape[1]
-            group = heads // kv_heads
-            scale = self._scale(layer) or dim**-0.5
-            k_linked = keys[slots].double()  # [M, H_kv, D]
-            qd = q.double().view(kv_heads, group, dim)  # [H_kv, G, D]
-            scores = torch.einsum("mgd,gjd->gjm", k_linked, qd) * scale  # [H_kv, G, M]
-            bias = (corr.scale_at(layer) - 1.0) * torch.logsumexp(scores, dim=-1)  # [H_kv, G]
-            gram = qd @ qd.transpose(1, 2)  # [H_kv, G, G]
-            coef = torch.linalg.solve(gram, bias[..., None] / scale)  # [H_kv, G, 1]
-            delta = (qd.transpose(1, 2) @ coef)[..., 0]  # [H_kv, D]
-            shifted = (k_linked + delta[None]).to(keys.dtype)
-            self._ops.write(layer, self.slots(slots), shifted, values[slots])
-            # without mirrors the true keys of the moved rows are kept until `restore`
-            true_keys = None if self.mirrored else keys[slots]
-            self._shifted.append((layer, slots, true_keys))
+            cache_slots = self.slots(slots)
+            where = None if self.mirrored else self._ops.locate(cache_slots)
+            true = [self._linked_rows(layer, slots, where) for layer, _, _ in layers]
+            shifted = self._shifted_keys(torch.stack([k for k, _ in true]), layers)
+            for (layer, _, _), (keys, values), moved in zip(layers, true, shifted, strict=True):
+                self._ops.write(layer, cache_slots, moved, values)
+                self._shifted.append((layer, cache_slots, keys, values))
         return len(self._shifted)
 
+    def _linked_rows(
+        self, layer: int, slots: torch.Tensor, where: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linked keys and values [M, H_kv, D] at prompt indices `slots` of `layer`: from
+        the mirrors, else read from the blocks at `where` (`PagedKVOps.locate`)."""
+        if self._keys is not None and self._values is not None:
+            at = slots.to(self._keys.device)
+            return self._keys[layer, at], self._values[layer, at]
+        return self._ops.read_located(layer, where)
+
+    def _shifted_keys(
+        self, keys: torch.Tensor, layers: list[tuple[int, torch.Tensor, Any]]
+    ) -> torch.Tensor:
+        """keys [Ls, M, H_kv, D] (the linked keys of Ls layers), layers: (layer, its last query
+        q [H, D], the linked group's log-sum-exp of q [H] or None) -> the shifted keys, in keys'
+        dtype (`shift_for_last_query`). The log-sum-exps the corrected attention gave are used
+        as they are; missing ones are computed (one batched matmul, float32); the least-norm
+        solve runs in float64."""
+        corr = self._correction
+        assert corr is not None
+        count, _, kv_heads, dim = keys.shape
+        q = torch.stack([q for _, q, _ in layers])  # [Ls, H, D]
+        group = q.shape[1] // kv_heads
+        per_layer = [
+            (self._scale(layer) or dim**-0.5, corr.scale_at(layer)) for layer, _, _ in layers
+        ]
+        scale, s = torch.tensor(per_layer, dtype=torch.float64).to(keys.device).unbind(-1)
+        qf = q.float().view(count, kv_heads, group, dim)  # [Ls, H_kv, G, D]
+        if all(lse is not None for _, _, lse in layers):
+            lse = torch.stack([lse for _, _, lse in layers]).view(count, kv_heads, group)
+        else:
+            scores = keys.float().transpose(1, 2) @ qf.transpose(-1, -2)  # [Ls, H_kv, M, G]
+            lse = torch.logsumexp(scores * scale.float()[:, None, None, None], dim=2)
+        bias = (s - 1.0)[:, None, None] * lse.double()  # c [Ls, H_kv, G]
+        qd = qf.double()
+        gram = qd @ qd.transpose(-1, -2)  # [Ls, H_kv, G, G]
+        coef = torch.linalg.solve(gram, (bias / scale[:, None, None])[..., None])  # [.., G, 1]
+        delta = (qd.transpose(-1, -2) @ coef)[..., 0]  # [Ls, H_kv, D]
+        return keys + delta[:, None].to(keys.dtype)
+
     def restore(self) -> None:
-        """Write the true linked keys back where `shift_for_last_query` moved them."""
-        for layer, slots, true_keys in self._shifted:
-            cache_slots = self.slots(slots)
-            if true_keys is None:  # the mirrors hold them
-                assert self._keys is not None and self._values is not None
-                keys, values = self._keys[layer][slots], self._values[layer][slots]
-            else:  # values never moved: read them back from the blocks
-                keys, values = true_keys, self._ops.read(layer, cache_slots)[1]
+        """Write the true linked keys back where `shift_for_last_query` moved them (the keys and
+        values it read: nothing is read back)."""
+        for layer, cache_slots, keys, values in self._shifted:
             self._ops.write(layer, cache_slots, keys, values)
         self._shifted = []

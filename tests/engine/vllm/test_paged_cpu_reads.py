@@ -101,7 +101,7 @@ def test_corrected_attention_over_the_blocks_equals_it_over_mirrors():
         assert kv.corrects_at(0) and kv.corrects_at(2)
         if not mirrors:  # the shift for vLLM's last token, undone from the kept keys
             last = n - 1
-            queries = {layer: q for layer, (i, q) in kv._last_q.items() if int(i) == last}
+            queries = {layer: q for layer, (i, q, _) in kv._last_q.items() if int(i) == last}
             corrected = {
                 layer: kv.attend(layer, q[None], torch.tensor([last]))
                 for layer, q in queries.items()
@@ -147,3 +147,30 @@ def test_a_batch_attends_corrected_rows_over_their_blocks_and_the_rest_in_one_ca
             else:  # vLLM's op, in one call with the other plain rows
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             rows += active.numel()
+
+
+def test_the_shift_reads_the_pass_log_sum_exps():
+    """After a pass whose corrected layers attended over the blocks (`attend_groups`), the shift
+    for vLLM's last token takes each layer's linked log-sum-exp from that pass (none computed
+    again): vLLM's plain attention of the last query then equals the pass's corrected output
+    for it, in every layer (two linked sets: layer 0's, and layers 1-2's with token 12 linked),
+    and `restore` puts back the true keys and values."""
+    layers, n = 3, 70
+    k, v, corr, active, q = _request(n, layers, 1)
+    caches = [torch.zeros(8, HKV, BS, 2 * DIM) for _ in range(layers)]
+    kv = _paged(caches, [6, 1, 3], layers, False)
+    kv.write_layers(torch.arange(n), k, v)
+    kv.set_correction(corr)
+    outs = [kv.attend(layer, q[layer], active) for layer in range(layers)]
+    last = int(active[-1])
+    assert all(lse is not None and lse.shape == (HEADS,) for _, _, lse in kv._last_q.values())
+    assert kv.shift_for_last_query(last) == layers
+    for layer in range(layers):
+        plain = kv._ops.attend(layer, q[layer][-1:], torch.tensor([last]))
+        torch.testing.assert_close(plain, outs[layer][-1:], rtol=1e-4, atol=1e-4)
+        moved, _ = kv._ops.gather(layer, n)
+        assert not torch.equal(moved, k[layer])
+    kv.restore()
+    for layer in range(layers):
+        keys, values = kv._ops.gather(layer, n)
+        assert torch.equal(keys, k[layer]) and torch.equal(values, v[layer])

@@ -146,7 +146,7 @@ def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention
     paged.clear()
     out = link_and_prefill(adapter, planned, paged)
     last = plan.num_tokens - 1
-    queries = {layer: q for layer, (i, q) in paged._last_q.items() if i == last}
+    queries = {layer: q for layer, (i, q, _) in paged._last_q.items() if i == last}
     assert len(queries) == shifted
     corrected = {
         layer: paged.attend(layer, q[None], torch.tensor([last])) for layer, q in queries.items()
