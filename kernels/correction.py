@@ -61,15 +61,13 @@ def merge_groups(
 ) -> torch.Tensor:
     """The equation of the module docstring from the two groups' outputs and log-sum-exps.
 
-    out_*: [..., D]; lse_*: [...] (natural log; -inf for an empty group). A group with lse -inf
-    gets weight 0 (the linked group's scaled lse stays -inf: S > 0). Returns float32."""
-    a = s * lse_a.float()
-    b = lse_b.float()
-    top = torch.maximum(a, b)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    wa, wb = torch.exp(a - top), torch.exp(b - top)
-    total = (wa + wb).clamp_min(torch.finfo(torch.float32).tiny)
-    return (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / total[..., None]
+    out_*: [..., D]; lse_*: [...] (natural log; -inf for an empty group). Written as one
+    interpolation, O = O_B + (O_A - O_B) * sigmoid(S * lse_A - lse_B) (the same weights:
+    exp(S lse_A) / (exp(S lse_A) + exp(lse_B)) = sigmoid(S lse_A - lse_B)), a few elementwise
+    ops instead of a dozen: a group with lse -inf gets weight 0, and a row whose groups are both
+    empty gets their mean (both are zero there). Returns float32."""
+    gap = (s * lse_a.float() - lse_b.float()).nan_to_num_(nan=0.0)  # -inf - -inf: both empty
+    return torch.lerp(out_b.float(), out_a.float(), torch.sigmoid(gap)[..., None])
 
 
 @dataclass
