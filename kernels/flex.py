@@ -279,7 +279,7 @@ class FlexBackend(AttentionBackend):
             q, keys, values, prepared.shape, masks, scale, return_lse=True
         )
         merge: Any = merge_groups
-        if self._compiled_for(q):  # one fused kernel, not ~12
+        if self._compiled_for(q):  # one fused kernel, not 3
             merge = compiled(merge_groups, self.compile_backend, on_error="eager")
         return merge(out_a, lse_a, out_b, lse_b, s).transpose(0, 1).to(q.dtype)
 
