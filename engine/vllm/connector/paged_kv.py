@@ -237,7 +237,8 @@ class PagedLinkedKV:
             if slots.numel() == 0:
                 continue
             cache_slots = self.slots(slots)
-            where = None if self.mirrored else self._ops.locate(cache_slots)
+            both = self._keys is not None and self._values is not None  # both mirrors
+            where = None if both else self._ops.locate(cache_slots)
             true = [self._linked_rows(layer, slots, where) for layer, _, _ in layers]
             shifted = self._shifted_keys(torch.stack([k for k, _ in true]), layers)
             for (layer, _, _), (keys, values), moved in zip(layers, true, shifted, strict=True):
