@@ -169,21 +169,25 @@ def test_the_default_in_flight_together_equals_one_at_a_time(setup: Setup) -> No
         for parts, _ in pairs
     ]
     alone = [setup.engine.generate([r], 12)[0] for r in requests]
-    before = setup.engine.connector_stats()
-    together = setup.engine.generate(requests, 12)
-    after = setup.engine.connector_stats()
-    assert not any(r.fell_back for r in [*alone, *together])
-    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-    assert after["linked_requests"] - before["linked_requests"] >= 4
-    # at least two of them shared a pass (how many reach one step is vLLM's scheduling)
-    assert (
-        after["link_passes"] - before["link_passes"]
-        < after["linked_requests"] - before["linked_requests"]
-    )
-    # issue 33 item 1: the scouts of a pass share one scouting pass
-    scouted = after["scouted_requests"] - before["scouted_requests"]
-    assert scouted == after["linked_requests"] - before["linked_requests"]
-    assert after["scout_passes"] - before["scout_passes"] < scouted
+    # How many of them reach one step is vLLM's scheduling: its engine core (another process)
+    # may step the first request before the others arrive, and on a slow host each then links
+    # alone. Every try must answer as one at a time; at least one of three must share a pass.
+    for _ in range(3):
+        before = setup.engine.connector_stats()
+        together = setup.engine.generate(requests, 12)
+        after = setup.engine.connector_stats()
+        assert not any(r.fell_back for r in [*alone, *together])
+        assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+        linked = after["linked_requests"] - before["linked_requests"]
+        assert linked >= 4
+        # issue 33 item 1: every request of a pass is scouted, in that pass's scouting pass
+        scouted = after["scouted_requests"] - before["scouted_requests"]
+        assert scouted == linked
+        if after["link_passes"] - before["link_passes"] < linked:  # two shared a pass
+            assert after["scout_passes"] - before["scout_passes"] < scouted
+            break
+    else:
+        pytest.fail("in three tries no two requests under the default shared a link pass")
     expected = setup.ref.generate(pairs[0][0], name, max_new_tokens=12)
     assert together[0].token_ids == expected.tokens
 
