@@ -7,10 +7,12 @@ so vLLM schedules only the last prompt token once the linked KV is in its blocks
 The claim is asynchronous (`load_async=True`, vLLM's `WAITING_FOR_REMOTE_KVS`) for every policy:
 vLLM allocates the request's blocks and parks it; `build_connector_meta` ships a `LinkJob` (its
 blocks, plan and entries) to the worker half, which reads the entries in the background, links
-the request off the step (load mode `background`, the default) and reports it finished
-receiving (failed receiving when an entry cannot be loaded: vLLM fails the request,
+the request in the first step that finds them in memory (load mode `reads`, the default;
+`background` links it off the step, on the linking thread) and reports it finished receiving
+(failed receiving when an entry cannot be loaded: vLLM fails the request,
 `kv_load_failure_policy="fail"`, and the engine wrapper answers it by exact recomputation).
-Meanwhile every running request keeps decoding: no step waits on disk, S3 or linking.
+Meanwhile every running request keeps decoding: no step waits on disk or S3 (in load mode
+`background`, none waits on linking either).
 
 Two-phase claims (`LinkJob.phase2`): a corrected policy (`scout-*`, the default `auto`) is linked
 in the background too, but its keys must be shifted for vLLM's forward of its last prompt token

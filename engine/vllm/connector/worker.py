@@ -5,12 +5,13 @@ Each step it receives the scheduler half's `MPICConnectorMetadata`
 
 - async jobs (`LinkJob.load_async`): their entries are read from the tiered entry store on a
   thread pool (`mpic.engine.vllm.connector.entry_reads`) while vLLM keeps stepping the running
-  requests. The jobs whose entries are all in memory go to the linking thread (load mode
-  `background`, the default; `reads`: linked in the step), which links them while vLLM's
-  forwards go on, and are then reported finished receiving (`transfer_results`). A job whose
-  read failed is reported failed receiving (its blocks untouched), vLLM fails the request and
-  the engine wrapper answers it by exact recomputation. So no step waits on disk, S3 or a
-  selective pass. The read and linking threads leave the cores vLLM bound its forward to.
+  requests. The jobs whose entries are all in memory are linked in that step, before its forward
+  (load mode `reads`, the default), or go to the linking thread, which links them while vLLM's
+  forwards go on (`background`); they are then reported finished receiving
+  (`transfer_results`). A job whose read failed is reported failed receiving (its blocks
+  untouched), vLLM fails the request and the engine wrapper answers it by exact recomputation.
+  So no step waits on disk or S3 (under `background`, nor on a selective pass). The read and
+  linking threads leave the cores vLLM bound its forward to.
   Second phases (`LinkJob.phase2`): "link" jobs are read ahead and reported received unlinked,
   then come back synchronous; "shift" jobs (corrected policies) are linked here and their keys
   shifted in `bind` when vLLM schedules their last token (`MPICConnectorMetadata.shift`).
