@@ -62,12 +62,12 @@ class CompressBench:
             out = []
             for p in range(count):
                 mine = docs[p * per_prompt : (p + 1) * per_prompt]
-                ids = [self.driver.cache_document(d.text) for d in mine]
+                ids = [self.driver.add_document(d.text) for d in mine]
                 out.append(question_parts(mine, ids, p))
             return out
         return [
             interleaved_prompt(
-                [self.driver.cache_image(synthetic_png(100 * p + i)) for i in range(per_prompt)]
+                [self.driver.add_image(synthetic_png(100 * p + i)) for i in range(per_prompt)]
             )
             for p in range(count)
         ]

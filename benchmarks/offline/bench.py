@@ -163,7 +163,7 @@ def run_offline(
     drive = Driver(engine)
     try:
         # 336x336 images: 144 tokens each on the small LLaVA and Qwen2-VL (Qwen: native size).
-        ids = [drive.cache_image(synthetic_png(i, size=336)) for i in range(max(image_counts))]
+        ids = [drive.add_image(synthetic_png(i, size=336)) for i in range(max(image_counts))]
         order = ["full"] + [p for p in policies if p != "full"]
         warmups = 2 if _on_cuda(engine) else 1  # CUDA: compilation and autotuning settle
         rows = []

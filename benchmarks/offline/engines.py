@@ -175,16 +175,17 @@ class Driver:
         self._loop.run_until_complete(self._loop.shutdown_default_executor())
         self._loop.close()
 
-    def cache_image(self, media: bytes) -> str:
-        """Cache an image (`Engine.cache_image`; the entry stays in memory) and its id."""
+    def add_image(self, media: bytes) -> str:
+        """Cache an image (`Engine.cache_image`; the entry stays in memory for this driver's
+        requests); returns its entry id."""
         entry = self.engine.cache_image(media)
         self.entries[entry.entry_id] = entry
         self.media[entry.entry_id] = media
         return entry.entry_id
 
-    def cache_document(self, text: str) -> str:
-        """Cache a text document (`Engine.cache_document`; the entry stays in memory) and its
-        id."""
+    def add_document(self, text: str) -> str:
+        """Cache a text document (`Engine.cache_document`; the entry stays in memory for this
+        driver's requests); returns its entry id."""
         entry = self.engine.cache_document(text)
         self.entries[entry.entry_id] = entry
         return entry.entry_id
