@@ -19,16 +19,31 @@ from mpic.presses import PRESS_NAMES
 from mpic.retriever.spec import RetrievalSpec
 
 
-def check_n_and_logit_bias(n: int, stream: bool, logit_bias: dict[str, float] | None) -> None:
-    """The sampling checks chat and completion requests share: n > 1 only without streaming,
-    logit_bias keys are token ids with biases in [-100, 100]."""
-    if n > 1 and stream:
-        raise InvalidRequestError("n > 1 is served without streaming only", param="n")
+def check_logit_bias(logit_bias: dict[str, float] | None) -> None:
+    """The logit_bias check chat and completion requests share: keys are token ids, biases in
+    [-100, 100]."""
     for key, bias in (logit_bias or {}).items():
         if not key.isdigit() or not -100 <= bias <= 100:
             raise InvalidRequestError(
                 "logit_bias maps token ids to biases in [-100, 100]", param="logit_bias"
             )
+
+
+def check_min_tokens(min_tokens: int | None, max_tokens: int | None) -> None:
+    """vLLM's rule: min_tokens at most max_tokens (when the request sets it; the server's
+    default max_tokens is checked by the engine's request flow)."""
+    if min_tokens and max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
+
+
+def vllm_sampling(body: Any) -> dict[str, Any]:
+    """The `Sampling` keywords of vLLM's sampling extensions a chat or completion body sets
+    (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`; absent: the defaults)."""
+    names = ("top_k", "min_p", "repetition_penalty", "min_tokens")
+    return {n: getattr(body, n) for n in names if getattr(body, n) is not None}
 
 
 class TextPart(BaseModel):
@@ -181,7 +196,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(
         None, ge=-(2**63), lt=2**63, description="Same seed, same sampled text."
     )
-    n: int = Field(1, ge=1, le=8, description="Choices to generate (non-streaming only if > 1).")
+    n: int = Field(1, ge=1, le=8, description="Choices to generate (streamed too).")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -195,6 +210,28 @@ class ChatCompletionRequest(BaseModel):
         "(benchmarks); default: stop at it.",
     )
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
+    top_k: int | None = Field(
+        None, ge=-1, description="vLLM extension: sample among the k likeliest tokens (0, -1: all)."
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="vLLM extension: drop tokens below min_p x the likeliest one's probability.",
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="vLLM extension: divides (multiplies, where negative) the logits of the "
+        "prompt's and the answer's tokens (1: none).",
+    )
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=4096,
+        description="vLLM extension: no end token and no stop string before this many tokens.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="End-user id: logged with the request id.")
@@ -255,7 +292,8 @@ class ChatCompletionRequest(BaseModel):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        check_n_and_logit_bias(self.n, self.stream, self.logit_bias)
+        check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
+        check_logit_bias(self.logit_bias)
         return self
 
     def sampling(self) -> Sampling:
@@ -271,4 +309,5 @@ class ChatCompletionRequest(BaseModel):
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             ignore_eos=self.ignore_eos,
+            **vllm_sampling(self),
         )

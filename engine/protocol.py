@@ -54,6 +54,16 @@ class Sampling:
     """Token id -> bias added to its logit before sampling (OpenAI `logit_bias`)."""
     ignore_eos: bool = False
     """Decode past the model's end token up to `max_tokens` (vLLM's option; benchmarks)."""
+    top_k: int = 0
+    """vLLM's: sample among the k most likely tokens only (0 or -1: all)."""
+    min_p: float = 0.0
+    """vLLM's: drop tokens whose probability is below min_p x the most likely one's."""
+    repetition_penalty: float = 1.0
+    """vLLM's (CTRL's): the logit of every token in the prompt or generated so far is divided
+    by it where positive, multiplied where negative (1: none)."""
+    min_tokens: int = 0
+    """vLLM's: the end ids (`ModelSpec.end_token_ids`) cannot be picked, and stop strings are
+    not looked for, until this many tokens are generated."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from mpic.engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+from mpic.errors import InvalidRequestError
 from mpic.linker.policies import Policy, get_policy
 from mpic.linker.prompt import tokenizer_of
 from mpic.linker.raw_prompt import RawPrompt
@@ -101,11 +102,14 @@ def pressed_parts(
 class TextStream:
     """Token ids -> the TokenEvents of one request: detokenized incrementally
     (`Detokenizer`: no broken characters) and cut at the request's stop strings
-    (`StopMatcher`: the stop string and what follows are dropped). `push` per decoded batch of
-    tokens, `flush` once at the end; `stopped` tells whether a stop string ended it."""
+    (`StopMatcher`: the stop string and what follows are dropped), which are looked for in the
+    text after the first `min_tokens` tokens only (vLLM's rule for `min_tokens`; a stop string
+    that begins in that text is not cut). `push` per decoded batch of tokens, `flush` once at
+    the end; `stopped` tells whether a stop string ended it."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0) -> None:
         self.detok, self.stops, self.stopped = Detokenizer(tokenizer), StopMatcher(stop), False
+        self.min_tokens = min_tokens
 
     @property
     def tokens(self) -> list[int]:
@@ -114,8 +118,12 @@ class TextStream:
 
     def push(self, tokens: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> TokenEvent:
         """The event of newly decoded `tokens` (its text may be empty: held back)."""
-        text, self.stopped = self.stops.push(self.detok.push(tokens).text)
-        return TokenEvent(text, logprobs)
+        tokens, before = list(tokens), ""
+        while tokens and len(self.detok.tokens) < self.min_tokens:  # no stop string looked for
+            before += self.detok.push(tokens[:1]).text
+            tokens = tokens[1:]
+        text, self.stopped = self.stops.push(self.detok.push(tokens).text if tokens else "")
+        return TokenEvent(before + text, logprobs)
 
     def flush(self) -> TokenEvent | None:
         """The text held back at the end (None when there is none or a stop string matched)."""
@@ -181,6 +189,12 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
     in both passes with the request's settings (a seed restarts in the second: seeded answers
     stay reproducible, not equal to a one-pass run). Measured: docs/fidelity.md "Exact
     decoding"."""
+    if request.sampling.min_tokens > request.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({request.sampling.min_tokens}) is more than max_tokens "
+            f"({request.max_tokens})",
+            param="min_tokens",
+        )
     two_pass = request.exact_decode and request.max_tokens > 1 and not exact_policy(request.policy)
     head: list[int] = []
     # the first pass is the whole request (planned, checked and given room as one pass would
@@ -211,6 +225,9 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
         continue_from=[*request.continue_from, *head],
         forced_ids=request.forced_ids[len(head) :],
         max_tokens=request.max_tokens - len(head),
+        sampling=dataclasses.replace(
+            request.sampling, min_tokens=max(request.sampling.min_tokens - len(head), 0)
+        ),
         capture_first_token=False,
         press=None,  # the exact KV: the items whole
         budget=None,
@@ -233,7 +250,9 @@ async def generate(
     (`finish_reason`: "length" when `max_tokens` ran out before an end id or a stop string)
     and the backend's `Prefill`. A generation abandoned before its first token ends with no
     DoneEvent (nobody waits for one)."""
-    text = TextStream(tokenizer_of(engine.processor), request.sampling.stop)
+    text = TextStream(
+        tokenizer_of(engine.processor), request.sampling.stop, request.sampling.min_tokens
+    )
     prefill: Prefill | None = None
     steps = decode_steps(engine, request)
     try:

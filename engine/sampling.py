@@ -5,7 +5,7 @@ natively with the same fields (`mpic.engine.vllm.frontend`)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -14,29 +14,39 @@ from mpic.errors import InvalidRequestError
 
 
 class Sampler:
-    """Picks the next token from logits [V] by a request's `Sampling`. `logit_bias` is added
-    first; then frequency/presence penalties subtract `frequency * count + presence * (count >
-    0)` from the logits of tokens generated so far (OpenAI's definition); temperature 0 is
-    greedy (argmax), else softmax(logits / temperature) restricted to the smallest top-p
-    nucleus, drawn with a torch Generator seeded per request (same seed, same text). Logprobs
-    are log-softmax of the biased, penalised logits at temperature 1 (`token_text` names the
-    tokens then; `token_bytes` gives their raw bytes, `mpic.engine.token_bytes`)."""
+    """Picks the next token from logits [V] by a request's `Sampling`, in vLLM's order:
+    `logit_bias` is added; while fewer than `min_tokens` tokens are generated the end ids
+    (`end_ids`) get -inf; the repetition penalty divides the positive logits (multiplies the
+    negative ones) of every token in `prompt_ids` or generated so far; frequency/presence
+    penalties subtract `frequency * count + presence * (count > 0)` from the logits of tokens
+    generated so far (OpenAI's definition). Temperature 0 is greedy (argmax); else
+    softmax(logits / temperature), then `min_p`, `top_k` and `top_p` (the smallest nucleus of
+    what is left, renormalised), drawn with a torch Generator seeded per request (same seed,
+    same text). Logprobs are log-softmax of the processed logits at temperature 1 (`token_text`
+    names the tokens then; `token_bytes` gives their raw bytes, `mpic.engine.token_bytes`).
+
+    prompt_ids: the prompt's token ids (the repetition penalty's; set once the prompt is
+    planned, before the first pick); end_ids: the ids `min_tokens` holds back."""
 
     def __init__(
         self,
         sampling: Sampling,
         token_text: Callable[[int], str] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
+        prompt_ids: Iterable[int] = (),
+        end_ids: Iterable[int] = (),
     ) -> None:
         self.s, self.token_text, self.token_bytes = sampling, token_text or str, token_bytes
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self.gen = torch.Generator().manual_seed(seed)
         self.counts: dict[int, int] = {}
         self.pending: list[TokenLogprob] = []
+        self.prompt_ids = set(prompt_ids)
+        self.end_ids = list(end_ids)
 
-    def __call__(self, logits: torch.Tensor, forced: int | None = None) -> int:
-        """The next token id; `forced` (teacher forcing, `GenerateRequest.forced_ids`) is taken
-        instead of a draw, its penalties counted and its logprob reported."""
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 [V] on the host: `logits` after the bias, `min_tokens` and the penalties
+        (the class docstring's order, vLLM's), what greedy picks from and logprobs report."""
         s, logits = self.s, logits.detach().float().cpu().clone()
         if s.logit_bias:
             ids = torch.tensor(list(s.logit_bias))
@@ -47,17 +57,37 @@ class Sampler:
                     param="logit_bias",
                 )
             logits[ids] += torch.tensor(list(s.logit_bias.values()))
+        if s.min_tokens and self.end_ids and sum(self.counts.values()) < s.min_tokens:
+            logits[torch.tensor(self.end_ids)] = float("-inf")
+        if s.repetition_penalty != 1.0 and (self.prompt_ids or self.counts):
+            seen = torch.tensor(sorted(self.prompt_ids | self.counts.keys()))
+            seen = seen[seen < logits.numel()]
+            hit = logits[seen]
+            logits[seen] = torch.where(
+                hit > 0, hit / s.repetition_penalty, hit * s.repetition_penalty
+            )
         if self.counts and (s.frequency_penalty or s.presence_penalty):
             ids = torch.tensor(list(self.counts))
             n = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             logits[ids] -= s.frequency_penalty * n + s.presence_penalty
+        return logits
+
+    def __call__(self, logits: torch.Tensor, forced: int | None = None) -> int:
+        """The next token id; `forced` (teacher forcing, `GenerateRequest.forced_ids`) is taken
+        instead of a draw, its penalties counted and its logprob reported."""
+        s, logits = self.s, self.processed(logits)
         if forced is not None:
             token = forced
         elif s.temperature <= 0:
             token = int(logits.argmax())
         else:
             probs = torch.softmax(logits / s.temperature, dim=-1)
+            if s.min_p > 0:
+                probs[probs < s.min_p * probs.max()] = 0
+            if 0 < s.top_k < probs.numel():
+                probs[probs.topk(probs.numel() - s.top_k, largest=False)[1]] = 0
             if s.top_p < 1:
+                probs /= probs.sum()
                 sorted_p, order = probs.sort(descending=True)
                 outside = (sorted_p.cumsum(0) - sorted_p) >= s.top_p
                 probs[order[outside]] = 0

@@ -195,7 +195,12 @@ class FakeEngine(EngineBase):
         vocab = [EOS, *dict.fromkeys([*FAKE_VOCAB, *echo])]
         index = {w: i for i, w in enumerate(vocab)}
         ids = [self.tokenizer.id_of(w) for w in vocab]
-        sampler = Sampler(request.sampling, lambda i: vocab[i] if i else "")
+        sampler = Sampler(
+            request.sampling,
+            lambda i: vocab[i] if i else "",
+            prompt_ids=[index[w] for w in echo],  # its prompt's words, as its vocabulary's ids
+            end_ids=[0],
+        )
         base = torch.Generator().manual_seed(
             int.from_bytes(hashlib.sha256(" ".join(echo).encode()).digest()[:7], "big")
         )

@@ -4,8 +4,9 @@ links, whole or streamed (SSE).
 The ingress asks the Resolver to resolve the request into a linked prompt (then the Encoder for
 its inline images: `mpic.deployments.serve.inline`), hands the prompt to the LLM worker and
 answers with the worker's tokens: collected into one `ChatCompletion` (n choices, choice i
-sampling with seed + i), or streamed as `ChatCompletionChunk` events (an error after the 200 is
-an SSE error event, then `[DONE]`). Every finished generation is recorded on the replica's
+sampling with seed + i), or streamed as `ChatCompletionChunk` events (the n choices' events
+merged as they come, each chunk naming its choice `index`; an error after the 200 is an SSE
+error event, then `[DONE]`). Every finished generation is recorded on the replica's
 metrics (`mpic.deployments.http.request_metrics`).
 
 It is a method of `ChatRoutes`, a base class of the `Ingress` (Serve builds the routes of every
@@ -26,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from mpic.deployments.chat_request import ChatCompletionRequest
 from mpic.deployments.http.chat_limits import check_chat_shape
+from mpic.deployments.http.event_streams import merged, prepend
 from mpic.deployments.http.http_errors import error_body, status_of
 from mpic.deployments.http.request_metrics import replica_metrics
 from mpic.deployments.http.schemas.answers import (
@@ -96,12 +98,6 @@ def _mpic_info(prompt: LinkedPrompt, done: DoneEvent, ttft: float) -> dict:
     }
 
 
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for item in rest:
-        yield item
-
-
 class _Answer:
     """One choice collected from the worker's events."""
 
@@ -154,11 +150,11 @@ class ChatRoutes:
         prompt.request_id, prompt.sampling = rid, body.sampling()
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
-            events = self.worker.options(stream=True).generate.remote(prompt)
+            events = merged([self._generate(prompt, i) for i in range(body.n)])
             gen = self._sse(events, body, cid, created, prompt, t0)
             first = await anext(gen)  # surface errors before the 200 status is sent
             self.readiness.served()  # newer than any readiness poll that began before it
-            return StreamingResponse(_prepend(first, gen), media_type="text/event-stream")
+            return StreamingResponse(prepend(first, gen), media_type="text/event-stream")
         answers = await asyncio.gather(
             *(_Answer().collect(self._generate(prompt, i)) for i in range(body.n))
         )
@@ -196,34 +192,43 @@ class ChatRoutes:
         return self.worker.options(stream=True).generate.remote(prompt)
 
     async def _sse(self, events, body, cid, created, prompt, t0) -> AsyncIterator[str]:
-        def chunk(delta: Delta | None, finish=None, usage=None, logprobs=None) -> str:
+        """The SSE lines of the merged choices' (index, event) stream (`merged`): each choice's
+        pieces (its first with the assistant role), its finish chunk, then one usage chunk
+        for all of them when asked (`stream_options.include_usage`)."""
+
+        def chunk(index: int, delta: Delta | None, finish=None, usage=None, logprobs=None) -> str:
             choices = (
-                [ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)] if delta else []
+                [ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)]
+                if delta
+                else []
             )
             c = ChatCompletionChunk(
                 id=cid, created=created, model=body.model, usage=usage, choices=choices
             )
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
-        started, t_first = False, 0.0
+        t_first: dict[int, float] = {}  # choice -> its first piece's time
+        done: list[DoneEvent] = []
         try:
-            async for ev in events:
+            async for i, ev in events:
                 if isinstance(ev, TokenEvent):
                     lps = chat_logprobs(ev.logprobs) if body.logprobs and ev.logprobs else None
-                    if not started:
-                        t_first, started = time.perf_counter(), True
-                        yield chunk(Delta(role="assistant", content=ev.text), logprobs=lps)
+                    if i not in t_first:
+                        t_first[i] = time.perf_counter()
+                        yield chunk(i, Delta(role="assistant", content=ev.text), logprobs=lps)
                     else:
-                        yield chunk(Delta(content=ev.text), logprobs=lps)
+                        yield chunk(i, Delta(content=ev.text), logprobs=lps)
                     continue
-                t_first = t_first or time.perf_counter()
+                first = t_first.setdefault(i, time.perf_counter())
                 policy = ev.policy or prompt.policy
-                replica_metrics().record(policy, ev, t_first - t0, time.perf_counter() - t_first)
-                yield chunk(Delta(), finish=ev.finish_reason)
-                if body.stream_options and body.stream_options.include_usage:
-                    yield chunk(None, usage=_usage(ev))
+                replica_metrics().record(policy, ev, first - t0, time.perf_counter() - first)
+                yield chunk(i, Delta(), finish=ev.finish_reason)
+                done.append(ev)
+            if body.stream_options and body.stream_options.include_usage:
+                total = sum(ev.completion_tokens for ev in done)
+                yield chunk(0, None, usage=_usage(done[0], total))
         except Exception as exc:  # noqa: BLE001 - after the 200: an SSE error event, then close
-            if not started:
+            if not t_first and not done:
                 raise
             status = status_of(exc)
             if status >= 500:
@@ -232,4 +237,6 @@ class ChatRoutes:
                 logger.warning("stream %s ended by an error: %s", prompt.request_id, exc)
             replica_metrics().request("/v1/chat/completions", "stream_error")
             yield f"data: {error_body(exc).model_dump_json()}\n\n"
+        finally:
+            await events.aclose()  # closed early (the client gone): the worker stops now
         yield "data: [DONE]\n\n"

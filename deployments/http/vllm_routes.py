@@ -34,6 +34,7 @@ from mpic.deployments.chat_request import (
     MPICOptions,
     TextPart,
 )
+from mpic.deployments.http.event_streams import merged, prepend
 from mpic.deployments.http.http_errors import error_body, status_of
 from mpic.deployments.http.schemas.answers import PromptTokensDetails, Usage
 from mpic.deployments.http.schemas.completions import (
@@ -71,6 +72,19 @@ def _usage(done: DoneEvent, completion_tokens: int) -> Usage:
         total_tokens=done.prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
     )
+
+
+def completion_usage(jobs: list[tuple[LinkedPrompt, int]], dones: list[DoneEvent]) -> Usage:
+    """The usage of a completion's choices (`dones[k]`: choice k's, `jobs[k]` its prompt and
+    index among that prompt's n): each prompt's tokens once, as OpenAI counts them, every
+    choice's completion tokens; cached tokens the first choice's."""
+    out_tokens = sum(d.completion_tokens for d in dones)
+    usage = _usage(dones[0], out_tokens)
+    usage.prompt_tokens = sum(
+        d.prompt_tokens for d, (_, i) in zip(dones, jobs, strict=True) if i == 0
+    )
+    usage.total_tokens = usage.prompt_tokens + out_tokens
+    return usage
 
 
 def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
@@ -201,19 +215,17 @@ class VllmRoutes:
             prompt.request_id, prompt.sampling, prompt.raw = rid, body.sampling(), True
             prompts.append(prompt)
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        jobs = [(p, i) for p in prompts for i in range(body.n)]  # choice k: jobs[k]
         if body.stream:
-            gen = self._completion_sse(body, prompts[0], cid, created, t0)
+            gen = self._completion_sse(body, jobs, cid, created, t0)
             first = await anext(gen)  # errors before the 200 status is sent
-            return StreamingResponse(_prepend(first, gen), media_type="text/event-stream")
-        jobs = [(p, i) for p in prompts for i in range(body.n)]
+            return StreamingResponse(prepend(first, gen), media_type="text/event-stream")
         answers = await asyncio.gather(*(self._collect(p, i) for p, i in jobs))
-        choices, done_first, out_tokens = [], None, 0
+        choices = []
         for index, ((prompt, _), (text, lps, done, t_first, t_last)) in enumerate(
             zip(jobs, answers, strict=True)
         ):
             self._record(prompt.policy, done, t_first - t0, t_last - t_first)
-            done_first = done_first or done
-            out_tokens += done.completion_tokens
             choices.append(
                 CompletionChoice(
                     index=index,
@@ -222,11 +234,7 @@ class VllmRoutes:
                     logprobs=completion_logprobs(lps) if body.logprobs is not None else None,
                 )
             )
-        firsts = [a[2] for a, (_, i) in zip(answers, jobs, strict=True) if i == 0]
-        prompt_tokens = sum(d.prompt_tokens for d in firsts)  # each prompt once, as OpenAI
-        usage = _usage(done_first, out_tokens)
-        usage.prompt_tokens = prompt_tokens
-        usage.total_tokens = prompt_tokens + out_tokens
+        usage = completion_usage(jobs, [a[2] for a in answers])
         out = Completion(id=cid, created=created, model=body.model, choices=choices, usage=usage)
         return Response(out.model_dump_json(exclude_none=True), media_type="application/json")
 
@@ -248,8 +256,17 @@ class VllmRoutes:
         return "".join(text), lps, done, t_first, t_last or t_first
 
     async def _completion_sse(
-        self, body: CompletionRequest, prompt: LinkedPrompt, cid: str, created: int, t0: float
+        self,
+        body: CompletionRequest,
+        jobs: list[tuple[LinkedPrompt, int]],
+        cid: str,
+        created: int,
+        t0: float,
     ) -> AsyncIterator[str]:
+        """The SSE events of every choice (`jobs[k]`: choice k's prompt and its index among its
+        prompt's n), merged as they come (`merged`), each naming its choice; then one usage
+        event for all (each prompt's tokens counted once) when asked."""
+
         def event(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
             c = Completion(
                 id=cid,
@@ -260,33 +277,32 @@ class VllmRoutes:
             )
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
-        started, t_first, offset = False, 0.0, 0
+        events = merged([self._generate(p, i) for p, i in jobs])
+        t_first: dict[int, float] = {}  # choice -> its first piece's time
+        offsets = [0] * len(jobs)
+        done: dict[int, DoneEvent] = {}  # choice -> its DoneEvent
         try:
-            async for ev in self._generate(prompt, 0):
+            async for k, ev in events:
                 if isinstance(ev, TokenEvent):
-                    if not started:
-                        t_first, started = time.perf_counter(), True
+                    t_first.setdefault(k, time.perf_counter())
                     lps = None
                     if body.logprobs is not None and ev.logprobs:
-                        lps = completion_logprobs(ev.logprobs, offset)
-                    offset += len(ev.text)
-                    yield event(CompletionChoice(text=ev.text, logprobs=lps))
+                        lps = completion_logprobs(ev.logprobs, offsets[k])
+                    offsets[k] += len(ev.text)
+                    yield event(CompletionChoice(index=k, text=ev.text, logprobs=lps))
                     continue
-                t_first = t_first or time.perf_counter()
-                self._record(prompt.policy, ev, t_first - t0, time.perf_counter() - t_first)
-                yield event(CompletionChoice(text="", finish_reason=ev.finish_reason))
-                if body.stream_options and body.stream_options.include_usage:
-                    yield event(None, _usage(ev, ev.completion_tokens))
+                first = t_first.setdefault(k, time.perf_counter())
+                self._record(jobs[k][0].policy, ev, first - t0, time.perf_counter() - first)
+                yield event(CompletionChoice(index=k, text="", finish_reason=ev.finish_reason))
+                done[k] = ev
+            if body.stream_options and body.stream_options.include_usage:
+                yield event(None, completion_usage(jobs, [done[k] for k in range(len(jobs))]))
         except Exception as exc:  # noqa: BLE001 - after the 200: an SSE error event, then close
-            if not started:
+            if not t_first and not done:
                 raise
             if status_of(exc) >= 500:
-                logger.exception("stream %s failed", prompt.request_id)
+                logger.exception("stream %s failed", jobs[0][0].request_id)
             yield f"data: {error_body(exc).model_dump_json()}\n\n"
+        finally:
+            await events.aclose()  # closed early (the client gone): the worker stops now
         yield "data: [DONE]\n\n"
-
-
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for item in rest:
-        yield item

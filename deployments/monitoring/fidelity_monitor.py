@@ -23,10 +23,10 @@ Per served request (`FidelityMonitor`):
      `topk` KL is KL(p_S || q_S) with both distributions renormalised over the served top-k set
      S (not the full-vocabulary KL: the served pass's probabilities outside S are not returned);
      top-1 agreement is exact (served rank-1 token vs the exact greedy token).
-   - the answer (greedy requests: temperature 0, no penalties, no logit bias): the shadow also
-     decodes the exact greedy answer, `fidelity.answer_tokens` tokens at most (and the
-     request's `max_tokens`), and the served answer's agreement with it is the share of those
-     L positions with the same token (`mpic.engine.answers.token_agreement`, `mpic bench
+   - the answer (greedy requests: temperature 0, no penalties, no logit bias, no min_tokens):
+     the shadow also decodes the exact greedy answer, `fidelity.answer_tokens` tokens at most
+     (and the request's `max_tokens`), and the served answer's agreement with it is the share
+     of those L positions with the same token (`mpic.engine.answers.token_agreement`, `mpic bench
      fidelity`'s `agreement_32` at L; an answer that ended is padded past its end token, so
      two answers that end together agree from there on). The first token alone says whether
      the answer starts right; this says whether it stays with the exact one.
@@ -275,6 +275,7 @@ class FidelityMonitor:
         s = prompt.sampling
         greedy = s.temperature == 0 and not s.logit_bias
         greedy &= s.presence_penalty == 0 and s.frequency_penalty == 0
+        greedy &= s.repetition_penalty == 1 and s.min_tokens == 0
         if not greedy or served.answer is None:
             return 0
         return min(self.cfg.answer_tokens, prompt.max_tokens)

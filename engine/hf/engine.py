@@ -30,7 +30,7 @@ import torch
 
 from mpic.engine.first_token import FirstToken
 from mpic.engine.hf.compress import dense_nbytes
-from mpic.engine.hf.reference_runner import ReferenceRunner
+from mpic.engine.hf.reference_runner import Prefilled, ReferenceRunner
 from mpic.engine.protocol import Decoded, GenerateRequest
 from mpic.engine.request_flow import EngineBase, continued, prefill_of
 from mpic.engine.sampling import Sampler
@@ -212,7 +212,17 @@ class ReferenceEngine(EngineBase):
         is set (before the prefill when still waiting)."""
         try:
             tokenizer = tokenizer_of(self.runner.processor)
-            sampler = Sampler(request.sampling, lambda i: tokenizer.decode([i]), self.token_bytes)
+            sampler = Sampler(
+                request.sampling,
+                lambda i: tokenizer.decode([i]),
+                self.token_bytes,
+                end_ids=self.spec.end_token_ids,
+            )
+            earlier = list(request.continue_from)  # the prompt of vLLM's continuation
+
+            def planned(pre: Prefilled) -> None:
+                sampler.prompt_ids.update(pre.plan.token_ids.tolist() + earlier)
+
             picked: list[FirstToken | None] = [None]
             forced, step = list(request.forced_ids), [0]
 
@@ -237,6 +247,7 @@ class ReferenceEngine(EngineBase):
                     entries=request.entries,
                     raw=request.raw,
                     continue_from=continued(request),
+                    on_prefill=planned,
                 ):
                     put((token, pre, sampler.take(), picked[0]))
                     if gone.is_set():

@@ -263,6 +263,7 @@ class ReferenceRunner:
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
         continue_from: Sequence[int] = (),
+        on_prefill: Callable[[Prefilled], None] | None = None,
     ) -> Iterator[tuple[int, Prefilled]]:
         """Prefill, then yield (token id, prefill) as each token is decoded (greedy when
         temperature is 0, else seeded sampling: `mpic.engine.sampling.Sampler`; `pick(logits
@@ -270,13 +271,16 @@ class ReferenceRunner:
         after an end id (`ModelSpec.end_token_ids`, the same ids the vLLM engine stops at; the
         end token is yielded) or `max_new_tokens`. entries, raw: as `plan`'s. continue_from:
         tokens already generated (`GenerateRequest.continue_from`): decoded first, in place of
-        picks, and not yielded; `max_new_tokens` more follow."""
+        picks, and not yielded; `max_new_tokens` more follow. on_prefill: called with the
+        prefill before the first pick (a `Sampler` takes the prompt's ids from its plan)."""
         policy = self.policy_of(policy)
         forced = list(continue_from)
         total = len(forced) + max_new_tokens
         pre = self.prefill(
             parts, policy, total, system_prompt, press, budget, entries=entries, raw=raw
         )
+        if on_prefill is not None:
+            on_prefill(pre)
         if pick is None:
             pick = Sampler(Sampling(temperature=temperature, seed=seed))
         pos0, n, a = next_position(pre.plan.positions), pre.plan.num_tokens, self.adapter

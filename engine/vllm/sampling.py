@@ -29,6 +29,10 @@ def sampling_kwargs(s: Sampling, vocab: int) -> dict[str, Any]:
         "logit_bias": dict(s.logit_bias) or None,
         "logprobs": s.logprobs,
         "ignore_eos": s.ignore_eos,
+        "top_k": max(s.top_k, 0),
+        "min_p": s.min_p,
+        "repetition_penalty": s.repetition_penalty,
+        "min_tokens": s.min_tokens,
     }
 
 

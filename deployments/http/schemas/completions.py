@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mpic.deployments.chat_request import MPICOptions, StreamOptions, check_n_and_logit_bias
+from mpic.deployments.chat_request import (
+    MPICOptions,
+    StreamOptions,
+    check_logit_bias,
+    check_min_tokens,
+    vllm_sampling,
+)
 from mpic.deployments.http.schemas.answers import Usage
 from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
@@ -51,6 +57,28 @@ class CompletionRequest(BaseModel):
     suffix: str | None = Field(None, description="Insertion is not supported: 400.")
     user: str | None = None
     ignore_eos: bool | None = Field(None, description="vLLM: decode past end-of-sequence ids.")
+    top_k: int | None = Field(
+        None, ge=-1, description="vLLM extension: sample among the k likeliest tokens (0, -1: all)."
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="vLLM extension: drop tokens below min_p x the likeliest one's probability.",
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="vLLM extension: divides (multiplies, where negative) the logits of the "
+        "prompt's and the answer's tokens (1: none).",
+    )
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=4096,
+        description="vLLM extension: no end token and no stop string before this many tokens.",
+    )
     mpic: CompletionMPICOptions | None = None
 
     @model_validator(mode="after")
@@ -70,7 +98,8 @@ class CompletionRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise InvalidRequestError("stop: at most 4 non-empty strings", param="stop")
-        check_n_and_logit_bias(self.n, self.stream, self.logit_bias)
+        check_min_tokens(self.min_tokens, self.max_tokens)
+        check_logit_bias(self.logit_bias)
         return self
 
     @property
@@ -94,6 +123,7 @@ class CompletionRequest(BaseModel):
             stop=stops,
             logprobs=self.logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            **vllm_sampling(self),
         )
         if self.ignore_eos and hasattr(sampling, "ignore_eos"):
             sampling.ignore_eos = True

@@ -2,7 +2,8 @@
 the vLLM worker (in-process apps, no Ray, the same tiny LLaVA and store) get the same uploaded
 images and the same chat with no `mpic.policy` (the server default `auto`: scout + linked-key
 correction), and answer with the same 16 greedy tokens: both decode with plain attention after
-the corrected prefill. LLaVA's vision tower gives the same entries on both engines (Qwen2-VL's
+the corrected prefill; with vLLM's `repetition_penalty` too (the linked image tokens are prompt
+tokens for it on both). LLaVA's vision tower gives the same entries on both engines (Qwen2-VL's
 do not: HF's and vLLM's towers differ). Both serve `mpic.exact_decode` too."""
 
 from __future__ import annotations
@@ -67,11 +68,19 @@ def _answer(app: InProcessApp) -> dict:
     body["mpic"] = {"exact_decode": True}  # then the rest over the exact KV (full prefill)
     exact = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
     assert exact.status_code == 200, exact.text
-    return {**r.json(), "exact": exact.json()}
+    del body["mpic"]
+    body["repetition_penalty"] = 5.0  # vLLM's: every prompt token penalised, the linked included
+    penalised = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
+    assert penalised.status_code == 200, penalised.text
+    return {**r.json(), "exact": exact.json(), "penalised": penalised.json()}
 
 
-def test_both_engines_answer_the_default_with_the_same_tokens(tiny_llava_dir, tmp_path) -> None:
-    answers = _answers(tiny_llava_dir, tmp_path)
+@pytest.fixture(scope="module")
+def answers(tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return _answers(tiny_llava_dir, tmp_path_factory.mktemp("default-parity"))
+
+
+def test_both_engines_answer_the_default_with_the_same_tokens(answers: dict[str, dict]) -> None:
     for out in answers.values():
         assert out["mpic"]["policy"] == "auto"
         assert out["usage"]["completion_tokens"] == 16
@@ -89,3 +98,9 @@ def test_both_engines_answer_the_default_with_the_same_tokens(tiny_llava_dir, tm
         assert exact["mpic"]["exact_decode"] is True
         assert exact["usage"]["completion_tokens"] == 16
         assert exact["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_both_engines_apply_the_repetition_penalty_alike(answers: dict[str, dict]) -> None:
+    text = {k: out["penalised"]["choices"][0]["message"]["content"] for k, out in answers.items()}
+    assert text["vllm"] == text["reference"]
+    assert text["reference"] != answers["reference"]["choices"][0]["message"]["content"]

@@ -2,7 +2,9 @@
 emits `<|im_end|>` within a few tokens; the reference engine and the vLLM worker (in-process
 apps, no Ray, the same model folder and store; text-only chats) answer the same chat with the
 same text, the same completion token count (the end token included) and `finish_reason:
-"stop"`, well before `max_tokens`. `ignore_eos: true` decodes to `max_tokens` on both."""
+"stop"`, well before `max_tokens`. `ignore_eos: true` decodes to `max_tokens` on both. vLLM's
+`min_tokens` (the end token held back) and `repetition_penalty` (prompt and answer tokens
+penalised) give the same greedy answers on both, different from the answers without them."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
 ALICE = {"Authorization": "Bearer alice-key"}
 
+
+MIN_TOKENS = 16
 
 PROMPTS = ["dog blue", "red two", "blue sun"]
 """Prompts on which the seeded tiny Qwen2-VL says <|im_end|> after 10, 20 and 42 tokens."""
@@ -38,14 +42,17 @@ def answers(tiny_qwen2vl_dir: Path, tmp_path_factory) -> dict[str, dict[str, dic
             )
             got = {text: _chat(app, text) for text in PROMPTS}
             got["ignore_eos"] = _chat(app, "Describe it.", ignore_eos=True)
+            got["min_tokens"] = _chat(app, PROMPTS[0], min_tokens=MIN_TOKENS)
+            got["repetition"] = _chat(app, PROMPTS[1], repetition_penalty=5.0)
             out[kind] = got
     return out
 
 
-def _chat(app: InProcessApp, text: str, ignore_eos: bool = False) -> dict:
+def _chat(app: InProcessApp, text: str, ignore_eos: bool = False, **sampling: float) -> dict:
     """A text-only chat (both engines compute it whole: no entry made by either vision tower,
-    which differ on Qwen2-VL)."""
+    which differ on Qwen2-VL); `sampling`: more request fields."""
     body = {
+        **sampling,
         "model": "mpic",
         "max_tokens": MAX_TOKENS,
         "ignore_eos": ignore_eos,
@@ -74,3 +81,14 @@ def test_ignore_eos_runs_to_max_tokens_on_both(answers: dict[str, dict[str, dict
     for name in ("reference", "vllm"):
         _, tokens, finish = _answer(answers[name]["ignore_eos"])
         assert (tokens, finish) == (MAX_TOKENS, "length"), name
+
+
+def test_min_tokens_and_repetition_penalty_the_same_on_both(answers) -> None:
+    held = {name: _answer(answers[name]["min_tokens"]) for name in ("reference", "vllm")}
+    assert held["vllm"] == held["reference"]
+    plain = _answer(answers["reference"][PROMPTS[0]])
+    assert plain[1] < MIN_TOKENS <= held["reference"][1]  # the end token came later
+    assert held["reference"][0].startswith(plain[0])  # the same greedy path up to there
+    penalised = {name: _answer(answers[name]["repetition"]) for name in ("reference", "vllm")}
+    assert penalised["vllm"] == penalised["reference"]
+    assert penalised["reference"][0] != _answer(answers["reference"][PROMPTS[1]])[0]

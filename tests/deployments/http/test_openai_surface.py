@@ -129,6 +129,40 @@ def test_seed_stop_n_logprobs(client) -> None:
     assert ask(frequency_penalty=2.0).choices[0].message.content == greedy  # 3 - 2 still wins
 
 
+def test_vllm_sampling_extensions(client, fake_app) -> None:
+    # vLLM's `extra_body` sampling fields, honoured (the fake engine's Sampler is the reference
+    # engine's; both engines' greedy answers under them: tests/deployments/engines)
+    fid = _upload(client, 4).id
+    msgs = [_user(fid, "the red cat sat on the blue mat today")]
+
+    def ask(**kw):
+        kw.setdefault("max_tokens", 8)
+        return client.chat.completions.create(model="mpic", messages=msgs, **kw).choices[0]
+
+    greedy = ask().message.content
+    for only_the_likeliest in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = ask(temperature=1.0, seed=5, extra_body=only_the_likeliest)
+        assert sampled.message.content == greedy, only_the_likeliest
+    assert ask(temperature=1.0, seed=5).message.content != greedy
+    ended = ask(max_tokens=16)
+    assert ended.finish_reason == "stop" and len(ended.message.content.split()) == 9
+    held = ask(max_tokens=16, extra_body={"min_tokens": 12})
+    assert len(held.message.content.split()) >= 12  # no end token before 12
+    assert held.message.content.startswith(ended.message.content)
+    penalised = ask(extra_body={"repetition_penalty": 5.0}).message.content
+    assert penalised != greedy  # the prompt's words lost their lead
+    h, http = fake_app.headers("alice-key"), fake_app.client
+    body = {"model": "mpic", "messages": msgs, "max_tokens": 4, "min_tokens": 5}
+    _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "min_tokens")
+    body = {"model": "mpic", "messages": msgs, "min_tokens": 4000}  # over the server's default
+    _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "min_tokens")
+    body = {"model": "mpic", "prompt": "a b", "max_tokens": 2, "min_tokens": 3}
+    _err(http.post("/v1/completions", json=body, headers=h), 400, "min_tokens")
+    body = {"model": "mpic", "prompt": "a b c", "max_tokens": 3, "top_k": 1, "temperature": 1}
+    out = http.post("/v1/completions", json=body, headers=h)
+    assert out.status_code == 200, out.text
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -155,6 +189,11 @@ def test_seed_stop_n_logprobs(client) -> None:
         ("seed", 2**70),
         ("not_an_openai_field", 1),
         ("service_tier", "flex"),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("min_tokens", -1),
     ],
 )
 def test_unsupported_or_bad_fields_are_400_naming_the_field(fake_app, field, value) -> None:
@@ -168,7 +207,7 @@ def test_unsupported_or_bad_fields_are_400_naming_the_field(fake_app, field, val
     assert err["param"].split(".")[0] == field, err
 
 
-def test_bad_policy_logit_bias_and_n_stream_are_400(fake_app) -> None:
+def test_bad_policy_and_logit_bias_are_400(fake_app) -> None:
     h, http = fake_app.headers("alice-key"), fake_app.client
     msgs = [{"role": "user", "content": "hi"}]
     for policy in ("mpic-99999999999999999999999", "mpic--1", "nope"):
@@ -176,8 +215,6 @@ def test_bad_policy_logit_bias_and_n_stream_are_400(fake_app) -> None:
         _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "mpic.policy")
     body = {"model": "mpic", "messages": msgs, "logit_bias": {"99999": 5}}
     _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "logit_bias")
-    body = {"model": "mpic", "messages": msgs, "n": 2, "stream": True}
-    _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "n")
     body = {"model": "mpic", "messages": [{"role": "tool", "content": "x"}]}
     _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "messages.0.role")
 
@@ -355,3 +392,43 @@ def test_lost_file_is_410_and_marked_lost(fake_app, caplog) -> None:
     assert got["status"] == "lost" and "lost" in got["status_details"]
     assert http.get("/v1/files", headers=h).json()["data"][0]["status"] == "lost"
     _err(http.get(f"/v1/files/{f['id']}/content", headers=h), 410)
+
+
+def test_several_choices_stream_as_they_come(client, fake_app) -> None:
+    # n > 1 streamed (as vLLM streams it): every choice's chunks name its index, each choice
+    # ends with its finish chunk, and the one usage chunk counts them all; the same texts as
+    # the whole answer with the same seed
+    fid = _upload(client, 4).id
+    msgs = [_user(fid, "the red cat sat on the blue mat today")]
+    kw = {"model": "mpic", "messages": msgs, "n": 3, "max_tokens": 6, "temperature": 1.0}
+    whole = client.chat.completions.create(**kw, seed=11)
+    texts, finish, usage = ["", "", ""], {}, None
+    for c in client.chat.completions.create(
+        **kw, seed=11, stream=True, stream_options={"include_usage": True}
+    ):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+        usage = c.usage or usage
+    assert texts == [c.message.content for c in whole.choices]
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    # legacy completions: two prompts x n=2 streamed, choice k from prompt k // 2
+    body = {"model": "mpic", "prompt": ["a b c", "d e f"], "n": 2, "max_tokens": 4, "seed": 3}
+    h = fake_app.headers("alice-key")
+    want = fake_app.client.post("/v1/completions", json=body, headers=h).json()
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    got, last = ["", "", "", ""], None
+    with fake_app.client.stream("POST", "/v1/completions", json=body, headers=h) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                for choice in event["choices"]:
+                    got[choice["index"]] += choice["text"]
+                last = event.get("usage") or last
+    assert got == [c["text"] for c in want["choices"]]
+    assert got[0] and got[2] and got[0] != got[2]  # the second prompt is answered too
+    assert last == want["usage"]
