@@ -3,9 +3,10 @@ Serve application until SIGINT/SIGTERM, then shut it down cleanly.
 
 The flags are `vllm serve`'s for what means the same here (`--served-model-name`,
 `--max-model-len`, `--gpu-memory-utilization`, `--tensor-parallel-size`, `--dtype`, `--api-key`,
-`--chat-template`, `--block-size`, `--max-num-seqs`, `--host`, `--port`), grouped in `--help` as
-vLLM groups them, applied over the config by `mpic.cli.serve_flags` (a flag the configured
-engine cannot honour, or an unknown flag: exit status 2).
+`--chat-template`, `--block-size`, `--max-num-seqs`, `--max-num-batched-tokens`,
+`--[no-]enable-prefix-caching`, `--[no-]enforce-eager`, `--seed`, `--host`, `--port`), grouped
+in `--help` as vLLM groups them, applied over the config by `mpic.cli.serve_flags` (a flag the
+configured engine cannot honour, or an unknown flag: exit status 2).
 
 No config: the embedded default (small random model written to .mpic/models on first use,
 filesystem store under .mpic/store, dev API keys, see docs/serving.md). A config is a
@@ -173,6 +174,34 @@ def command(
         help="Most sequences vLLM runs in one batch (vLLM engine).",
         rich_help_panel=SCHEDULER,
     ),
+    max_num_batched_tokens: int = typer.Option(
+        None,
+        "--max-num-batched-tokens",
+        min=1,
+        help="Most tokens vLLM runs in one step (vLLM engine; default: vLLM's).",
+        rich_help_panel=SCHEDULER,
+    ),
+    enable_prefix_caching: bool = typer.Option(
+        None,
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="vLLM's own prefix caching (vLLM engine; default: on).",
+        show_default=False,
+        rich_help_panel=CACHE,
+    ),
+    enforce_eager: bool = typer.Option(
+        None,
+        "--enforce-eager/--no-enforce-eager",
+        help="Run vLLM's model eagerly, no torch.compile or CUDA graphs (vLLM engine; "
+        "default: eager, the faster start).",
+        show_default=False,
+        rich_help_panel=MODEL_PANEL,
+    ),
+    seed: int = typer.Option(
+        None,
+        "--seed",
+        help="vLLM's random seed (vLLM engine; a request's `seed` still wins).",
+        rich_help_panel=MODEL_PANEL,
+    ),
 ) -> None:
     """Serve MODEL with MPIC's KV linking behind an OpenAI/vLLM-compatible API (vLLM's flag
     names), until SIGINT/SIGTERM."""
@@ -209,6 +238,10 @@ def command(
         chat_template=chat_template,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        enforce_eager=enforce_eager,
+        seed=seed,
     )
     try:
         keys = api_keys(flags.api_key)

@@ -28,7 +28,16 @@ DTYPES = {
     "float32": "float32",
 }
 """vLLM's `--dtype` choices -> the weights dtype (auto: float32 here, as MPIC's CPU default)."""
-VLLM_ONLY = ("gpu_memory_utilization", "tensor_parallel_size", "block_size", "max_num_seqs")
+VLLM_ONLY = (
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "seed",
+)
 """Flags that only the vLLM engine takes."""
 API_KEY_USER = "default"
 """The user every `--api-key` key acts as (vLLM's keys are not per user; files are)."""
@@ -52,6 +61,10 @@ class ServeFlags:
     chat_template: str | None = None
     block_size: int | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool | None = None
+    seed: int | None = None
 
 
 def parse_length(text: str) -> int:

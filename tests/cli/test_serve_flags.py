@@ -42,7 +42,9 @@ def test_help_groups_flags_as_vllm() -> None:
     for flag in (
         "--served-model-name", "--max-model-len", "--gpu-memory-utilization",
         "--tensor-parallel-size", "--dtype", "--api-key", "--chat-template", "--block-size",
-        "--max-num-seqs", "--host", "--port", "--config",
+        "--max-num-seqs", "--host", "--port", "--config", "--max-num-batched-tokens",
+        "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager",
+        "--no-enforce-eager", "--seed",
     ):  # fmt: skip
         assert flag in out, flag
 
@@ -66,6 +68,10 @@ def test_flags_reach_the_config(started, tiny_qwen2vl_dir: Path, tmp_path: Path)
         "--block-size", "64",
         "--max-num-seqs", "4",
         "--chat-template", str(template),
+        "--max-num-batched-tokens", "1024",
+        "--no-enable-prefix-caching",
+        "--no-enforce-eager",
+        "--seed", "7",
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     cfg = started["cfg"]
@@ -79,6 +85,12 @@ def test_flags_reach_the_config(started, tiny_qwen2vl_dir: Path, tmp_path: Path)
     assert (e.max_model_len, e.dtype, e.gpu_memory_utilization) == (2000, "float32", 0.5)
     assert (e.tensor_parallel_size, e.block_size, e.max_num_seqs) == (1, 64, 4)
     assert e.chat_template == str(template)
+    assert (e.max_num_batched_tokens, e.enable_prefix_caching, e.enforce_eager, e.seed) == (
+        1024,
+        False,
+        False,
+        7,
+    )
     assert (started["host"], started["port"]) == ("0.0.0.0", 8123)
     assert cfg.auth.mode == "production"  # the dev keys are off
     assert json.loads(os.environ["MPIC_API_KEYS"]) == {k: "default" for k in ("k1", "k2", "k3")}
@@ -109,6 +121,8 @@ def test_flags_override_the_config(started, tiny_llava_dir: Path, tmp_path: Path
         (["--dtype", "int3"], "--dtype 'int3'"),
         (["--max-model-len", "lots"], "--max-model-len 'lots'"),
         (["--max-model-len", "1000000"], "longer than the model's context"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (["--seed", "x"], "--seed"),
     ],
 )
 def test_bad_flags_exit_2(started, tiny_llava_dir: Path, args, message) -> None:
@@ -124,6 +138,9 @@ def test_vllm_only_flag_with_the_reference_engine_exits_2(started, tmp_path: Pat
     res = serve("--config", str(conf), "--tensor-parallel-size", "2", "--max-num-seqs", "3")
     assert res.exit_code == 2
     assert "--tensor-parallel-size, --max-num-seqs: only the vllm engine" in res.output
+    res = serve("--config", str(conf), "--no-enable-prefix-caching", "--seed", "1")
+    assert res.exit_code == 2
+    assert "--enable-prefix-caching, --seed: only the vllm engine" in res.output
 
 
 def test_a_folder_without_a_model_exits_2(started, tmp_path: Path) -> None:
