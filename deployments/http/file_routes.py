@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from mpic.deployments.file_schemas import FileDeleted, FileExpiryUpdate, FileList, FileObject
 from mpic.deployments.http.request_metrics import replica_metrics
-from mpic.deployments.serve.files import document_media_type
+from mpic.deployments.serve.files import check_image_upload, document_media_type
 from mpic.errors import PayloadTooLargeError
 
 router = APIRouter()
@@ -63,6 +63,7 @@ class FileRoutes:
             )
             replica_metrics().uploads.inc()
             return record
+        check_image_upload(data, name, file.content_type, purpose)
         encoded = self.encoder.encode.remote(data)  # ObjectRef-backed; not materialised here
         record = await self.worker.upload.remote(who.user, name, encoded, ttl_seconds, purpose)
         replica_metrics().uploads.inc()
@@ -74,7 +75,7 @@ class FileRoutes:
         limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
         after: Annotated[str | None, Query()] = None,
         purpose: Annotated[Literal["vision", "user_data"] | None, Query()] = None,
-        order: Annotated[Literal["asc", "desc"], Query()] = "asc",
+        order: Annotated[Literal["asc", "desc"], Query()] = "desc",
         authorization: Annotated[str | None, Header()] = None,
     ) -> FileList:
         """The caller's files (never another user's), with expiry and status, paginated."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -161,13 +162,13 @@ def validation_param(error: dict, body: object = None) -> str | None:
     node = body
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
-        if isinstance(node, dict) and part in node:
+        if isinstance(node, Mapping) and part in node:  # a JSON object or a form
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
         elif isinstance(part, str) and _TYPE_LABEL.match(part):
             continue
-        elif body is not None and not (last and isinstance(node, dict)):
+        elif body is not None and not (last and isinstance(node, Mapping)):
             continue
         out.append(str(part))
     return ".".join(out) or None

@@ -11,6 +11,7 @@ worker on one node are visible to the ingress and linker on any other.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from mpic.deployments.file_schemas import FileList, FileObject
 from mpic.documents import document_suffix_type
-from mpic.errors import ExpiredError, InvalidRequestError, NotFoundError
+from mpic.errors import ExpiredError, InvalidRequestError, NotFoundError, UnreadableMediaError
 from mpic.storage.config import StorageConfig
 from mpic.storage.factory import make_object_store
 from mpic.storage.object_store import ObjectNotFoundError, StoreUnavailableError
@@ -83,6 +84,30 @@ def document_media_type(name: str, content_type: str | None, purpose: str) -> st
     return base if base in ("text/plain", "text/markdown") else None
 
 
+def check_image_upload(data: bytes, name: str, content_type: str | None, purpose: str) -> None:
+    """UnreadableMediaError (415) naming what `purpose` takes when an upload that is not a text
+    document (`document_media_type` None) has no image header PIL knows (read lazily: the
+    header only; the encoder decodes it)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:  # the encoder says so ("empty upload")
+        return
+    try:
+        Image.open(io.BytesIO(data))
+        return
+    except (UnidentifiedImageError, OSError, ValueError):
+        pass
+    what = f"{name or 'the upload'} ({content_type or 'no content type'})"
+    if purpose == "user_data":
+        message = (
+            f"{what} is neither a text document (.txt or .md, text/plain or text/markdown, "
+            "UTF-8) nor an image: purpose user_data takes those"
+        )
+    else:
+        message = f"{what} is not an image; a text document is uploaded with purpose user_data"
+    raise UnreadableMediaError(message, param="file")
+
+
 def is_document(media_type: str) -> bool:
     """True for a file record of a text document."""
     return media_type.startswith("text/")
@@ -137,10 +162,10 @@ class FileCatalog:
         limit: int = 10000,
         after: str | None = None,
         purpose: str | None = None,
-        order: Literal["asc", "desc"] = "asc",
+        order: Literal["asc", "desc"] = "desc",
     ) -> FileList:
         """The caller's live files (OpenAI pagination: `after` is the last id of the previous
-        page, in the same `order` by creation time); 400 for an `after` not in the list. While
+        page, in the same `order` by creation time, newest first by default as OpenAI's); 400 for an `after` not in the list. While
         the store is unreachable: the caller's files this replica last listed or read."""
         try:
             recs = self.library.list_files(user)

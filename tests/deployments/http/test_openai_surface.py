@@ -66,12 +66,14 @@ def test_files_content_pagination_and_expiry_update(client, fake_app) -> None:
     a, b = _upload(client, 1), _upload(client, 2)
     c = client.files.create(file=("c.png", io.BytesIO(png(3)), "image/png"), purpose="user_data")
     assert client.files.content(a.id).content == png(1)
-    page = client.files.list(limit=2)
+    page = client.files.list(limit=2)  # newest first, as OpenAI's default order
+    assert [f.id for f in page.data] == [c.id, b.id] and page.has_more
+    assert [f.id for f in client.files.list(limit=2, after=b.id).data] == [a.id]
+    page = client.files.list(limit=2, order="asc")
     assert [f.id for f in page.data] == [a.id, b.id] and page.has_more
-    assert [f.id for f in client.files.list(limit=2, after=b.id).data] == [c.id]
+    assert [f.id for f in client.files.list(limit=2, after=b.id, order="asc").data] == [c.id]
     assert [f.id for f in client.files.list(purpose="user_data").data] == [c.id]
-    assert [f.id for f in client.files.list(order="desc").data] == [c.id, b.id, a.id]
-    assert [f.id for f in client.files.list()] == [a.id, b.id, c.id]  # auto-paging iterator
+    assert [f.id for f in client.files.list()] == [c.id, b.id, a.id]  # auto-paging iterator
     h = fake_app.headers("alice-key")
     http = fake_app.client
     _err(http.get("/v1/files", params={"after": "file-nope"}, headers=h), 400, "after")
@@ -432,3 +434,19 @@ def test_several_choices_stream_as_they_come(client, fake_app) -> None:
     assert got == [c["text"] for c in want["choices"]]
     assert got[0] and got[2] and got[0] != got[2]  # the second prompt is answered too
     assert last == want["usage"]
+
+
+def test_an_upload_of_the_wrong_kind_says_what_its_purpose_takes(fake_app) -> None:
+    h, http = fake_app.headers("alice-key"), fake_app.client
+
+    def upload(name: str, data: bytes, purpose: str, content_type: str = "application/pdf"):
+        files = {"file": (name, data, content_type)}
+        return http.post("/v1/files", files=files, data={"purpose": purpose}, headers=h)
+
+    err = _err(upload("paper.pdf", b"%PDF-1.4 text", "user_data"), 415, "file")
+    assert "paper.pdf (application/pdf) is neither a text document" in err["message"]
+    err = _err(upload("notes.txt", b"plain words", "vision", "text/plain"), 415, "file")
+    assert "is not an image; a text document is uploaded with purpose user_data" in err["message"]
+    err = _err(upload("notes.txt", b"plain words", "fine-tune", "text/plain"), 400, "purpose")
+    assert "'vision' or 'user_data'" in err["message"]
+    assert http.get("/v1/files", headers=h).json()["data"] == []  # nothing was kept
