@@ -22,6 +22,29 @@ from mpic.engine.tiny import smollm2 as trained_models
 app = typer.Typer(
     no_args_is_help=True, help="MPIC serve: position-independent multimodal KV caching."
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from mpic import installed_version
+
+        typer.echo(installed_version())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the installed mpic-serve version and exit (as `vllm --version`).",
+    ),
+) -> None:
+    """MPIC serve: position-independent multimodal KV caching."""
+
+
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (each writes JSON and a PNG plot).")
 app.add_typer(model_app, name="model")

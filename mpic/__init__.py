@@ -5,3 +5,14 @@ subpackages (`mpic.linker`, `mpic.storage`, ...); see pyproject.toml's `package-
 """
 
 __version__ = "0.1.0"
+
+
+def installed_version() -> str:
+    """The installed mpic-serve distribution's version (`__version__` when not installed): what
+    `mpic --version` and the API's `/version` report."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mpic-serve")
+    except PackageNotFoundError:
+        return __version__

@@ -19,13 +19,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
+from mpic import installed_version
 from mpic.deployments.chat_request import (
     ChatCompletionRequest,
     ChatMessage,
@@ -53,16 +52,6 @@ from mpic.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-
-
-def server_version() -> str:
-    """The installed mpic-serve distribution's version (the package's when not installed)."""
-    try:
-        return package_version("mpic-serve")
-    except PackageNotFoundError:
-        from mpic import __version__
-
-        return __version__
 
 
 def _usage(done: DoneEvent, completion_tokens: int) -> Usage:
@@ -155,7 +144,7 @@ class VllmRoutes:
     @router.get("/version")
     async def version(self) -> VersionResponse:
         """vLLM's version route (no auth): this server's version."""
-        return VersionResponse(version=server_version())
+        return VersionResponse(version=installed_version())
 
     @router.post("/tokenize", response_model_exclude_none=True)
     async def tokenize(
