@@ -39,11 +39,37 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int | None) -> None:
         )
 
 
-def vllm_sampling(body: Any) -> dict[str, Any]:
-    """The `Sampling` keywords of vLLM's sampling extensions a chat or completion body sets
-    (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`; absent: the defaults)."""
-    names = ("top_k", "min_p", "repetition_penalty", "min_tokens")
-    return {n: getattr(body, n) for n in names if getattr(body, n) is not None}
+class VllmSamplingFields(BaseModel):
+    """vLLM's sampling extensions, fields of both chat and completion bodies (`extra_body` with
+    OpenAI's client)."""
+
+    top_k: int | None = Field(
+        None, ge=-1, description="vLLM extension: sample among the k likeliest tokens (0, -1: all)."
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="vLLM extension: drop tokens below min_p x the likeliest one's probability.",
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="vLLM extension: divides (multiplies, where negative) the logits of the "
+        "prompt's and the answer's tokens (1: none).",
+    )
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=4096,
+        description="vLLM extension: no end token and no stop string before this many tokens.",
+    )
+
+    def vllm_sampling(self) -> dict[str, Any]:
+        """The `Sampling` keywords of the extensions this body sets (absent: the defaults)."""
+        names = ("top_k", "min_p", "repetition_penalty", "min_tokens")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 class TextPart(BaseModel):
@@ -180,7 +206,7 @@ REJECTED_FIELDS: dict[str, str] = {
 field (docs/serving.md has the table of every field)."""
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(VllmSamplingFields):
     """`POST /v1/chat/completions` body. Every OpenAI field is either honoured or, when set to
     something MPIC cannot do, rejected with a 400 naming it (`REJECTED_FIELDS`, `modalities`
     other than text, `response_format` other than text, `store: true`, and any field OpenAI
@@ -210,28 +236,6 @@ class ChatCompletionRequest(BaseModel):
         "(benchmarks); default: stop at it.",
     )
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
-    top_k: int | None = Field(
-        None, ge=-1, description="vLLM extension: sample among the k likeliest tokens (0, -1: all)."
-    )
-    min_p: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        description="vLLM extension: drop tokens below min_p x the likeliest one's probability.",
-    )
-    repetition_penalty: float | None = Field(
-        None,
-        gt=0,
-        le=100,
-        description="vLLM extension: divides (multiplies, where negative) the logits of the "
-        "prompt's and the answer's tokens (1: none).",
-    )
-    min_tokens: int | None = Field(
-        None,
-        ge=0,
-        le=4096,
-        description="vLLM extension: no end token and no stop string before this many tokens.",
-    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="End-user id: logged with the request id.")
@@ -309,5 +313,5 @@ class ChatCompletionRequest(BaseModel):
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             ignore_eos=self.ignore_eos,
-            **vllm_sampling(self),
+            **self.vllm_sampling(),
         )

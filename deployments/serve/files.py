@@ -165,8 +165,9 @@ class FileCatalog:
         order: Literal["asc", "desc"] = "desc",
     ) -> FileList:
         """The caller's live files (OpenAI pagination: `after` is the last id of the previous
-        page, in the same `order` by creation time, newest first by default as OpenAI's); 400 for an `after` not in the list. While
-        the store is unreachable: the caller's files this replica last listed or read."""
+        page, in the same `order` by creation time, newest first by default as OpenAI's); 400
+        for an `after` not in the list. While the store is unreachable: the caller's files this
+        replica last listed or read."""
         try:
             recs = self.library.list_files(user)
             self.seen.replace_user(user, recs)

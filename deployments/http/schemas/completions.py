@@ -12,9 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mpic.deployments.chat_request import (
     MPICOptions,
     StreamOptions,
+    VllmSamplingFields,
     check_logit_bias,
     check_min_tokens,
-    vllm_sampling,
 )
 from mpic.deployments.http.schemas.answers import Usage
 from mpic.deployments.messages import Sampling
@@ -31,7 +31,7 @@ class CompletionMPICOptions(MPICOptions):
     )
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(VllmSamplingFields):
     """`POST /v1/completions` body (OpenAI legacy completions, as vLLM serves them). The prompt
     is text (a string, or a list of strings: one choice set per prompt); token-id prompts,
     `echo`, `suffix` and `best_of` > n are refused with a 400 naming the field."""
@@ -57,28 +57,6 @@ class CompletionRequest(BaseModel):
     suffix: str | None = Field(None, description="Insertion is not supported: 400.")
     user: str | None = None
     ignore_eos: bool | None = Field(None, description="vLLM: decode past end-of-sequence ids.")
-    top_k: int | None = Field(
-        None, ge=-1, description="vLLM extension: sample among the k likeliest tokens (0, -1: all)."
-    )
-    min_p: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        description="vLLM extension: drop tokens below min_p x the likeliest one's probability.",
-    )
-    repetition_penalty: float | None = Field(
-        None,
-        gt=0,
-        le=100,
-        description="vLLM extension: divides (multiplies, where negative) the logits of the "
-        "prompt's and the answer's tokens (1: none).",
-    )
-    min_tokens: int | None = Field(
-        None,
-        ge=0,
-        le=4096,
-        description="vLLM extension: no end token and no stop string before this many tokens.",
-    )
     mpic: CompletionMPICOptions | None = None
 
     @model_validator(mode="after")
@@ -123,7 +101,7 @@ class CompletionRequest(BaseModel):
             stop=stops,
             logprobs=self.logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            **vllm_sampling(self),
+            **self.vllm_sampling(),
         )
         if self.ignore_eos and hasattr(sampling, "ignore_eos"):
             sampling.ignore_eos = True
