@@ -66,9 +66,25 @@ class VllmSamplingFields(BaseModel):
         description="vLLM extension: no end token and no stop string before this many tokens.",
     )
 
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        max_length=64,
+        description="vLLM extension: token ids that end the answer (counted, not in its text).",
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM extension: keep the matched stop string (or stop token's text)."
+    )
+
     def vllm_sampling(self) -> dict[str, Any]:
         """The `Sampling` keywords of the extensions this body sets (absent: the defaults)."""
-        names = ("top_k", "min_p", "repetition_penalty", "min_tokens")
+        names = (
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 

@@ -14,20 +14,24 @@ from mpic.engine.protocol import TokenEvent
 class StopMatcher:
     """OpenAI `stop` strings over streamed text: `push(piece)` gives the text that is safe to
     send (a suffix that may begin a stop string is held back) and whether a stop string
-    matched (the text from it on is dropped); `flush()` gives what was held back."""
+    matched (the text from it on is dropped; with `include`, from its end on); `flush()` gives
+    what was held back."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops, self.held, self.stopped = [s for s in stops if s], "", False
+        self.include = include
+        """Keep the matched stop string in the text (vLLM's `include_stop_str_in_output`)."""
 
     def push(self, piece: str) -> tuple[str, bool]:
         """(text to emit, stopped)."""
         if self.stopped:
             return "", True
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
+            at, size = min(hits)
             self.held, self.stopped = "", True
-            return text[: min(hits)], True
+            return text[: at + size if self.include else at], True
         keep = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(text)), 0, -1):

@@ -62,8 +62,13 @@ class Sampling:
     """vLLM's (CTRL's): the logit of every token in the prompt or generated so far is divided
     by it where positive, multiplied where negative (1: none)."""
     min_tokens: int = 0
-    """vLLM's: the end ids (`ModelSpec.end_token_ids`) cannot be picked, and stop strings are
-    not looked for, until this many tokens are generated."""
+    """vLLM's: the end ids (`ModelSpec.end_token_ids`) and `stop_token_ids` cannot be picked,
+    and stop strings are not looked for, until this many tokens are generated."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """vLLM's: ids that end the answer (with `ignore_eos` too); the id is counted, its text is
+    not part of the answer (unless `include_stop_str_in_output`)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: keep the matched stop string (or the stop token's text) in the answer."""
 
 
 @dataclass

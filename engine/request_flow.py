@@ -102,14 +102,24 @@ def pressed_parts(
 class TextStream:
     """Token ids -> the TokenEvents of one request: detokenized incrementally
     (`Detokenizer`: no broken characters) and cut at the request's stop strings
-    (`StopMatcher`: the stop string and what follows are dropped), which are looked for in the
-    text after the first `min_tokens` tokens only (vLLM's rule for `min_tokens`; a stop string
-    that begins in that text is not cut). `push` per decoded batch of tokens, `flush` once at
-    the end; `stopped` tells whether a stop string ended it."""
+    (`StopMatcher`: the stop string and what follows are dropped, unless `include_stop`),
+    which are looked for in the text after the first `min_tokens` tokens only (vLLM's rule for
+    `min_tokens`; a stop string that begins in that text is not cut), or at a stop token
+    (`stop_ids`, vLLM's `stop_token_ids`: the answer ends with it, counted, its text dropped
+    unless `include_stop`). `push` per decoded batch of tokens, `flush` once at the end;
+    `stopped` tells whether a stop string or a stop token ended it."""
 
-    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0) -> None:
-        self.detok, self.stops, self.stopped = Detokenizer(tokenizer), StopMatcher(stop), False
-        self.min_tokens = min_tokens
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: list[str],
+        min_tokens: int = 0,
+        stop_ids: Iterable[int] = (),
+        include_stop: bool = False,
+    ) -> None:
+        self.detok, self.stopped = Detokenizer(tokenizer), False
+        self.stops = StopMatcher(stop, include_stop)
+        self.min_tokens, self.stop_ids, self.include_stop = min_tokens, set(stop_ids), include_stop
 
     @property
     def tokens(self) -> list[int]:
@@ -119,14 +129,25 @@ class TextStream:
     def push(self, tokens: Iterable[int], logprobs: list[TokenLogprob] | None = None) -> TokenEvent:
         """The event of newly decoded `tokens` (its text may be empty: held back)."""
         tokens, before = list(tokens), ""
+        end = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+        if end is not None:  # what follows a stop token is not part of the answer
+            tokens, last = tokens[:end], tokens[end]
+            logprobs = logprobs[: end + 1] if logprobs is not None else None
         while tokens and len(self.detok.tokens) < self.min_tokens:  # no stop string looked for
             before += self.detok.push(tokens[:1]).text
             tokens = tokens[1:]
         text, self.stopped = self.stops.push(self.detok.push(tokens).text if tokens else "")
+        if end is not None and not self.stopped:  # the stop token ends it: the held text out
+            text += self.stops.push(self.detok.flush().text)[0] + self.stops.flush()
+            if self.include_stop:
+                text += self.detok.push([last]).text + self.detok.flush().text
+            else:
+                self.detok.tokens.append(last)  # counted, not said
+            self.stopped = True
         return TokenEvent(before + text, logprobs)
 
     def flush(self) -> TokenEvent | None:
-        """The text held back at the end (None when there is none or a stop string matched)."""
+        """The text held back at the end (None when there is none or a stop ended it)."""
         if self.stopped:
             return None
         rest = self.stops.push(self.detok.flush().text)[0] + self.stops.flush()
@@ -181,6 +202,25 @@ def continued(request: GenerateRequest) -> list[int]:
     return list(request.continue_from)
 
 
+def check_sampling(spec: ModelSpec, request: GenerateRequest) -> None:
+    """InvalidRequestError for sampling fields the model or the request's length cannot take:
+    `min_tokens` above `max_tokens` (vLLM's rule), a `stop_token_ids` id outside the
+    vocabulary."""
+    s = request.sampling
+    if s.min_tokens > request.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({s.min_tokens}) is more than max_tokens ({request.max_tokens})",
+            param="min_tokens",
+        )
+    vocab = spec.vocab_size or float("inf")  # 0: an open vocabulary (the fake engine's words)
+    outside = [i for i in s.stop_token_ids if not 0 <= i < vocab]
+    if outside:
+        raise InvalidRequestError(
+            f"stop_token_ids: {outside[0]} is outside the vocabulary ({spec.vocab_size} tokens)",
+            param="stop_token_ids",
+        )
+
+
 async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterator[Decoded]:
     """`engine.decode(request)`, or with `request.exact_decode` two passes: the first token
     from the request's policy (its `Prefill`: TTFT, cached tokens, captured distribution), then
@@ -189,12 +229,7 @@ async def decode_steps(engine: Engine, request: GenerateRequest) -> AsyncIterato
     in both passes with the request's settings (a seed restarts in the second: seeded answers
     stay reproducible, not equal to a one-pass run). Measured: docs/fidelity.md "Exact
     decoding"."""
-    if request.sampling.min_tokens > request.max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens ({request.sampling.min_tokens}) is more than max_tokens "
-            f"({request.max_tokens})",
-            param="min_tokens",
-        )
+    check_sampling(engine.spec, request)
     two_pass = request.exact_decode and request.max_tokens > 1 and not exact_policy(request.policy)
     head: list[int] = []
     # the first pass is the whole request (planned, checked and given room as one pass would
@@ -250,8 +285,13 @@ async def generate(
     (`finish_reason`: "length" when `max_tokens` ran out before an end id or a stop string)
     and the backend's `Prefill`. A generation abandoned before its first token ends with no
     DoneEvent (nobody waits for one)."""
+    s = request.sampling
     text = TextStream(
-        tokenizer_of(engine.processor), request.sampling.stop, request.sampling.min_tokens
+        tokenizer_of(engine.processor),
+        s.stop,
+        s.min_tokens,
+        s.stop_token_ids,
+        s.include_stop_str_in_output,
     )
     prefill: Prefill | None = None
     steps = decode_steps(engine, request)

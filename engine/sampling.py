@@ -26,7 +26,8 @@ class Sampler:
     names the tokens then; `token_bytes` gives their raw bytes, `mpic.engine.token_bytes`).
 
     prompt_ids: the prompt's token ids (the repetition penalty's; set once the prompt is
-    planned, before the first pick); end_ids: the ids `min_tokens` holds back."""
+    planned, before the first pick); end_ids: the ids `min_tokens` holds back (the model's end
+    ids and the request's `stop_token_ids`, in the caller's id space)."""
 
     def __init__(
         self,

@@ -199,7 +199,7 @@ class FakeEngine(EngineBase):
             request.sampling,
             lambda i: vocab[i] if i else "",
             prompt_ids=[index[w] for w in echo],  # its prompt's words, as its vocabulary's ids
-            end_ids=[0],
+            end_ids=[0, *(ids.index(t) for t in request.sampling.stop_token_ids if t in ids)],
         )
         base = torch.Generator().manual_seed(
             int.from_bytes(hashlib.sha256(" ".join(echo).encode()).digest()[:7], "big")

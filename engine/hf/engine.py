@@ -216,7 +216,7 @@ class ReferenceEngine(EngineBase):
                 request.sampling,
                 lambda i: tokenizer.decode([i]),
                 self.token_bytes,
-                end_ids=self.spec.end_token_ids,
+                end_ids=[*self.spec.end_token_ids, *request.sampling.stop_token_ids],
             )
             earlier = list(request.continue_from)  # the prompt of vLLM's continuation
 

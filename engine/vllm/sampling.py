@@ -33,6 +33,7 @@ def sampling_kwargs(s: Sampling, vocab: int) -> dict[str, Any]:
         "min_p": s.min_p,
         "repetition_penalty": s.repetition_penalty,
         "min_tokens": s.min_tokens,
+        "stop_token_ids": list(s.stop_token_ids) or None,
     }
 
 

@@ -90,3 +90,23 @@ def test_stop_strings_are_looked_for_after_min_tokens() -> None:
     held = TextStream(_Chars(), ["cb"], min_tokens=2)
     text = held.push(tokens[:1]).text + held.push(tokens[1:]).text
     assert text == "cbad" and held.stopped  # the first "cb" is in the first 2 tokens' text
+
+
+@pytest.mark.parametrize(("include", "want"), [(False, "cb"), (True, "cba")])
+def test_a_stop_token_ends_the_text(include: bool, want: str) -> None:
+    stream = TextStream(_Chars(), [], stop_ids=[0], include_stop=include)  # "a" stops
+    text = stream.push([2, 1]).text + stream.push([0, 3, 2]).text  # "cb", then "a" and more
+    assert text == want and stream.stopped and stream.flush() is None
+    assert stream.tokens == [2, 1, 0]  # the stop token counted, what follows it dropped
+
+
+def test_a_stop_string_is_kept_when_asked() -> None:
+    stream = TextStream(_Chars(), ["ad"], include_stop=True)
+    assert stream.push([2, 1, 0, 3, 2]).text == "cbad" and stream.stopped
+
+
+def test_a_stop_token_after_held_text_releases_it() -> None:
+    # "cb" may begin the stop string "cbx": held back, then the stop token ends the answer
+    stream = TextStream(_Chars(), ["cbx"], stop_ids=[0])
+    assert stream.push([2, 1]).text == ""
+    assert stream.push([0]).text == "cb" and stream.stopped

@@ -34,6 +34,7 @@ def answers(tiny_qwen2vl_dir: Path, tmp_path_factory) -> dict[str, dict[str, dic
     routes over (both clients would reach the inner app's engine)."""
     store = tmp_path_factory.mktemp("eos-store")
     out: dict[str, dict[str, dict]] = {}
+    stop_id = None
     for kind, extra in (("reference", {}), ("vllm", {"max_model_len": 1024})):
         cfg = fake_config(store, kind=kind, model=str(tiny_qwen2vl_dir), **extra)
         with in_process_app(cfg, KEYS, [ADMIN_KEY]) as app:
@@ -44,14 +45,40 @@ def answers(tiny_qwen2vl_dir: Path, tmp_path_factory) -> dict[str, dict[str, dic
             got["ignore_eos"] = _chat(app, "Describe it.", ignore_eos=True)
             got["min_tokens"] = _chat(app, PROMPTS[0], min_tokens=MIN_TOKENS)
             got["repetition"] = _chat(app, PROMPTS[1], repetition_penalty=5.0)
+            stop_id = stop_id or _middle_token(app.worker.engine.runner)
+            got["stop_id"] = _chat(app, PROMPTS[2], stop_token_ids=[stop_id])
+            bad = {**_body(PROMPTS[0]), "stop_token_ids": [10**9]}
+            got["bad_stop_id"] = app.client.post(
+                "/v1/chat/completions", json=bad, headers=ALICE, timeout=600
+            ).json()
             out[kind] = got
     return out
 
 
-def _chat(app: InProcessApp, text: str, ignore_eos: bool = False, **sampling: float) -> dict:
+def _middle_token(runner) -> int:
+    """A token in the middle of the reference engine's greedy answer to PROMPTS[2] (offline:
+    the same tokens as over HTTP), the first of its kind there: the stop token."""
+    tokens = runner.generate([PROMPTS[2]], "full", max_new_tokens=MAX_TOKENS).tokens
+    token = tokens[len(tokens) // 2]
+    assert tokens.index(token) > 0 and token not in runner.spec.end_token_ids
+    return token
+
+
+def _chat(app: InProcessApp, text: str, ignore_eos: bool = False, **sampling: object) -> dict:
     """A text-only chat (both engines compute it whole: no entry made by either vision tower,
     which differ on Qwen2-VL); `sampling`: more request fields."""
-    body = {
+    resp = app.client.post(
+        "/v1/chat/completions",
+        json=_body(text, ignore_eos, **sampling),
+        headers=ALICE,
+        timeout=600,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _body(text: str, ignore_eos: bool = False, **sampling: object) -> dict:
+    return {
         **sampling,
         "model": "mpic",
         "max_tokens": MAX_TOKENS,
@@ -59,9 +86,6 @@ def _chat(app: InProcessApp, text: str, ignore_eos: bool = False, **sampling: fl
         "mpic": {"policy": "full"},
         "messages": [{"role": "user", "content": text}],
     }
-    resp = app.client.post("/v1/chat/completions", json=body, headers=ALICE, timeout=600)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def _answer(out: dict) -> tuple[str, int, str]:
@@ -92,3 +116,14 @@ def test_min_tokens_and_repetition_penalty_the_same_on_both(answers) -> None:
     penalised = {name: _answer(answers[name]["repetition"]) for name in ("reference", "vllm")}
     assert penalised["vllm"] == penalised["reference"]
     assert penalised["reference"][0] != _answer(answers["reference"][PROMPTS[1]])[0]
+
+
+def test_a_stop_token_ends_the_answer_alike_on_both(answers) -> None:
+    cut = {name: _answer(answers[name]["stop_id"]) for name in ("reference", "vllm")}
+    assert cut["vllm"] == cut["reference"]
+    plain = _answer(answers["reference"][PROMPTS[2]])
+    assert cut["reference"][2] == "stop" and cut["reference"][1] < plain[1]
+    assert plain[0].startswith(cut["reference"][0])  # the plain answer, cut before that token
+    for name in ("reference", "vllm"):
+        err = answers[name]["bad_stop_id"]["error"]
+        assert err["param"] == "stop_token_ids" and "outside the vocabulary" in err["message"]

@@ -134,6 +134,7 @@ def test_seed_stop_n_logprobs(client) -> None:
 def test_vllm_sampling_extensions(client, fake_app) -> None:
     # vLLM's `extra_body` sampling fields, honoured (the fake engine's Sampler is the reference
     # engine's; both engines' greedy answers under them: tests/deployments/engines)
+    h, http = fake_app.headers("alice-key"), fake_app.client
     fid = _upload(client, 4).id
     msgs = [_user(fid, "the red cat sat on the blue mat today")]
 
@@ -153,7 +154,21 @@ def test_vllm_sampling_extensions(client, fake_app) -> None:
     assert held.message.content.startswith(ended.message.content)
     penalised = ask(extra_body={"repetition_penalty": 5.0}).message.content
     assert penalised != greedy  # the prompt's words lost their lead
-    h, http = fake_app.headers("alice-key"), fake_app.client
+    sat = fake_app.worker.engine.backend.tokenizer.id_of("sat")  # the echo's word ids
+    cut = client.chat.completions.create(
+        model="mpic", messages=msgs, max_tokens=8, extra_body={"stop_token_ids": [sat]}
+    )
+    assert cut.choices[0].message.content == "the red cat"  # "sat" ends it, unsaid
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 4
+    kept = ask(extra_body={"stop_token_ids": [sat], "include_stop_str_in_output": True})
+    assert kept.message.content == "the red cat sat"
+    assert ask(stop=["cat"], extra_body={"include_stop_str_in_output": True}).message.content == (
+        "the red cat"
+    )
+    held = ask(max_tokens=16, extra_body={"stop_token_ids": [sat], "min_tokens": 5})
+    assert "sat" not in held.message.content.split()[:4]  # held back for the first 5 tokens
+    body = {"model": "mpic", "messages": msgs, "stop_token_ids": [-1]}
+    _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "stop_token_ids.0")
     body = {"model": "mpic", "messages": msgs, "max_tokens": 4, "min_tokens": 5}
     _err(http.post("/v1/chat/completions", json=body, headers=h), 400, "min_tokens")
     body = {"model": "mpic", "messages": msgs, "min_tokens": 4000}  # over the server's default
