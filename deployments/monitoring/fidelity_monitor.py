@@ -23,13 +23,14 @@ Per served request (`FidelityMonitor`):
      `topk` KL is KL(p_S || q_S) with both distributions renormalised over the served top-k set
      S (not the full-vocabulary KL: the served pass's probabilities outside S are not returned);
      top-1 agreement is exact (served rank-1 token vs the exact greedy token).
-   - the answer (greedy requests: temperature 0, no penalties, no logit bias, no min_tokens):
-     the shadow also decodes the exact greedy answer, `fidelity.answer_tokens` tokens at most
-     (and the request's `max_tokens`), and the served answer's agreement with it is the share
-     of those L positions with the same token (`mpic.engine.answers.token_agreement`, `mpic bench
-     fidelity`'s `agreement_32` at L; an answer that ended is padded past its end token, so
-     two answers that end together agree from there on). The first token alone says whether
-     the answer starts right; this says whether it stays with the exact one.
+   - the answer (greedy requests: temperature 0, no penalties, no logit bias, no min_tokens, no
+     stop strings or stop tokens, which cut it): the shadow also decodes the exact greedy
+     answer, `fidelity.answer_tokens` tokens at most (and the request's `max_tokens`), and the
+     served answer's agreement with it is the share of those L positions with the same token
+     (`mpic.engine.answers.token_agreement`, `mpic bench fidelity`'s `agreement_32` at L; an
+     answer that ended is padded past its end token, so two answers that end together agree
+     from there on). The first token alone says whether the answer starts right; this says
+     whether it stays with the exact one.
 4. Results: histograms `mpic_fidelity_kl{policy}` (full-vocabulary KL), `mpic_fidelity_topk_kl`
    (vLLM's top-k KL), `mpic_fidelity_top1_agreement{policy}` (0 or 1 per sample: its mean is
    the agreement rate), `mpic_fidelity_answer_agreement{policy}` (the answer's agreement);
@@ -276,6 +277,7 @@ class FidelityMonitor:
         greedy = s.temperature == 0 and not s.logit_bias
         greedy &= s.presence_penalty == 0 and s.frequency_penalty == 0
         greedy &= s.repetition_penalty == 1 and s.min_tokens == 0
+        greedy &= not s.stop and not s.stop_token_ids  # a cut answer: drift past it unseen
         if not greedy or served.answer is None:
             return 0
         return min(self.cfg.answer_tokens, prompt.max_tokens)
