@@ -207,8 +207,13 @@ def _scout(adapter: LayerAdapter, requests: list[_Request], pass_kv: LinkedKV) -
     scouting = [r for r in requests if r.planned.policy.scouts]
     if not scouting:
         return
-    tasks = [
-        r.planned.policy.scout_task(adapter, r.plan, r.planned.entries, r.kv, r.items, r.offset)
+    tasks = [  # the cached prefix is linked exactly already: the scout starts after it
+        dataclasses.replace(
+            r.planned.policy.scout_task(
+                adapter, r.plan, r.planned.entries, r.kv, r.items, r.offset
+            ),
+            skip=r.cached,
+        )
         for r in scouting
     ]
     scored = scout_pass(adapter, tasks, pass_kv)

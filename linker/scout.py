@@ -3,7 +3,8 @@ pass, `mpic.linker.pipeline.link_pass`, between linking and the selective pass; 
 and vLLM worker).
 
 ProphetKV-style relevance to the user query, in one cheap pass: the prompt's text tokens (the
-tokens the plan recomputes anyway: instructions, headers, the question) run through the first
+tokens the plan recomputes anyway: instructions, headers, the question; not the cached template
+prefix, whose exact KV is already linked: `ScoutTask.skip`) run through the first
 `max(layers) + 1` decoder layers over the linked item KV (cached, rotated; exactly the state the
 selective prefill starts from). At each scoring layer l the attention probabilities of the
 scoring rows r (the text after the last item: the question, then the chat template's assistant
@@ -73,6 +74,9 @@ class ScoutTask:
     question_weight: float = 0.0
     offset: int = 0
     """The request's first index in the linked KV the pass runs over (0: its own)."""
+    skip: int = 0
+    """Leading prompt tokens the scout does not run: the cached prefix, whose exact K/V the link
+    wrote at every layer (`mpic.linker.prefix`); its text rows attend to them there."""
 
 
 def scoring_rows(plan: LinkPlan, index: torch.Tensor) -> torch.Tensor:
@@ -142,6 +146,7 @@ def scout_pass(
         scoring = sorted({min(max(int(x), 0), num_layers - 1) for x in task.layers})
         plan, items = task.plan, task.items
         index = torch.nonzero(plan.recompute_depth >= num_layers).flatten()
+        index = index[index >= task.skip] if task.skip else index
         if task.question_weight == 0.0:  # the last prompt row only, where it follows every item
             last = index.numel() > 0 and bool(plan.is_text[-1])
             rows = torch.tensor([index.numel() - 1]) if last else index[:0]

@@ -34,8 +34,11 @@ def test_the_linked_prefix_is_the_exact_prefill(smollm2_question) -> None:
     exact = runner.prefill(parts, "full")
     assert exact.cached_prefix == 0  # `full` recomputes everything
     p = prefix.length
-    torch.testing.assert_close(prefix.keys, exact.kv.keys[:, :p], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(prefix.values, exact.kv.values[:, :p], atol=1e-5, rtol=1e-5)
+    # the same float32 math over other matmul shapes (24 tokens alone vs the whole prompt):
+    # within 2e-5 of each other where the BLAS splits the work another way (a busy host's
+    # thread count), values up to ~10
+    torch.testing.assert_close(prefix.keys, exact.kv.keys[:, :p], atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(prefix.values, exact.kv.values[:, :p], atol=5e-5, rtol=1e-5)
     linked = runner.prefill(parts, _AllButPrefix())
     assert linked.cached_prefix == p
     assert linked.recomputed_tokens == exact.plan.num_tokens - p
