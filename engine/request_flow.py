@@ -212,6 +212,8 @@ def check_sampling(spec: ModelSpec, request: GenerateRequest) -> None:
             f"min_tokens ({s.min_tokens}) is more than max_tokens ({request.max_tokens})",
             param="min_tokens",
         )
+    if not s.stop_token_ids:
+        return
     vocab = spec.vocab_size or float("inf")  # 0: an open vocabulary (the fake engine's words)
     outside = [i for i in s.stop_token_ids if not 0 <= i < vocab]
     if outside:
