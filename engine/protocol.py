@@ -15,7 +15,8 @@ written once (`mpic.engine.request_flow.generate`) and inherited from
 engines are thin adapters (`mpic.deployments.engines.engine.ServeEngine`), the offline benchmark
 drives any `Engine` directly (`mpic.benchmarks.offline.engines`: a factory by name and the
 benchmark's requests, `Driver`), and so do the compression benchmark on both of its engines
-(`mpic.benchmarks.compress.rows.CompressBench`) and `mpic demo --offline`'s answer table
+(`mpic.benchmarks.compress.rows.CompressBench`), the fidelity benchmark
+(`mpic.benchmarks.fidelity.answers.Answers`) and `mpic demo --offline`'s answer table
 (`mpic.cli.demo_answers`).
 
 Torch-free (dataclasses and a Protocol), so the HTTP ingress imports the vocabulary through
@@ -197,6 +198,10 @@ class Prefill:
     """Bytes of KV storage the backend holds for the request while it decodes (the reference
     engine: its dense or compressed KV, room for `max_tokens` included). None: the backend does
     not tell (vLLM: its paged blocks are shared)."""
+    scout: Any = None
+    """The scouting pass's cost under a `scout-*` policy (`mpic.linker.scout.ScoutReport`:
+    `layers_run`, `tokens`); None: no scouting pass, or the backend does not tell (vLLM). The
+    reference engine; the fidelity benchmark's scout columns."""
 
 
 @dataclass
@@ -227,7 +232,8 @@ class Engine(Protocol):
     the engine's own (the reference runner's configured one; none for vLLM).
 
     Optional members (timing hooks and the like), read with getattr by the tools that use them
-    (the offline benchmark, `mpic.benchmarks.offline`; absent, the tool does without):
+    (the offline benchmark, `mpic.benchmarks.offline`; the fidelity benchmark,
+    `mpic.benchmarks.fidelity`; absent, the tool does without or refuses the option):
     - `floor_s(num_tokens, repeats) -> float`: median seconds of a plain forward of that many
       text tokens (the benchmark's floor column); the reference engine;
     - `prefill_fn(request) -> Callable[[], object]`: a zero-argument callable running
@@ -241,7 +247,14 @@ class Engine(Protocol):
     - `prefix_cache: bool`: the backend keeps its own prefix cache across requests (vLLM): a
       tool timing repeats of one prompt salts them (`GenerateRequest.cache_salt`) or varies
       their opening text;
-    - `close()`: stop the backend's processes (vLLM)."""
+    - `close()`: stop the backend's processes (vLLM);
+    - `layer_adapter`: the model's layer step (`mpic.engine.hf.adapters.HFLayerAdapter`) that a
+      calibration prefills its proxy prompts through (VLCache's,
+      `mpic.benchmarks.fidelity.prompts.calibrate_vlcache_on_documents`); the reference engine;
+    - `variant(model_dir, dtype=None, attention=None) -> Engine`: this engine computing another
+      way, in another dtype (a second copy of the model) or with another attention backend
+      (the weights shared); ValueError for its own (bit-identical). The fidelity benchmark's
+      noise floors (`mpic.benchmarks.fidelity.noise_floor`); the reference engine."""
 
     spec: ModelSpec
     """The served model's shapes, family, special ids (`end_token_ids` end a generation) and

@@ -19,7 +19,13 @@ recomputed = the plain prefill) on the same prompt:
 - `exact_prefix`: how many leading greedy tokens equal the exact answer's (at most 32);
 - `rouge_l`: ROUGE-L F1 of the answer's words against the exact answer's (longest common
   subsequence, beta 1: Elastic Cache's metric, `rouge_l_f1`);
-- `ttft_ms`: request to first token with the entries in memory (the reference runner's clock).
+- `ttft_ms`: request to first token with the entries in memory (the engine's `Prefill.ttft_s`).
+
+Every request goes through the `mpic.engine.protocol.Engine` protocol (`answers.Answers`: the
+offline benchmark's `Driver`), to the reference engine (`mpic.engine.hf.engine.ReferenceEngine`);
+what the protocol does not carry is read from its optional members (`Engine`'s docstring): the
+scouting cost from `Prefill.scout`, VLCache's calibration from `layer_adapter`, the noise floors
+from `variant`.
 
 Writes a table, JSON `{"model", "results": [{"policy", "documents", "recomputed_fraction",
 "kl_first", "agreement_32", "exact_prefix", "rouge_l", "ttft_ms", "prompt_tokens", ...}]}` and a
@@ -30,7 +36,7 @@ on proxy prompts of OTHER passages and adds its schedule. `--noise-floor bf16,fl
 per floor after `full`'s: the same prompts (and trials) under full prefill computed another way
 (bfloat16, the other attention backend) scored like a policy, and `kl_over_floor` on every
 policy row. `--exact-decode` decodes each answer after its first token over the exact KV
-(`answers.greedy_answer`; rows say `exact_decode`). docs/fidelity.md has measured results.
+(`answers.Answers.answer`; rows say `exact_decode`). docs/fidelity.md has measured results.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from mpic.benchmarks.fidelity.answers import greedy_answer
+from mpic.benchmarks.fidelity.answers import Answers
 from mpic.benchmarks.fidelity.prompts import (
     LAYOUTS,
     Passage,
@@ -62,7 +68,7 @@ if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
     from rich.progress import Progress
 
     from mpic.benchmarks.fidelity.noise_floor import NoiseFloor
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.protocol import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +100,7 @@ WEAK_ITEMS_KL = 0.05
 
 
 def run_fidelity(
-    runner: ReferenceRunner,
+    engine: Engine,
     document_counts: list[int],
     policies: list[str],
     questions: int,
@@ -108,8 +114,9 @@ def run_fidelity(
 ) -> list[dict[str, Any]]:
     """The result rows (one per policy and item count, means over questions `first_question`,
     ..., `first_question + questions - 1`); each generation is counted on `progress` when given.
+    engine: the `Engine` answering (a bare reference runner is wrapped, `answers.engine_of`).
     exact_decode: every policy's greedy answer decodes its tokens after the first over the
-    prompt's exact KV (`mpic.benchmarks.fidelity.answers.greedy_answer`); KL is the policy's.
+    prompt's exact KV (`mpic.benchmarks.fidelity.answers.Answers.answer`); KL is the policy's.
 
     items: "documents" (standard-library passages; `layout` from `LAYOUTS`) or "images"
     (synthetic pictures; one user turn). Besides each policy's KL, every prompt's exact answer is
@@ -125,108 +132,110 @@ def run_fidelity(
     from mpic.benchmarks.offline.bench import kl_divergence
     from mpic.prompt_parts import without_items
 
-    count = max(document_counts)
-    if items == "images":
-        from mpic.samples import synthetic_png
+    answers = Answers(engine)
+    try:
+        count = max(document_counts)
+        if items == "images":
+            from mpic.samples import synthetic_png
 
-        media = [synthetic_png(i, size=336) for i in range(count)]
-        ids = [runner.cache_image(m).entry_id for m in media]
-        for floor in floors:
-            for entry_id, m in zip(ids, media, strict=True):
-                floor.cache_image(entry_id, m)
-        docs: list[Passage] = []
-    else:
-        docs = passages(count, chars)
-        ids = [runner.cache_document(d.text).entry_id for d in docs]
-        for floor in floors:
-            for entry_id, d in zip(ids, docs, strict=True):
-                floor.cache_document(entry_id, d.text)
-    eos = runner.spec.eos_token_id
-    tok = tokenizer_of(runner.processor)
-    by_label = {f.label: f for f in floors}
-    order = ["full", *by_label] + [p for p in policies if p != "full"]
-    total = len(document_counts) * questions * len(order)
-    task = progress.add_task("generations", total=total) if progress is not None else None
-    rows = []
-    for n in document_counts:
-        per_policy: dict[str, list[dict[str, float]]] = {p: [] for p in order}
-        no_items: list[float] = []
-        prompt_tokens = 0
-        for q in range(first_question, first_question + questions):
-            if items == "images":
-                parts = image_parts(ids[:n], q)
-            else:
-                parts = question_parts(docs[:n], ids[:n], q, layout)
-            runner.prefill(parts, "full")  # warm-up (allocator, first-call costs)
-            if q == first_question:
-                for floor in floors:
-                    floor.runner.prefill(floor.parts(parts), "full")  # its warm-up
-            ref = None
-            for policy in order:
-                floor = by_label.get(policy)
-                if floor is None:
-                    gen = greedy_answer(runner, parts, policy, GREEDY_TOKENS, exact_decode)
+            media = [synthetic_png(i, size=336) for i in range(count)]
+            ids = [answers.add_image(m) for m in media]
+            for floor in floors:
+                for entry_id, m in zip(ids, media, strict=True):
+                    floor.add_image(entry_id, m)
+            docs: list[Passage] = []
+        else:
+            docs = passages(count, chars)
+            ids = [answers.add_document(d.text) for d in docs]
+            for floor in floors:
+                for entry_id, d in zip(ids, docs, strict=True):
+                    floor.add_document(entry_id, d.text)
+        eos = answers.engine.spec.eos_token_id
+        tok = tokenizer_of(answers.engine.processor)
+        by_label = {f.label: f for f in floors}
+        order = ["full", *by_label] + [p for p in policies if p != "full"]
+        total = len(document_counts) * questions * len(order)
+        task = progress.add_task("generations", total=total) if progress is not None else None
+        rows = []
+        for n in document_counts:
+            per_policy: dict[str, list[dict[str, float]]] = {p: [] for p in order}
+            no_items: list[float] = []
+            prompt_tokens = 0
+            for q in range(first_question, first_question + questions):
+                if items == "images":
+                    parts = image_parts(ids[:n], q)
                 else:
-                    gen = floor.runner.generate(
-                        floor.parts(parts), "full", max_new_tokens=GREEDY_TOKENS
+                    parts = question_parts(docs[:n], ids[:n], q, layout)
+                answers.answer(parts, "full", 1)  # warm-up (allocator, first-call costs)
+                if q == first_question:
+                    for floor in floors:
+                        floor.answer(parts, 1)  # its warm-up
+                ref = None
+                for policy in order:
+                    floor = by_label.get(policy)
+                    if floor is None:
+                        gen = answers.answer(parts, policy, GREEDY_TOKENS, exact_decode)
+                    else:
+                        gen = floor.answer(parts, GREEDY_TOKENS)
+                    pre = gen.prefill
+                    text = tok.decode(gen.tokens, skip_special_tokens=True)
+                    if ref is None:
+                        ref = (gen.logits, gen.tokens, text)
+                        prompt_tokens = pre.prompt_tokens
+                        bare = answers.answer(without_items(parts), "full", 1)
+                        no_items.append(kl_divergence(gen.logits, bare.logits))
+                    scout = pre.scout
+                    per_policy[policy].append(
+                        {
+                            "recomputed_fraction": gen.recomputed_fraction,
+                            "kl_first": kl_divergence(ref[0], gen.logits),
+                            "agreement_32": token_agreement(gen.tokens, ref[1], GREEDY_TOKENS, eos),
+                            "exact_prefix": exact_prefix(gen.tokens, ref[1], GREEDY_TOKENS, eos),
+                            "rouge_l": rouge_l_f1(text, ref[2]),
+                            "ttft_ms": pre.ttft_s * 1000,
+                            "scout_layers": scout.layers_run if scout else 0,
+                            "scout_tokens": scout.tokens if scout else 0,
+                        }
                     )
-                pre = gen.prefilled
-                text = tok.decode(gen.tokens, skip_special_tokens=True)
-                if ref is None:
-                    ref = (pre.logits, gen.tokens, text)
-                    prompt_tokens = pre.plan.num_tokens
-                    bare = runner.prefill(without_items(parts), "full")
-                    no_items.append(kl_divergence(pre.logits, bare.logits))
-                scout = pre.scout
-                per_policy[policy].append(
-                    {
-                        "recomputed_fraction": pre.recomputed_tokens / pre.plan.num_tokens,
-                        "kl_first": kl_divergence(ref[0], pre.logits),
-                        "agreement_32": token_agreement(gen.tokens, ref[1], GREEDY_TOKENS, eos),
-                        "exact_prefix": exact_prefix(gen.tokens, ref[1], GREEDY_TOKENS, eos),
-                        "rouge_l": rouge_l_f1(text, ref[2]),
-                        "ttft_ms": pre.ttft_s * 1000,
-                        "scout_layers": scout.layers_run if scout else 0,
-                        "scout_tokens": scout.tokens if scout else 0,
-                    }
+                    logger.info("n=%d q=%d %s: %r", n, q, policy, text)
+                    if progress is not None:
+                        progress.advance(task)
+            kl_items = statistics.fmean(no_items)
+            if kl_items < WEAK_ITEMS_KL:
+                logger.warning(
+                    "%d %s (%s): the items barely change the exact answer (KL %.4f without them): "
+                    "these prompts measure nothing",
+                    n,
+                    items,
+                    layout,
+                    kl_items,
                 )
-                logger.info("n=%d q=%d %s: %r", n, q, policy, text)
-                if progress is not None:
-                    progress.advance(task)
-        kl_items = statistics.fmean(no_items)
-        if kl_items < WEAK_ITEMS_KL:
-            logger.warning(
-                "%d %s (%s): the items barely change the exact answer (KL %.4f without them): "
-                "these prompts measure nothing",
-                n,
-                items,
-                layout,
-                kl_items,
-            )
-        for policy in order:
-            samples = per_policy[policy]
-            row: dict[str, Any] = {"policy": policy, "documents": n}
-            for key in ROW_KEYS[2:8]:
-                row[key] = statistics.fmean(s[key] for s in samples)
-            row["kl_no_items"] = kl_items
-            row["effect_kept"] = 1.0 - row["kl_first"] / kl_items if kl_items > 0 else None
-            row["layout"] = layout if items == "documents" else "images"
-            row["scout_layers"] = max(s["scout_layers"] for s in samples)
-            row["scout_tokens"] = statistics.fmean(s["scout_tokens"] for s in samples)
-            row["prompt_tokens"] = prompt_tokens
-            row["kl_per_question"] = [s["kl_first"] for s in samples]
-            row["agreement_per_question"] = [s["agreement_32"] for s in samples]
-            row["kl_no_items_per_question"] = list(no_items)
-            floor = by_label.get(policy)
-            row["noise_floor"] = None if floor is None else floor.name
-            row["exact_decode"] = exact_decode
-            rows.append(row)
-        group = rows[len(rows) - len(order) :]
-        base = group[1]["kl_first"] if floors else 0.0  # the first floor's row follows full's
-        for row in group:
-            over = base > 0 and row["noise_floor"] is None
-            row["kl_over_floor"] = row["kl_first"] / base if over else None
-    return rows
+            for policy in order:
+                samples = per_policy[policy]
+                row: dict[str, Any] = {"policy": policy, "documents": n}
+                for key in ROW_KEYS[2:8]:
+                    row[key] = statistics.fmean(s[key] for s in samples)
+                row["kl_no_items"] = kl_items
+                row["effect_kept"] = 1.0 - row["kl_first"] / kl_items if kl_items > 0 else None
+                row["layout"] = layout if items == "documents" else "images"
+                row["scout_layers"] = max(s["scout_layers"] for s in samples)
+                row["scout_tokens"] = statistics.fmean(s["scout_tokens"] for s in samples)
+                row["prompt_tokens"] = prompt_tokens
+                row["kl_per_question"] = [s["kl_first"] for s in samples]
+                row["agreement_per_question"] = [s["agreement_32"] for s in samples]
+                row["kl_no_items_per_question"] = list(no_items)
+                floor = by_label.get(policy)
+                row["noise_floor"] = None if floor is None else floor.name
+                row["exact_decode"] = exact_decode
+                rows.append(row)
+            group = rows[len(rows) - len(order) :]
+            base = group[1]["kl_first"] if floors else 0.0  # the first floor's row follows full's
+            for row in group:
+                over = base > 0 and row["noise_floor"] is None
+                row["kl_over_floor"] = row["kl_first"] / base if over else None
+        return rows
+    finally:
+        answers.close()
 
 
 def command(
@@ -322,15 +331,15 @@ def command(
         raise typer.Exit(code=2)
     import torch
 
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.hf.engine import ReferenceEngine
 
     if threads:
         torch.set_num_threads(threads)
     try:
-        runner = ReferenceRunner(
+        engine = ReferenceEngine.load(
             model, decode_correction=decode_correction, link_prefix=link_prefix
         )
-        floors = [make_floor(runner, model, name) for name in floor_names]
+        floors = [make_floor(engine, model, name) for name in floor_names]
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -339,7 +348,7 @@ def command(
     with Progress() as progress:
         if calibrate_vlcache is not None:
             name = calibrate_vlcache_on_documents(
-                runner, calibrate_vlcache, calibration_grid, 4, 2, progress=progress
+                engine, calibrate_vlcache, calibration_grid, 4, 2, progress=progress
             )
             progress.console.print(
                 f"calibrated VLCache schedule (r_bar {calibrate_vlcache:g}): {name}"
@@ -348,7 +357,7 @@ def command(
         rows = []
         for layout in chosen_layouts if items == "documents" else ["user"]:
             rows += run_fidelity(
-                runner,
+                engine,
                 counts,
                 names,
                 questions,
@@ -366,7 +375,7 @@ def command(
 
             docs = passages(max(counts), chars)
             task_rows = run_task(
-                runner,
+                engine,
                 docs,
                 counts,
                 names,
@@ -376,6 +385,8 @@ def command(
                 floors=floors,
                 exact_decode=exact_decode,
             )
+    for floor in floors:
+        floor.close()
     print_table(rows, model)
     doc: dict[str, Any] = {"model": str(Path(model).resolve()), "results": rows}
     if task_rows is not None:

@@ -16,19 +16,20 @@ Variants (`NOISE_FLOORS`):
   reassociation only. The reference's own backend is refused (bit-identical: a floor of exactly 0
   means nothing).
 
-A dtype floor loads a second copy of the model; a backend floor shares the reference runner's
-model and entries.
+Each floor is an `Engine` of its own, the reference engine's `variant` (an optional `Engine`
+member): a dtype floor loads a second copy of the model; a backend floor shares the reference
+engine's model and entries.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from mpic.benchmarks.fidelity.answers import Answer, Answers, engine_of
 
 if TYPE_CHECKING:
-    from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.prompt_parts import PromptPart
 
 DTYPE_FLOORS = {"bf16": "bfloat16", "fp16": "float16"}
@@ -62,11 +63,11 @@ def parse_floors(text: str) -> list[str]:
 
 @dataclass
 class NoiseFloor:
-    """One floor: a runner that computes `full` differently, and the ids of the items it cached
-    (the reference's entry id -> its own)."""
+    """One floor: an engine that computes `full` differently (its `answers`), and the ids of the
+    items it cached (the reference's entry id -> its own)."""
 
     name: str
-    runner: ReferenceRunner
+    answers: Answers
     ids: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -74,17 +75,17 @@ class NoiseFloor:
         """The `policy` of its rows."""
         return floor_label(self.name)
 
-    def cache_document(self, ref_id: str, text: str) -> None:
+    def add_document(self, ref_id: str, text: str) -> None:
         """Cache the document the reference cached as `ref_id`."""
-        self.ids[ref_id] = self.runner.cache_document(text).entry_id
+        self.ids[ref_id] = self.answers.add_document(text)
 
-    def cache_image(self, ref_id: str, media: bytes) -> None:
+    def add_image(self, ref_id: str, media: bytes) -> None:
         """Cache the image the reference cached as `ref_id`."""
-        self.ids[ref_id] = self.runner.cache_image(media).entry_id
+        self.ids[ref_id] = self.answers.add_image(media)
 
     def parts(self, parts: Sequence[PromptPart]) -> list[PromptPart]:
         """The reference's prompt with this floor's entry ids (KeyError for an item not cached
-        through `cache_document` / `cache_image`)."""
+        through `add_document` / `add_image`)."""
         from mpic.prompt_parts import DocumentRef, ImageRef
 
         out: list[PromptPart] = []
@@ -96,44 +97,35 @@ class NoiseFloor:
             out.append(p)
         return out
 
+    def answer(self, parts: Sequence[PromptPart], max_tokens: int) -> Answer:
+        """The greedy answer of the reference's prompt `parts` under full prefill computed this
+        floor's way."""
+        return self.answers.answer(self.parts(parts), "full", max_tokens)
 
-def make_floor(runner: ReferenceRunner, model_dir: str, name: str) -> NoiseFloor:
-    """The floor `name` (`NOISE_FLOORS`) of the reference `runner` loaded from `model_dir`.
-    ValueError for an unknown name or one that is the reference's own computation (its dtype or
-    its attention backend: bit-identical)."""
-    import torch
+    def close(self) -> None:
+        """Close its requests' event loop (the engine stays up)."""
+        self.answers.close()
 
-    from mpic.kernels.attention import default_backend_name
 
-    adapter = runner.adapter
+def make_floor(engine: Any, model_dir: str, name: str) -> NoiseFloor:
+    """The floor `name` (`NOISE_FLOORS`) of the reference `engine` (an `Engine` with the optional
+    member `variant`, the reference engine; a bare reference runner is wrapped) loaded from
+    `model_dir`. ValueError for an unknown name, an engine without `variant`, or a floor that is
+    the reference's own computation (its dtype or its attention backend: bit-identical)."""
     if name in DTYPE_FLOORS:
-        dtype = getattr(torch, DTYPE_FLOORS[name])
-        if adapter.dtype == dtype:
-            raise ValueError(f"noise floor {name}: the reference already runs in {dtype}")
-        from mpic.engine.hf.reference_runner import ReferenceRunner
-
-        other = ReferenceRunner(
-            model_dir,
-            device=str(adapter.device),
-            dtype=dtype,
-            system_prompt=runner.system_prompt,
-            attention_backend=runner.attention_backend,
-            decode_correction=runner.decode_correction,
-            link_prefix=False,  # `full` never links a prefix
-        )
-        return NoiseFloor(name, other)
-    if name in BACKEND_FLOORS:
-        own = runner.attention_backend
-        if own is None:
-            own = default_backend_name(adapter.device)
-        if own == name:
-            raise ValueError(
-                f"noise floor {name}: the reference's own attention backend (bit-identical)"
-            )
-        other = copy.copy(runner)  # the same model, entries and settings
-        other.attention_backend = name
-        return NoiseFloor(name, other)
-    raise ValueError(f"unknown noise floor {name!r}; valid: {', '.join(NOISE_FLOORS)}")
+        how = {"dtype": DTYPE_FLOORS[name]}
+    elif name in BACKEND_FLOORS:
+        how = {"attention": name}
+    else:
+        raise ValueError(f"unknown noise floor {name!r}; valid: {', '.join(NOISE_FLOORS)}")
+    variant = getattr(engine_of(engine), "variant", None)
+    if variant is None:
+        raise ValueError(f"noise floor {name}: the engine computes no variant of itself")
+    try:
+        other = variant(model_dir, **how)
+    except ValueError as exc:
+        raise ValueError(f"noise floor {name}: {exc}") from exc
+    return NoiseFloor(name, Answers(other))
 
 
 def kl_text(kl: float) -> str:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.protocol import Engine
     from mpic.prompt_parts import PromptPart
+    from mpic.types import CacheEntry
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ def image_parts(entry_ids: list[str], question: int) -> list[PromptPart]:
 
 
 def calibrate_vlcache_on_documents(
-    runner: ReferenceRunner,
+    engine: Engine,
     target: float,
     grid: str,
     documents: int,
@@ -200,7 +201,10 @@ def calibrate_vlcache_on_documents(
     """VLCache's calibrated per-layer schedule for this model (the registry name), measured on
     `prompts` proxy prompts of `documents` passages disjoint from the benchmark's (VLCache
     section 4.1, `mpic.linker.calibration.vlcache.calibrate`); its prefill passes are counted
-    on `progress` when given."""
+    on `progress` when given. The passages are cached and planned through `engine`
+    (`Engine.cache_document`, `Engine.plan`); the calibration's prefills run through its
+    `layer_adapter` (an optional `Engine` member: the reference engine's; ValueError without
+    it)."""
     from mpic.linker.calibration.vlcache import (
         ProxyPrompt,
         calibrate,
@@ -208,18 +212,24 @@ def calibrate_vlcache_on_documents(
         parse_grid,
     )
 
+    adapter = getattr(engine, "layer_adapter", None)
+    if adapter is None:
+        raise ValueError("VLCache's calibration needs the engine's layer_adapter")
     # The benchmark uses the first passages; the proxy set takes the ones after its maximum (16).
     docs = passages(documents * prompts, chars, skip=16)
     proxies = []
+    entries: dict[str, CacheEntry] = {}
     for p in range(prompts):
         chunk = docs[p * documents : (p + 1) * documents]
-        ids = [runner.cache_document(d.text).entry_id for d in chunk]
-        planned = runner.plan(question_parts(chunk, ids, p))
+        cached = [engine.cache_document(d.text) for d in chunk]
+        entries.update((e.entry_id, e) for e in cached)
+        ids = [e.entry_id for e in cached]
+        planned = engine.plan(question_parts(chunk, ids, p), entries=entries)
         proxies.append(ProxyPrompt(planned.plan, planned.entries))
     levels = parse_grid(grid)
     if progress is None:
-        cal = calibrate(runner.adapter, proxies, target, levels)
+        cal = calibrate(adapter, proxies, target, levels)
     else:
-        cal = calibrate_with_progress(runner.adapter, proxies, target, levels, progress)
+        cal = calibrate_with_progress(adapter, proxies, target, levels, progress)
     logger.info("calibrated %s: proxy %s", cal.policy, cal.proxy)
     return cal.policy

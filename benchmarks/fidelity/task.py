@@ -27,14 +27,14 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mpic.benchmarks.fidelity.answers import greedy_answer
+from mpic.benchmarks.fidelity.answers import Answers
 from mpic.linker.prompt import tokenizer_of
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
     from mpic.benchmarks.fidelity.noise_floor import NoiseFloor
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+    from mpic.engine.protocol import Engine
     from mpic.prompt_parts import PromptPart
 
 ANSWER_TOKENS = 12
@@ -69,7 +69,7 @@ def needle_parts(names: list[str], entry_ids: list[str]) -> list[PromptPart]:
 
 
 def run_task(
-    runner: ReferenceRunner,
+    engine: Engine,
     docs: Sequence[Any],
     document_counts: list[int],
     policies: list[str],
@@ -81,77 +81,80 @@ def run_task(
 ) -> list[dict[str, Any]]:
     """One row per policy and document count: `accuracy` (share of `trials` answered right),
     `accuracy_vs_full`, `no_items` (the prompt without its documents), `kl_first` (mean, vs
-    full), `recomputed_fraction` (mean), `noise_floor` (None). docs: at least
+    full), `recomputed_fraction` (mean), `noise_floor` (None). engine: the `Engine` answering
+    (a bare reference runner is wrapped, `answers.engine_of`). docs: at least
     max(document_counts) passages with `name` and `text` (`prompts.passages`).
     floors (`noise_floor`): a row each after full's, the same trials under full
     prefill computed the floor's way (`policy` its label, `noise_floor` its name). exact_decode:
-    answers decoded after their first token over the exact KV (`answers.greedy_answer`)."""
+    answers decoded after their first token over the exact KV (`answers.Answers.answer`)."""
     from mpic.benchmarks.offline.bench import kl_divergence
     from mpic.prompt_parts import without_items
 
-    plain = [runner.cache_document(d.text).entry_id for d in docs]
-    for floor in floors:
-        for entry_id, d in zip(plain, docs, strict=True):
-            floor.cache_document(entry_id, d.text)
-    tok = tokenizer_of(runner.processor)
-    by_label = {f.label: f for f in floors}
-    order = ["full", *by_label] + [p for p in policies if p != "full"]
-    total = len(document_counts) * trials * (len(order) + 1)
-    job = progress.add_task("task trials", total=total) if progress is not None else None
-    rng = random.Random(seed)
-    rows = []
-    for n in document_counts:
-        right = {p: 0 for p in [*order, "no_items"]}
-        kl: dict[str, list[float]] = {p: [] for p in order}
-        share: dict[str, list[float]] = {p: [] for p in order}
-        for t in range(trials):
-            code, target = rng.randint(1000, 9999), t % n
-            ids = plain[:n]
-            planted = plant(docs[target].text, code, DEPTHS[(t // n) % len(DEPTHS)])
-            ids[target] = runner.cache_document(planted).entry_id
-            for floor in floors:
-                floor.cache_document(ids[target], planted)
-            parts = needle_parts([d.name for d in docs[:n]], ids)
-            ref = None
-            for policy in [*order, "no_items"]:
-                asked = without_items(parts) if policy == "no_items" else parts
-                floor = by_label.get(policy)
-                if floor is not None:
-                    gen = floor.runner.generate(floor.parts(parts), "full", ANSWER_TOKENS)
-                else:
-                    gen = greedy_answer(
-                        runner,
-                        asked,
-                        "full" if policy == "no_items" else policy,
-                        ANSWER_TOKENS,
-                        exact_decode,
-                    )
-                right[policy] += str(code) in tok.decode(gen.tokens, skip_special_tokens=True)
-                if policy != "no_items":
-                    pre = gen.prefilled
-                    ref = pre.logits if ref is None else ref
-                    kl[policy].append(kl_divergence(ref, pre.logits))
-                    share[policy].append(pre.recomputed_tokens / pre.plan.num_tokens)
-                if progress is not None:
-                    progress.advance(job)
-        full = right["full"] / trials
-        for policy in order:
-            accuracy = right[policy] / trials
-            rows.append(
-                {
-                    "policy": policy,
-                    "documents": n,
-                    "trials": trials,
-                    "accuracy": accuracy,
-                    "accuracy_vs_full": accuracy / full if full else None,
-                    "no_items": right["no_items"] / trials,
-                    "kl_first": statistics.fmean(kl[policy]),
-                    "recomputed_fraction": statistics.fmean(share[policy]),
-                    "noise_floor": by_label[policy].name if policy in by_label else None,
-                    "exact_decode": exact_decode,
-                }
-            )
-    return rows
+    answers = Answers(engine)
+    try:
+        plain = [answers.add_document(d.text) for d in docs]
+        for floor in floors:
+            for entry_id, d in zip(plain, docs, strict=True):
+                floor.add_document(entry_id, d.text)
+        tok = tokenizer_of(answers.engine.processor)
+        by_label = {f.label: f for f in floors}
+        order = ["full", *by_label] + [p for p in policies if p != "full"]
+        total = len(document_counts) * trials * (len(order) + 1)
+        job = progress.add_task("task trials", total=total) if progress is not None else None
+        rng = random.Random(seed)
+        rows = []
+        for n in document_counts:
+            right = {p: 0 for p in [*order, "no_items"]}
+            kl: dict[str, list[float]] = {p: [] for p in order}
+            share: dict[str, list[float]] = {p: [] for p in order}
+            for t in range(trials):
+                code, target = rng.randint(1000, 9999), t % n
+                ids = plain[:n]
+                planted = plant(docs[target].text, code, DEPTHS[(t // n) % len(DEPTHS)])
+                ids[target] = answers.add_document(planted)
+                for floor in floors:
+                    floor.add_document(ids[target], planted)
+                parts = needle_parts([d.name for d in docs[:n]], ids)
+                ref = None
+                for policy in [*order, "no_items"]:
+                    asked = without_items(parts) if policy == "no_items" else parts
+                    floor = by_label.get(policy)
+                    if floor is not None:
+                        gen = floor.answer(parts, ANSWER_TOKENS)
+                    else:
+                        gen = answers.answer(
+                            asked,
+                            "full" if policy == "no_items" else policy,
+                            ANSWER_TOKENS,
+                            exact_decode,
+                        )
+                    right[policy] += str(code) in tok.decode(gen.tokens, skip_special_tokens=True)
+                    if policy != "no_items":
+                        ref = gen.logits if ref is None else ref
+                        kl[policy].append(kl_divergence(ref, gen.logits))
+                        share[policy].append(gen.recomputed_fraction)
+                    if progress is not None:
+                        progress.advance(job)
+            full = right["full"] / trials
+            for policy in order:
+                accuracy = right[policy] / trials
+                rows.append(
+                    {
+                        "policy": policy,
+                        "documents": n,
+                        "trials": trials,
+                        "accuracy": accuracy,
+                        "accuracy_vs_full": accuracy / full if full else None,
+                        "no_items": right["no_items"] / trials,
+                        "kl_first": statistics.fmean(kl[policy]),
+                        "recomputed_fraction": statistics.fmean(share[policy]),
+                        "noise_floor": by_label[policy].name if policy in by_label else None,
+                        "exact_decode": exact_decode,
+                    }
+                )
+        return rows
+    finally:
+        answers.close()
 
 
 def print_task_table(rows: list[dict[str, Any]]) -> None:

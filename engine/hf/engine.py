@@ -13,12 +13,14 @@ running one stops after its current step.
 
 Its model runs in this process, so it also offers the protocol's optional timing hooks
 (`mpic.engine.protocol.Engine`: `num_layers`, `device`, `prefill_fn`, `floor_s`), which the
-offline benchmark reads.
+offline benchmark reads, and the fidelity benchmark's (`layer_adapter`: VLCache's calibration;
+`variant`: the noise floors); its `Prefill` carries the scouting pass's cost (`Prefill.scout`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import statistics
 import threading
 import time
@@ -57,6 +59,13 @@ class ReferenceEngine(EngineBase):
         self._lock = threading.Lock()
         self.token_bytes = TokenBytes(tokenizer_of(runner.processor))
         """The raw bytes of tokens (logprobs' `bytes`)."""
+
+    @classmethod
+    def load(cls, model_dir: str, **options: Any) -> ReferenceEngine:
+        """The engine over a new `ReferenceRunner(model_dir, **options)` (the runner's
+        arguments: device, dtype, system prompt, attention backend, decode correction, prefix
+        linking, compilation)."""
+        return cls(ReferenceRunner(model_dir, **options))
 
     @property
     def processor(self) -> Any:
@@ -134,6 +143,7 @@ class ReferenceEngine(EngineBase):
                         pre.plan, pre.ttft_s, first_token=captured, recomputed=pre.recomputed_tokens
                     )
                     prefill.kv_bytes = kv_nbytes(pre.kv)
+                    prefill.scout = pre.scout
                     first = False
                 yield Decoded([token], logprobs, prefill, None if step is None else [step])
         finally:
@@ -148,6 +158,52 @@ class ReferenceEngine(EngineBase):
     def device(self) -> str:
         """Device type the model runs on, "cpu" or "cuda" (optional `Engine` member)."""
         return self.runner.model.device.type
+
+    @property
+    def layer_adapter(self) -> Any:
+        """The model's layer step (`mpic.engine.hf.adapters.HFLayerAdapter`), what VLCache's
+        calibration prefills its proxy prompts through (optional `Engine` member; not under the
+        lock: for a caller with no request in flight)."""
+        return self.runner.adapter
+
+    def variant(
+        self, model_dir: str, dtype: str | None = None, attention: str | None = None
+    ) -> ReferenceEngine:
+        """This engine computing another way (optional `Engine` member: the fidelity
+        benchmark's noise floors). `attention`, a backend of `mpic.kernels.attention`: a runner
+        over the same model, entries and settings with that backend (the weights shared, its
+        own lock: one caller at a time); `dtype` (a torch dtype name, "bfloat16"): a second copy
+        of the model loaded from `model_dir` in that dtype, on the same device with the same
+        settings. ValueError for neither or both, or for this engine's own dtype or backend
+        (bit-identical)."""
+        from mpic.kernels.attention import default_backend_name
+
+        runner, adapter = self.runner, self.runner.adapter
+        if (dtype is None) == (attention is None):
+            raise ValueError("a variant takes a dtype or an attention backend")
+        if dtype is not None:
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}")
+            if adapter.dtype == torch_dtype:
+                raise ValueError(f"the engine already runs in {torch_dtype}")
+            return ReferenceEngine.load(
+                model_dir,
+                device=str(adapter.device),
+                dtype=torch_dtype,
+                system_prompt=runner.system_prompt,
+                attention_backend=runner.attention_backend,
+                decode_correction=runner.decode_correction,
+                link_prefix=runner.prefixes is not None,
+            )
+        own = runner.attention_backend
+        if own is None:
+            own = default_backend_name(adapter.device)
+        if own == attention:
+            raise ValueError("the engine's own attention backend (bit-identical)")
+        other = copy.copy(runner)  # the same model, entries and settings
+        other.attention_backend = attention
+        return ReferenceEngine(other)
 
     def prefill_fn(self, request: GenerateRequest) -> Callable[[], object]:
         """A zero-argument callable running `request`'s first-token prefill on the calling

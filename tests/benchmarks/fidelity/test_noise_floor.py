@@ -2,7 +2,8 @@
 LLaVA: full prefill in bfloat16 and with the other attention backend, scored against float32 full
 like a policy, gives a row each with sane values (a float32 backend change drifts by float32
 reassociation only, bfloat16 by more but far less than an approximate policy), in the task rows,
-the table, the JSON and the PNG; bad floors exit 2."""
+the table, the JSON and the PNG; bad floors exit 2. The floors are the reference engine's
+`variant`s (an optional `Engine` member); an engine without one is refused."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ FLOORS = ("bf16", "flex")
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_llava_dir, monkeypatch_module):
-    from mpic.engine.hf.reference_runner import ReferenceRunner
+def engine(tiny_llava_dir, monkeypatch_module):
+    from mpic.engine.hf.engine import ReferenceEngine
 
-    return ReferenceRunner(str(tiny_llava_dir))
+    return ReferenceEngine.load(str(tiny_llava_dir))
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +38,11 @@ def monkeypatch_module():
 
 
 @pytest.fixture(scope="module")
-def floors(runner, tiny_llava_dir):
-    return [make_floor(runner, str(tiny_llava_dir), name) for name in FLOORS]
+def floors(engine, tiny_llava_dir):
+    return [make_floor(engine, str(tiny_llava_dir), name) for name in FLOORS]
 
 
-def test_floor_names_parse_and_the_reference_itself_is_refused(runner, tiny_llava_dir):
+def test_floor_names_parse_and_the_reference_itself_is_refused(engine, tiny_llava_dir):
     assert parse_floors("bf16, flex,bf16") == ["bf16", "flex"]
     assert parse_floors("none") == [] and parse_floors("") == []
     assert set(NOISE_FLOORS) == {"bf16", "fp16", "flex", "sdpa_runs"}
@@ -49,13 +50,26 @@ def test_floor_names_parse_and_the_reference_itself_is_refused(runner, tiny_llav
         parse_floors("bf16,fp8")
     # bit-identical to the reference (float32, sdpa_runs on CPU): a floor of 0 means nothing
     with pytest.raises(ValueError, match="bit-identical"):
-        make_floor(runner, str(tiny_llava_dir), "sdpa_runs")
+        make_floor(engine, str(tiny_llava_dir), "sdpa_runs")
+    with pytest.raises(ValueError, match="already runs in"):
+        engine.variant(str(tiny_llava_dir), dtype="float32")
     assert floor_label("bf16") == "noise-floor (bf16 full)"
 
 
-def test_floor_rows_have_sane_values(runner, floors):
+def test_an_engine_without_variant_has_no_floor(engine, tiny_llava_dir):
+    class NoVariant:  # an `Engine` that cannot compute another way (e.g. vLLM)
+        spec, processor = engine.spec, engine.processor
+        decode = engine.decode
+
+    with pytest.raises(ValueError, match="no variant"):
+        make_floor(NoVariant(), str(tiny_llava_dir), "flex")
+    with pytest.raises(ValueError, match="unknown noise floor"):
+        make_floor(NoVariant(), str(tiny_llava_dir), "fp8")
+
+
+def test_floor_rows_have_sane_values(engine, floors):
     policies = ["full", "mpic-4", "full-reuse"]
-    rows = run_fidelity(runner, [2], policies, 2, items="images", floors=floors)
+    rows = run_fidelity(engine, [2], policies, 2, items="images", floors=floors)
     labels = [floor_label(n) for n in FLOORS]
     assert [r["policy"] for r in rows] == ["full", *labels, "mpic-4", "full-reuse"]
     by = {r["policy"]: r for r in rows}
@@ -83,8 +97,8 @@ def test_floor_rows_have_sane_values(runner, floors):
     print_table(rows, "tiny")  # the KL / floor column renders
 
 
-def test_task_rows_carry_the_floors(runner, floors):
-    rows = run_task(runner, passages(2, 300), [2], ["full", "mpic-4"], 2, floors=floors)
+def test_task_rows_carry_the_floors(engine, floors):
+    rows = run_task(engine, passages(2, 300), [2], ["full", "mpic-4"], 2, floors=floors)
     assert [r["policy"] for r in rows] == ["full", *(f.label for f in floors), "mpic-4"]
     for r in rows:
         assert 0 <= r["accuracy"] <= 1 and r["kl_first"] >= 0

@@ -34,9 +34,10 @@ def test_the_prompt_names_every_document_and_asks_last():
 
 def test_full_prefill_finds_the_code_the_bare_prompt_cannot(smollm2_runner):
     from mpic.benchmarks.fidelity.prompts import passages
+    from mpic.engine.hf.engine import ReferenceEngine
 
     docs = passages(2, 400)
-    rows = run_task(smollm2_runner, docs, [2], ["full", "mpic-32"], trials=2)
+    rows = run_task(ReferenceEngine(smollm2_runner), docs, [2], ["full", "mpic-32"], trials=2)
     by = {r["policy"]: r for r in rows}
     assert set(by) == {"full", "mpic-32"}
     full = by["full"]
@@ -49,13 +50,17 @@ def test_full_prefill_finds_the_code_the_bare_prompt_cannot(smollm2_runner):
 
 def test_the_seed_picks_the_trials_codes():
     """`--task-seed`: the same seed plants the same codes, another seed other ones (held-out
-    trials), in the same documents at the same depths (a stub runner: no model)."""
+    trials), in the same documents at the same depths (a stub engine: no model)."""
     from types import SimpleNamespace
 
     import torch
 
+    from mpic.engine.first_token import FirstToken
+    from mpic.engine.protocol import Decoded, Prefill
+
     class Stub:
         processor = SimpleNamespace(decode=lambda tokens, skip_special_tokens=True: "")
+        spec = SimpleNamespace(vocab_size=4, end_token_ids=[0])
 
         def __init__(self):
             self.planted = []
@@ -65,10 +70,9 @@ def test_the_seed_picks_the_trials_codes():
                 self.planted.append(text)
             return SimpleNamespace(entry_id=f"e{len(text)}-{hash(text)}")
 
-        def generate(self, parts, policy, max_new_tokens):
-            plan = SimpleNamespace(num_tokens=10)
-            pre = SimpleNamespace(logits=torch.zeros(4), recomputed_tokens=10, plan=plan)
-            return SimpleNamespace(tokens=[], prefilled=pre)
+        async def decode(self, request):
+            first = FirstToken.from_logits(torch.zeros(4))
+            yield Decoded([], prefill=Prefill(10, 0, 0.0, first_token=first, recomputed_tokens=10))
 
     docs = [SimpleNamespace(name=f"d{i}", text=f"Passage {i}.\n\nMore text {i}.") for i in range(3)]
     runs = {}
