@@ -9,5 +9,5 @@
 - `paged_kv` (`PagedLinkedKV`: a request's linked KV in vLLM's paged cache), with the cache
   layouts' ops per device in `paged_cpu` (vLLM's CPU backend) and `paged_cuda` (FlashAttention);
 - `adapter` (the linker's `LayerAdapter` over vLLM's decoder modules), `model_lock` (one model
-  user at a time: vLLM's step and the linking thread), `link_pacing`.
+  user at a time: vLLM's step and the linking thread, and the linking thread's pacing).
 """

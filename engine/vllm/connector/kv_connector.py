@@ -56,9 +56,9 @@ class MPICConnector(KVConnectorBase_V1):
     `async_loads` (the load mode, `link_job.load_mode`: "reads" (default) = entry reads off
     the step, linking in it; true = both off the step (experimental); false = in the step),
     `batch_links` (default true), `fetch_threads` (default 8), `link_share` (the linking
-    thread's share of the wall time while requests decode, `mpic.engine.vllm.connector.link_pacing`;
-    default 1.0), `link_prefix` (link the template/system prefix exactly, `mpic.linker.prefix`;
-    default true)."""
+    thread's share of the wall time while requests decode, `LinkPacer` in
+    `mpic.engine.vllm.connector.model_lock`; default 1.0), `link_prefix` (link the
+    template/system prefix exactly, `mpic.linker.prefix`; default true)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

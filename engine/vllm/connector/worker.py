@@ -46,9 +46,13 @@ from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.connector.adapter import VllmLayerAdapter
 from mpic.engine.vllm.connector.entry_reads import LOAD_ERRORS, EntryReads, off_forward
 from mpic.engine.vllm.connector.link_job import LinkJob, MPICConnectorMetadata, load_mode
-from mpic.engine.vllm.connector.link_pacing import LinkPacer
 from mpic.engine.vllm.connector.linking import RequestLinker
-from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter, guard_runner
+from mpic.engine.vllm.connector.model_lock import (
+    LinkPacer,
+    ModelLock,
+    YieldingAdapter,
+    guard_runner,
+)
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.engine.vllm.connector.worker_stats import count_pass, keep_span, new_stats
 from mpic.linker.pipeline import LinkedPrefill
@@ -70,7 +74,7 @@ class MPICWorker:
     pass of its own (the one-after-the-other baseline); async_loads: the load mode
     (`link_job.load_mode`: "background" links async jobs on the linking thread, "reads" in the
     step after their reads); link_share: the linking thread's share of the wall time while
-    vLLM's forwards run (`mpic.engine.vllm.connector.link_pacing`; 1.0: full speed);
+    vLLM's forwards run (`mpic.engine.vllm.connector.model_lock`, "Pacing"; 1.0: full speed);
     link_prefix: link the template/system prefix exactly (module docstring; False: recompute it)."""
 
     def __init__(

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from mpic.engine.vllm.connector.link_job import LinkJob
-from mpic.engine.vllm.connector.link_pacing import LinkPacer
-from mpic.engine.vllm.connector.model_lock import ModelLock, YieldingAdapter
+from mpic.engine.vllm.connector.model_lock import LinkPacer, ModelLock, YieldingAdapter
 from mpic.linker.policies import get_policy
 from mpic.storage.config import StorageConfig
 
