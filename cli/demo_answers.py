@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mpic.deployments.http.chat_client import StreamedAnswer, streaming_chat_body
+from mpic.benchmarks.chat_client import StreamedAnswer, streaming_chat_body
 from mpic.linker.prompt import tokenizer_of
 
 if TYPE_CHECKING:

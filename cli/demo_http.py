@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import typer
 
+from mpic.benchmarks.chat_client import StreamedAnswer, streaming_chat_body
 from mpic.cli.demo_answers import ANSWER_POLICIES
-from mpic.deployments.http.chat_client import StreamedAnswer, streaming_chat_body
 
 DEFAULT_POLICIES = "full,prefix,full-reuse,cacheblend-15,mpic-32,vlcache-0.1,auto"
 DEFAULT_CONCURRENCY = "1,2,4,8"

@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 import typer
 
+from mpic.benchmarks.chat_client import sse_chunk, streaming_chat_body
 from mpic.benchmarks.load.replica_rss import RssSampler
 from mpic.benchmarks.load.report import LoadResult, write_outputs
 from mpic.benchmarks.load.requests import (
@@ -50,7 +51,6 @@ from mpic.benchmarks.load.requests import (
     metrics_ttft,
     send_one,
 )
-from mpic.deployments.http.chat_client import sse_chunk, streaming_chat_body
 
 logger = logging.getLogger(__name__)
 

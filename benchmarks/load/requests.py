@@ -13,8 +13,8 @@ import time
 
 import httpx
 
+from mpic.benchmarks.chat_client import sse_chunk
 from mpic.benchmarks.load.report import LoadResult
-from mpic.deployments.http.chat_client import sse_chunk
 
 
 class _Rejected(Exception):

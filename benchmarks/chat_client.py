@@ -1,6 +1,6 @@
 """Client-side pieces of the streaming chat API shared by the HTTP demo and the load benchmark
-(CLI process): the request body with MPIC's extension, the SSE line parser, and what a streamed
-answer adds up to (`StreamedAnswer`)."""
+(CLI process; the server's routes are in `mpic.deployments.http`): the request body with MPIC's
+extension, the SSE line parser, and what a streamed answer adds up to (`StreamedAnswer`)."""
 
 from __future__ import annotations
 
