@@ -60,7 +60,7 @@ from mpic.benchmarks.fidelity.prompts import (
     passages,
     question_parts,
 )
-from mpic.benchmarks.fidelity.report import plot, print_table
+from mpic.benchmarks.fidelity.report import ROW_KEYS, plot, policy_rows, print_table
 from mpic.engine.answers import exact_prefix, rouge_l_f1, token_agreement
 from mpic.linker.prompt import tokenizer_of
 
@@ -70,31 +70,14 @@ if TYPE_CHECKING:  # torch loads inside the command so `mpic --help` stays fast
     from mpic.benchmarks.fidelity.noise_floor import NoiseFloor
     from mpic.engine.protocol import Engine
 
+__all__ = ["ROW_KEYS", "command", "run_fidelity"]  # ROW_KEYS: the JSON rows' keys (`report`)
+
 logger = logging.getLogger(__name__)
 
 GREEDY_TOKENS = 32
 DEFAULT_POLICIES = (
     "full,full-reuse,cacheblend-15,vlcache-0.1,mpic-32,boundary-16,scout-0.1,scout-0.2,scout-0.3"
 )
-ROW_KEYS = (
-    "policy",
-    "documents",
-    "recomputed_fraction",
-    "kl_first",
-    "agreement_32",
-    "exact_prefix",
-    "rouge_l",
-    "ttft_ms",
-    "kl_no_items",
-    "effect_kept",
-    "layout",
-    "scout_layers",
-    "scout_tokens",
-    "noise_floor",
-    "kl_over_floor",
-)
-"""The keys every JSON result row has (plus `prompt_tokens`)."""
-
 WEAK_ITEMS_KL = 0.05
 """Below this KL(full || no items) the items barely change the answer: a warning is printed."""
 
@@ -210,29 +193,15 @@ def run_fidelity(
                     layout,
                     kl_items,
                 )
-            for policy in order:
-                samples = per_policy[policy]
-                row: dict[str, Any] = {"policy": policy, "documents": n}
-                for key in ROW_KEYS[2:8]:
-                    row[key] = statistics.fmean(s[key] for s in samples)
-                row["kl_no_items"] = kl_items
-                row["effect_kept"] = 1.0 - row["kl_first"] / kl_items if kl_items > 0 else None
-                row["layout"] = layout if items == "documents" else "images"
-                row["scout_layers"] = max(s["scout_layers"] for s in samples)
-                row["scout_tokens"] = statistics.fmean(s["scout_tokens"] for s in samples)
-                row["prompt_tokens"] = prompt_tokens
-                row["kl_per_question"] = [s["kl_first"] for s in samples]
-                row["agreement_per_question"] = [s["agreement_32"] for s in samples]
-                row["kl_no_items_per_question"] = list(no_items)
-                floor = by_label.get(policy)
-                row["noise_floor"] = None if floor is None else floor.name
-                row["exact_decode"] = exact_decode
-                rows.append(row)
-            group = rows[len(rows) - len(order) :]
-            base = group[1]["kl_first"] if floors else 0.0  # the first floor's row follows full's
-            for row in group:
-                over = base > 0 and row["noise_floor"] is None
-                row["kl_over_floor"] = row["kl_first"] / base if over else None
+            rows += policy_rows(
+                per_policy,
+                no_items,
+                documents=n,
+                layout=layout if items == "documents" else "images",
+                prompt_tokens=prompt_tokens,
+                floors={f.label: f.name for f in floors},
+                exact_decode=exact_decode,
+            )
         return rows
     finally:
         answers.close()

@@ -1,13 +1,73 @@
-"""The report of `mpic bench fidelity` (CLI process): its table (`print_table`) and its PNG
-(`plot`: KL and ROUGE-L against the recomputed fraction, one line per policy family and
-document count, the noise floors as bands).
+"""The report of `mpic bench fidelity` (CLI process): its JSON rows (`policy_rows`), its table
+(`print_table`) and its PNG (`plot`: KL and ROUGE-L against the recomputed fraction, one line
+per policy family and document count, the noise floors as bands).
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from mpic.benchmarks.fidelity.noise_floor import kl_text
+
+ROW_KEYS = (
+    "policy",
+    "documents",
+    "recomputed_fraction",
+    "kl_first",
+    "agreement_32",
+    "exact_prefix",
+    "rouge_l",
+    "ttft_ms",
+    "kl_no_items",
+    "effect_kept",
+    "layout",
+    "scout_layers",
+    "scout_tokens",
+    "noise_floor",
+    "kl_over_floor",
+)
+"""The keys every JSON result row has (plus `prompt_tokens`)."""
+
+
+def policy_rows(
+    per_policy: dict[str, list[dict[str, float]]],
+    no_items: list[float],
+    *,
+    documents: int,
+    layout: str,
+    prompt_tokens: int,
+    floors: dict[str, str],
+    exact_decode: bool,
+) -> list[dict[str, Any]]:
+    """One JSON row per policy (`per_policy`'s order: full first, then the floors) of one item
+    count: the means of its questions' samples, the effect kept against `no_items` (each
+    question's KL(full || no items)), and `kl_over_floor` against the first floor (the row after
+    full's; none without floors). floors: row label -> floor name."""
+    kl_items = statistics.fmean(no_items)
+    rows = []
+    for policy, samples in per_policy.items():
+        row: dict[str, Any] = {"policy": policy, "documents": documents}
+        for key in ROW_KEYS[2:8]:
+            row[key] = statistics.fmean(s[key] for s in samples)
+        row["kl_no_items"] = kl_items
+        row["effect_kept"] = 1.0 - row["kl_first"] / kl_items if kl_items > 0 else None
+        row["layout"] = layout
+        row["scout_layers"] = max(s["scout_layers"] for s in samples)
+        row["scout_tokens"] = statistics.fmean(s["scout_tokens"] for s in samples)
+        row["prompt_tokens"] = prompt_tokens
+        row["kl_per_question"] = [s["kl_first"] for s in samples]
+        row["agreement_per_question"] = [s["agreement_32"] for s in samples]
+        row["kl_no_items_per_question"] = list(no_items)
+        row["noise_floor"] = floors.get(policy)
+        row["exact_decode"] = exact_decode
+        rows.append(row)
+    base = rows[1]["kl_first"] if floors else 0.0
+    for row in rows:
+        over = base > 0 and row["noise_floor"] is None
+        row["kl_over_floor"] = row["kl_first"] / base if over else None
+    return rows
+
 
 KL_FLOOR = 1e-6
 """KL values below this are drawn at it (a log axis)."""
