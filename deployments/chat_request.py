@@ -29,16 +29,6 @@ def check_logit_bias(logit_bias: dict[str, float] | None) -> None:
             )
 
 
-def check_min_tokens(min_tokens: int | None, max_tokens: int | None) -> None:
-    """vLLM's rule: min_tokens at most max_tokens (when the request sets it; the server's
-    default max_tokens is checked by the engine's request flow)."""
-    if min_tokens and max_tokens is not None and min_tokens > max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})",
-            param="min_tokens",
-        )
-
-
 class VllmSamplingFields(BaseModel):
     """vLLM's sampling extensions, fields of both chat and completion bodies (`extra_body` with
     OpenAI's client)."""
@@ -312,7 +302,6 @@ class ChatCompletionRequest(VllmSamplingFields):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
         check_logit_bias(self.logit_bias)
         return self
 

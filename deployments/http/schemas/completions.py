@@ -14,7 +14,6 @@ from mpic.deployments.chat_request import (
     StreamOptions,
     VllmSamplingFields,
     check_logit_bias,
-    check_min_tokens,
 )
 from mpic.deployments.http.schemas.answers import Usage
 from mpic.deployments.messages import Sampling
@@ -76,7 +75,6 @@ class CompletionRequest(VllmSamplingFields):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise InvalidRequestError("stop: at most 4 non-empty strings", param="stop")
-        check_min_tokens(self.min_tokens, self.max_tokens)
         check_logit_bias(self.logit_bias)
         return self
 
