@@ -180,6 +180,11 @@ class CpuPagedOps(PagedKVOps):
         return self._learnt[0]
 
     @property
+    def num_kv_heads(self) -> int:
+        """H_kv of the caches' [B, H_kv, bs, 2 D] shape."""
+        return int(self._caches[0].shape[1])
+
+    @property
     def readable(self) -> bool:  # type: ignore[override]
         """True when the in-block layout was learnt (`cpu_layout`): reads need no mirror."""
         return self._layout is not None
@@ -306,6 +311,45 @@ class CpuPagedOps(PagedKVOps):
             view = self._view(layer, region, kind)
             out.append(view[block, :, offset] if kind == "rows" else view[block, :, :, offset])
         return out[0], out[1]
+
+    def shift_place(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the blocks holding `slots` int64 [T], bool [T, bs]: the slots within them) where
+        the key region has a plain layout (`_shapes`) and the caches are contiguous; else
+        None."""
+        if self._layout is None:
+            return None
+        where = self.locate(slots)
+        if where[0] != "blocks":
+            return None
+        _, block, offset = where
+        touched, row = torch.unique(block, return_inverse=True)
+        within = torch.zeros(int(touched.numel()), self._block_size, dtype=torch.bool)
+        within[row, offset] = True
+        return touched, within
+
+    def shift_keys(
+        self, layer: int, place: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor
+    ) -> torch.Tensor:
+        """The key region of the touched blocks read whole (one gather of whole blocks), the
+        delta added at the slots within them, written back whole (one scatter); returns the
+        true region [T, H_kv, ...] (`unshift_keys`)."""
+        touched, within = place
+        kind = self._shapes()[0]
+        view = self._view(layer, 0, kind)  # [B, H_kv, bs, D] rows, [B, H_kv, D, bs] columns
+        true = view[touched]
+        step = delta.to(view.dtype)
+        if kind == "rows":
+            shifted = torch.where(within[:, None, :, None], true + step[None, :, None], true)
+        else:
+            shifted = torch.where(within[:, None, None, :], true + step[None, :, :, None], true)
+        view[touched] = shifted
+        return true
+
+    def unshift_keys(
+        self, layer: int, place: tuple[torch.Tensor, torch.Tensor], saved: torch.Tensor
+    ) -> None:
+        """The true key region back (a copy: bit-exact)."""
+        self._view(layer, 0, self._shapes()[0])[place[0]] = saved
 
     def gather(
         self, layer: int, num_keys: int | None = None

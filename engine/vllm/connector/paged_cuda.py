@@ -64,6 +64,11 @@ class FlashPagedOps(PagedKVOps):
         if use_vllm_write and self._vllm_write is None:
             raise RuntimeError("vLLM's reshape_and_cache_flash is not available here")
 
+    @property
+    def num_kv_heads(self) -> int:
+        """H_kv of the key views' [B, bs, H_kv, D] shape."""
+        return int(self._views[0][0].shape[-2])
+
     def clear(self) -> None:
         """Zero the request's blocks of every layer's key and value views."""
         for key, value in self._views:
@@ -104,6 +109,30 @@ class FlashPagedOps(PagedKVOps):
         slots = slots.to(key.device)
         block, offset = slots // self._block_size, slots % self._block_size
         return key[block, offset], value[block, offset]
+
+    def shift_place(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block, offset in block) of cache slots `slots`, on the cache's device; None for a
+        quantised cache (a shift there would not undo exactly)."""
+        if self._layers is not None and self._layers[0].impl.kv_cache_dtype != "auto":
+            return None
+        slots = slots.to(self._blocks.device)
+        return slots // self._block_size, slots % self._block_size
+
+    def shift_keys(
+        self, layer: int, place: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor
+    ) -> torch.Tensor:
+        """The keys at `place` read (one gather), written back shifted by delta [H_kv, D] (one
+        scatter; the values are not touched); returns the true keys [M, H_kv, D]."""
+        key, _ = self._views[layer]
+        true = key[place]
+        key[place] = true + delta.to(key.dtype)[None]
+        return true
+
+    def unshift_keys(
+        self, layer: int, place: tuple[torch.Tensor, torch.Tensor], saved: torch.Tensor
+    ) -> None:
+        """The true keys back (a copy: bit-exact)."""
+        self._views[layer][0][place] = saved
 
     def gather(self, layer: int, num_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's blocks by the block table (those holding [0, num_keys) when given: a

@@ -75,9 +75,10 @@ class PagedLinkedKV:
         """layer -> (prompt index int64 [1], q [H, D], its linked group's log-sum-exp float32
         [H] where the attention gave it, else None) of the last query a corrected layer saw
         (tensors on the queries' device: no host read per layer)."""
-        self._shifted: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        """(layer, cache slots, their true keys and values) that `shift_for_last_query` moved
-        (undone by `restore`)."""
+        self._shifted: list[tuple[int, tuple]] = []
+        """(layer, what `restore` writes back) of each layer `shift_for_last_query` moved:
+        (place, the true key region) where the keys were shifted in place
+        (`PagedKVOps.shift_keys`), else (cache slots, their true keys, their values)."""
 
     @property
     def mirrored(self) -> bool:
@@ -217,10 +218,13 @@ class PagedLinkedKV:
         so decoding reads the true keys again. Returns the number of layers shifted.
 
         In bulk: the layers that share a linked set (one mask object per depth level,
-        `LinkCorrection.linked`) read their linked rows through one located set of slots, and
-        the deltas of all of them are ONE batch of ops ([layers, H_kv, ...]); per layer only a
-        read and a write remain (and `restore`'s write: the true keys and values read here are
-        kept, nothing is read back)."""
+        `LinkCorrection.linked`) locate their linked slots once, and the deltas of all of them
+        are ONE batch of ops ([layers, H_kv, ...]), from the log-sum-exps the pass's corrected
+        attention kept. Per layer, where the layout allows it (`PagedKVOps.shift_place`: the
+        CPU layouts vLLM writes, the CUDA one), the keys alone are shifted in place: one read
+        and one write of the key rows (whole blocks on the CPU), the values never touched;
+        elsewhere (mirrors, a missing log-sum-exp) the linked keys and values are read and
+        written. `restore` writes back what was read (nothing is read again)."""
         corr = self._correction
         if corr is None or not corr.active:
             return 0
@@ -237,13 +241,21 @@ class PagedLinkedKV:
             if slots.numel() == 0:
                 continue
             cache_slots = self.slots(slots)
+            place = None if self._keys is not None else self._ops.shift_place(cache_slots)
+            if place is not None and all(lse is not None for _, _, lse in layers):
+                deltas = self._deltas(layers)  # in place: no row is read
+                for (layer, _, _), delta in zip(layers, deltas, strict=True):
+                    saved = self._ops.shift_keys(layer, place, delta)
+                    self._shifted.append((layer, (place, saved)))
+                continue
             both = self._keys is not None and self._values is not None  # both mirrors
             where = None if both else self._ops.locate(cache_slots)
             true = [self._linked_rows(layer, slots, where) for layer, _, _ in layers]
-            shifted = self._shifted_keys(torch.stack([k for k, _ in true]), layers)
-            for (layer, _, _), (keys, values), moved in zip(layers, true, shifted, strict=True):
-                self._ops.write(layer, cache_slots, moved, values)
-                self._shifted.append((layer, cache_slots, keys, values))
+            keys = torch.stack([k for k, _ in true])
+            deltas = self._deltas(layers, keys)
+            for (layer, _, _), (k, v), delta in zip(layers, true, deltas, strict=True):
+                self._ops.write(layer, cache_slots, k + delta[None].to(k.dtype), v)
+                self._shifted.append((layer, (cache_slots, k, v)))
         return len(self._shifted)
 
     def _linked_rows(
@@ -256,39 +268,43 @@ class PagedLinkedKV:
             return self._keys[layer, at], self._values[layer, at]
         return self._ops.read_located(layer, where)
 
-    def _shifted_keys(
-        self, keys: torch.Tensor, layers: list[tuple[int, torch.Tensor, Any]]
+    def _deltas(
+        self, layers: list[tuple[int, torch.Tensor, Any]], keys: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """keys [Ls, M, H_kv, D] (the linked keys of Ls layers), layers: (layer, its last query
-        q [H, D], the linked group's log-sum-exp of q [H] or None) -> the shifted keys, in keys'
-        dtype (`shift_for_last_query`). The log-sum-exps the corrected attention gave are used
-        as they are; missing ones are computed (one batched matmul, float32); the least-norm
-        solve runs in float64."""
+        """layers: (layer, its last query q [H, D], the linked group's log-sum-exp of q [H] or
+        None) -> the key shift of each layer float64 [Ls, H_kv, D] (`shift_for_last_query`).
+        The log-sum-exps the corrected attention gave are used as they are; missing ones are
+        computed from keys [Ls, M, H_kv, D] (the linked keys; one batched matmul, float32);
+        the least-norm solve runs in float64."""
         corr = self._correction
         assert corr is not None
-        count, _, kv_heads, dim = keys.shape
         q = torch.stack([q for _, q, _ in layers])  # [Ls, H, D]
+        count, dim = q.shape[0], q.shape[2]
+        kv_heads = self._ops.num_kv_heads
         group = q.shape[1] // kv_heads
         per_layer = [
             (self._scale(layer) or dim**-0.5, corr.scale_at(layer)) for layer, _, _ in layers
         ]
-        scale, s = torch.tensor(per_layer, dtype=torch.float64).to(keys.device).unbind(-1)
+        scale, s = torch.tensor(per_layer, dtype=torch.float64).to(q.device).unbind(-1)
         qf = q.float().view(count, kv_heads, group, dim)  # [Ls, H_kv, G, D]
         if all(lse is not None for _, _, lse in layers):
             lse = torch.stack([lse for _, _, lse in layers]).view(count, kv_heads, group)
         else:
+            assert keys is not None, "a missing log-sum-exp is computed from the keys"
             scores = keys.float().transpose(1, 2) @ qf.transpose(-1, -2)  # [Ls, H_kv, M, G]
             lse = torch.logsumexp(scores * scale.float()[:, None, None, None], dim=2)
         bias = (s - 1.0)[:, None, None] * lse.double()  # c [Ls, H_kv, G]
         qd = qf.double()
         gram = qd @ qd.transpose(-1, -2)  # [Ls, H_kv, G, G]
         coef = torch.linalg.solve(gram, (bias / scale[:, None, None])[..., None])  # [.., G, 1]
-        delta = (qd.transpose(-1, -2) @ coef)[..., 0]  # [Ls, H_kv, D]
-        return keys + delta[:, None].to(keys.dtype)
+        return (qd.transpose(-1, -2) @ coef)[..., 0]  # [Ls, H_kv, D]
 
     def restore(self) -> None:
-        """Write the true linked keys back where `shift_for_last_query` moved them (the keys and
-        values it read: nothing is read back)."""
-        for layer, cache_slots, keys, values in self._shifted:
-            self._ops.write(layer, cache_slots, keys, values)
+        """Write the true linked keys back where `shift_for_last_query` moved them, from what
+        it kept (nothing is read back)."""
+        for layer, (place, *saved) in self._shifted:
+            if len(saved) == 1:  # shifted in place
+                self._ops.unshift_keys(layer, place, saved[0])
+            else:
+                self._ops.write(layer, place, *saved)
         self._shifted = []

@@ -1,6 +1,7 @@
 """The seam between a request's paged linked KV (`mpic.engine.vllm.connector.paged_kv`) and one
-cache layout (vLLM worker process): clear, write slots, read keys, gather, attend. One
-implementation per layout: `paged_cpu.CpuPagedOps`, `paged_cuda.FlashPagedOps`.
+cache layout (vLLM worker process): clear, write slots, read keys, gather, shift keys in place
+(for vLLM's last token), attend. One implementation per layout: `paged_cpu.CpuPagedOps`,
+`paged_cuda.FlashPagedOps`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ class PagedKVOps(ABC):
 
     readable: bool = False
     """True when `read_keys` reads the cache itself (no dense key mirror needed)."""
+
+    @property
+    @abstractmethod
+    def num_kv_heads(self) -> int:
+        """KV heads per layer in the cache."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -41,6 +47,20 @@ class PagedKVOps(ABC):
     def read_located(self, layer: int, where: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """`read` at slots already located by `locate`."""
         return self.read(layer, where)
+
+    def shift_place(self, slots: torch.Tensor) -> Any | None:
+        """Where keys at cache slots `slots` can be shifted in place (`shift_keys`, kept across
+        layers), or None where this layout cannot (the caller reads and writes the rows)."""
+        return None
+
+    def shift_keys(self, layer: int, place: Any, delta: torch.Tensor) -> Any:
+        """Add delta [H_kv, D] to the keys at `place` (`shift_place`) of `layer`, in place;
+        returns what `unshift_keys` writes back (the true keys, exactly)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shift keys in place")
+
+    def unshift_keys(self, layer: int, place: Any, saved: Any) -> None:
+        """Undo `shift_keys` of `layer` bit-exactly from what it returned."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shift keys in place")
 
     def gather(
         self, layer: int, num_keys: int | None = None

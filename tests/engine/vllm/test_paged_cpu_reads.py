@@ -154,7 +154,7 @@ def test_the_shift_reads_the_pass_log_sum_exps():
     for vLLM's last token takes each layer's linked log-sum-exp from that pass (none computed
     again): vLLM's plain attention of the last query then equals the pass's corrected output
     for it, in every layer (two linked sets: layer 0's, and layers 1-2's with token 12 linked),
-    and `restore` puts back the true keys and values."""
+    and `restore` puts back the true keys and values; the shift moved the linked keys alone."""
     layers, n = 3, 70
     k, v, corr, active, q = _request(n, layers, 1)
     caches = [torch.zeros(8, HKV, BS, 2 * DIM) for _ in range(layers)]
@@ -168,8 +168,11 @@ def test_the_shift_reads_the_pass_log_sum_exps():
     for layer in range(layers):
         plain = kv._ops.attend(layer, q[layer][-1:], torch.tensor([last]))
         torch.testing.assert_close(plain, outs[layer][-1:], rtol=1e-4, atol=1e-4)
-        moved, _ = kv._ops.gather(layer, n)
+        moved, values = kv._ops.gather(layer, n)
         assert not torch.equal(moved, k[layer])
+        linked = corr.linked(layer, n, moved.device)  # only the linked keys moved
+        assert torch.equal(moved[~linked], k[layer][~linked]) and torch.equal(values, v[layer])
+        assert not torch.equal(moved[linked], k[layer][linked])
     kv.restore()
     for layer in range(layers):
         keys, values = kv._ops.gather(layer, n)

@@ -126,13 +126,16 @@ def test_scout_with_the_correction_over_mirrors_equals_dense(mrope, name, items_
         bare.set_correction(out.plan and dense.correction)
 
 
+@pytest.mark.parametrize("mirrored", [True, False])
 @pytest.mark.parametrize("name", ["scout-0.6:s0.7", "scout-0.6:s1/0.7"])
 def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention(
-    name, items_as_documents
+    name, mirrored, items_as_documents
 ):
     """vLLM's forward attends token N-1 plainly: after `shift_for_last_query` that plain
     attention equals the corrected one, and `restore` puts the true keys back. With S = 1 in
-    the first half of the layers only the second half is corrected and shifted."""
+    the first half of the layers only the second half is corrected and shifted. Without
+    mirrors the keys are shifted in place in the cache (`FlashPagedOps.shift_keys`), the
+    values untouched."""
     adapter, plan, entries = _setup(False)
     planned = with_policy(plan, entries, name, adapter.num_layers)
     layers = adapter.num_layers
@@ -141,25 +144,30 @@ def test_shifted_linked_keys_give_the_corrected_last_token_under_plain_attention
     block_ids = [4, 1]
     ops = FlashPagedOps(caches, torch.tensor(block_ids), BLOCK, 8)
     shape = (adapter.num_layers, len(block_ids) * BLOCK, 2, 8)
-    mirrors = torch.zeros(shape), torch.zeros(shape)
+    mirrors = (torch.zeros(shape), torch.zeros(shape)) if mirrored else (None, None)
     paged = PagedLinkedKV([], caches, block_ids, BLOCK, keys=mirrors[0], ops=ops, values=mirrors[1])
     paged.clear()
     out = link_and_prefill(adapter, planned, paged)
     last = plan.num_tokens - 1
+    index = torch.arange(plan.num_tokens)
+    true = [ops.read(layer, paged.slots(index)) for layer in range(adapter.num_layers)]
     queries = {layer: q for layer, (i, q, _) in paged._last_q.items() if i == last}
     assert len(queries) == shifted
     corrected = {
         layer: paged.attend(layer, q[None], torch.tensor([last])) for layer, q in queries.items()
     }
     assert paged.shift_for_last_query(last) == shifted
-    index = torch.arange(plan.num_tokens)
     for layer, q in queries.items():
         plain = ops.attend(layer, q[None], torch.tensor([last]))
         torch.testing.assert_close(plain, corrected[layer], rtol=1e-4, atol=1e-5)
-        assert not torch.allclose(ops.read_keys(layer, paged.slots(index)), mirrors[0][layer, :25])
+        keys, values = ops.read(layer, paged.slots(index))
+        assert not torch.allclose(keys, true[layer][0]) and torch.equal(values, true[layer][1])
     paged.restore()
     for layer in range(adapter.num_layers):
-        torch.testing.assert_close(ops.read_keys(layer, paged.slots(index)), mirrors[0][layer, :25])
+        keys, values = ops.read(layer, paged.slots(index))
+        assert torch.equal(keys, true[layer][0]) and torch.equal(values, true[layer][1])
+        if mirrored:
+            assert torch.equal(keys, mirrors[0][layer, : plan.num_tokens])
     assert out.result.logits is not None
     if shifted < adapter.num_layers:  # plain layers: keys never moved, attention unchanged
         assert set(queries) == set(range(adapter.num_layers // 2, adapter.num_layers))
