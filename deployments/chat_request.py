@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
+from mpic.linker.chat_template import ChatTemplateOptions, check_final_message
 from mpic.presses import PRESS_NAMES
 from mpic.retriever.spec import RetrievalSpec
 
@@ -242,6 +243,22 @@ class ChatCompletionRequest(VllmSamplingFields):
         "(benchmarks); default: stop at it.",
     )
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
+    add_generation_prompt: bool = Field(
+        True,
+        description="vLLM extension: end the prompt with the assistant's header (false: the "
+        "chat template renders no header after the last message).",
+    )
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM extension: the last message (an assistant's, else 400) is left open "
+        "and the answer continues it; needs add_generation_prompt: false (else 400).",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM extension: extra variables of the chat template (e.g. "
+        '{"enable_thinking": false}); the rendering\'s own arguments (add_generation_prompt, '
+        "tokenize, chat_template, messages, tools, documents, ...): 400.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="End-user id: logged with the request id.")
@@ -303,7 +320,19 @@ class ChatCompletionRequest(VllmSamplingFields):
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
         check_logit_bias(self.logit_bias)
+        check_final_message(self.template_options(), self.messages[-1].role)
         return self
+
+    def template_options(self) -> ChatTemplateOptions | None:
+        """How the chat template renders this request's prompt (vLLM's extensions,
+        `mpic.linker.chat_template`); None: the default rendering. InvalidRequestError (naming
+        the field) for vLLM's invalid combinations."""
+        options = ChatTemplateOptions(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            kwargs=dict(self.chat_template_kwargs or {}),
+        )
+        return None if options.is_default else options
 
     def sampling(self) -> Sampling:
         """The engine-side `Sampling` of this request."""

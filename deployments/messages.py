@@ -19,6 +19,7 @@ from mpic.engine.protocol import DoneEvent, Sampling, TokenEvent, TokenLogprob
 if TYPE_CHECKING:
     import torch
 
+    from mpic.linker.chat_template import ChatTemplateOptions
     from mpic.linker.policies import Policy
 
 
@@ -111,6 +112,10 @@ class LinkedPrompt:
     raw: bool = False
     """A completion prompt (`/v1/completions`): rendered without the chat template
     (`mpic.linker.raw_prompt`); text and documents only."""
+    template: ChatTemplateOptions | None = None
+    """How the chat template renders the prompt (vLLM's `add_generation_prompt`,
+    `continue_final_message`, `chat_template_kwargs`: `GenerateRequest.template`); None: the
+    default rendering."""
     policy_defaulted: bool = False
     """The request named neither a policy nor a recompute budget: the server's default applies
     (the fidelity loop may move it, `mpic.deployments.monitoring.fidelity_monitor`)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from mpic.linker.chat_template import ChatTemplateOptions
     from mpic.linker.policies import Policy
     from mpic.linker.recipe import PlannedPrompt
     from mpic.model_spec import ModelSpec
@@ -133,6 +134,10 @@ class GenerateRequest:
     """This request's system prompt; None: the engine's own."""
     raw: bool = False
     """A completion prompt (no chat template, `mpic.linker.raw_prompt`)."""
+    template: ChatTemplateOptions | None = None
+    """How the chat template renders the prompt (vLLM's `add_generation_prompt`,
+    `continue_final_message`, `chat_template_kwargs`: `mpic.linker.chat_template`); None: the
+    default rendering (the assistant's header at the end). Unused for a `raw` prompt."""
     press: str | None = None
     """Compress the linked items' KV by this press (`mpic.presses`) at `budget`."""
     budget: float | None = None
@@ -290,10 +295,11 @@ class Engine(Protocol):
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
     ) -> PlannedPrompt:
         """The finished link plan of `parts` under `policy` over `entries`
         (`mpic.engine.request_flow.plan_parts`); `raw`: a completion prompt (no chat
-        template)."""
+        template); `template`: the chat template's options (`GenerateRequest.template`)."""
         ...
 
     def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:

@@ -32,6 +32,7 @@ from mpic.engine.protocol import (
     TokenLogprob,
 )
 from mpic.errors import InvalidRequestError
+from mpic.linker.chat_template import ChatTemplateOptions, templated
 from mpic.linker.policies import Policy, get_policy
 from mpic.linker.prompt import tokenizer_of
 from mpic.linker.raw_prompt import RawPrompt
@@ -53,13 +54,15 @@ def plan_parts(
     system_prompt: str | None,
     max_new_tokens: int = 0,
     raw: bool = False,
+    template: ChatTemplateOptions | None = None,
 ) -> PlannedPrompt:
     """The finished link plan of `parts` under `policy` (`mpic.linker.recipe.plan_prompt`; the
-    backend parsed a name once, `policy_of`), rendered with the model's chat template, or as
-    given for a completion prompt (`raw`: `mpic.linker.raw_prompt`). Raises
-    InvalidRequestError (bad parts, too long) or NotFoundError (an entry id not in `entries`)
-    before any KV is touched."""
-    renderer = RawPrompt(processor) if raw else processor
+    backend parsed a name once, `policy_of`), rendered with the model's chat template (with the
+    request's `template` options, `mpic.linker.chat_template`; None: the default rendering), or
+    as given for a completion prompt (`raw`: `mpic.linker.raw_prompt`; `template` unused).
+    Raises InvalidRequestError (bad parts, too long) or NotFoundError (an entry id not in
+    `entries`) before any KV is touched."""
+    renderer = RawPrompt(processor) if raw else templated(processor, template)
     return plan_prompt(spec, renderer, parts, entries, policy, system_prompt, max_new_tokens)
 
 

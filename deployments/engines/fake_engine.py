@@ -40,6 +40,7 @@ from mpic.engine.protocol import Decoded, GenerateRequest, Prefill
 from mpic.engine.request_flow import EngineBase, continued
 from mpic.engine.sampling import Sampler
 from mpic.errors import InvalidRequestError, UnreadableMediaError
+from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.linker.recipe import PlannedPrompt
 from mpic.model_spec import ModelSpec, RopeSpec
 from mpic.prompt_parts import DocumentRef, ImageRef, PromptPart, Turn
@@ -153,6 +154,7 @@ class FakeEngine(EngineBase):
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
     ) -> PlannedPrompt:
         """400: the fake engine links without a plan (nothing is computed)."""
         raise InvalidRequestError("the fake engine makes no link plans")

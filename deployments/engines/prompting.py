@@ -87,8 +87,9 @@ def generate_request(
     """The engine request of a served prompt: its parts (`prompt_parts`; `system_prompt` unless
     the conversation has its own), linking `entries` and its inline images' entries
     (`inline_entry(image)`, computed for this request alone), and every request field
-    (policy, sampling, max_tokens, completion form, press, fidelity capture). media: what an
-    exact fallback reads (entry id -> bytes or a reader), where the engine has one.
+    (policy, sampling, max_tokens, completion form, chat template options, press, fidelity
+    capture). media: what an exact fallback reads (entry id -> bytes or a reader), where the
+    engine has one.
 
     The policy is the one the Resolver parsed (`LinkedPrompt.parsed_policy`), under the served
     model's own scout table `scales` (`Policy.with_scales`: what parsing its name against the
@@ -109,6 +110,7 @@ def generate_request(
         max_tokens=prompt.max_tokens,
         system_prompt=system,
         raw=prompt.raw,
+        template=prompt.template,
         press=prompt.press,
         budget=prompt.budget,
         exact_decode=prompt.exact_decode,

@@ -153,6 +153,7 @@ class ReferenceServeEngine(ServeEngine):
                     system_prompt=request.system_prompt,
                     entries=request.entries,
                     raw=request.raw,
+                    template=request.template,
                 )
             )
         exact = FirstToken.from_logits(steps[0][1].logits)

@@ -95,6 +95,8 @@ def check_image_upload(data: bytes, name: str, content_type: str | None, purpose
     try:
         Image.open(io.BytesIO(data))
         return
+    except Image.DecompressionBombError:
+        return  # an image header, declaring too many pixels: the encoder's 413 says so
     except (UnidentifiedImageError, OSError, ValueError):
         pass
     what = f"{name or 'the upload'} ({content_type or 'no content type'})"

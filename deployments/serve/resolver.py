@@ -86,6 +86,7 @@ class Resolver:
             press=press,
             budget=budget,
             exact_decode=exact_decode,
+            template=req.template_options(),
             policy_defaulted=defaulted,
         )
         prompt.serve_by(policy, parsed)

@@ -37,6 +37,7 @@ from mpic.engine.protocol import Decoded, GenerateRequest
 from mpic.engine.request_flow import EngineBase, continued, prefill_of
 from mpic.engine.sampling import Sampler
 from mpic.engine.token_bytes import TokenBytes
+from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.linker.prompt import tokenizer_of
 from mpic.linker.recipe import PlannedPrompt
 from mpic.presses.cache import CompressedKV
@@ -102,11 +103,18 @@ class ReferenceEngine(EngineBase):
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
     ) -> PlannedPrompt:
         """`ReferenceRunner.plan` under the lock."""
         with self.held() as runner:
             return runner.plan(
-                parts, policy, max_new_tokens, system_prompt, entries=entries, raw=raw
+                parts,
+                policy,
+                max_new_tokens,
+                system_prompt,
+                entries=entries,
+                raw=raw,
+                template=template,
             )
 
     async def decode(self, request: GenerateRequest) -> AsyncIterator[Decoded]:
@@ -221,6 +229,7 @@ class ReferenceEngine(EngineBase):
                     request.budget,
                     entries=request.entries,
                     raw=request.raw,
+                    template=request.template,
                 )
 
         return prefill
@@ -302,6 +311,7 @@ class ReferenceEngine(EngineBase):
                     stop_at_eos=not request.sampling.ignore_eos,
                     entries=request.entries,
                     raw=request.raw,
+                    template=request.template,
                     continue_from=continued(request),
                     on_prefill=planned,
                 ):

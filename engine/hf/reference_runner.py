@@ -32,6 +32,7 @@ from mpic.engine.protocol import Sampling
 from mpic.engine.request_flow import plan_parts, policy_of
 from mpic.engine.sampling import Sampler
 from mpic.kernels.attention_backend import AttentionBackend
+from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.pipeline import link_and_prefill
 from mpic.linker.policies import Policy
@@ -170,16 +171,18 @@ class ReferenceRunner:
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
     ) -> PlannedPrompt:
         """The finished link plan of a prompt under `policy` (`mpic.engine.request_flow
         .plan_parts`); raises on bad input. system_prompt: this request's, or None for the
         runner's own; entries: the request's linkable entries (default: the runner's table);
-        raw: a completion prompt (no chat template)."""
+        raw: a completion prompt (no chat template); template: the chat template's options
+        (`GenerateRequest.template`; None: the default rendering)."""
         policy = self.policy_of(policy)
         table = self.entries if entries is None else entries
         system = self._system(system_prompt)
         planned = plan_parts(
-            self.spec, self.processor, parts, table, policy, system, max_new_tokens, raw
+            self.spec, self.processor, parts, table, policy, system, max_new_tokens, raw, template
         )
         if self.prefixes is not None and takes_prefix(
             policy, planned.plan, self.adapter.num_layers
@@ -200,15 +203,25 @@ class ReferenceRunner:
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
     ) -> Prefilled:
         """Link and prefill a prompt under `policy`; room for `max_new_tokens` is reserved.
         press/budget (`mpic.presses`): compress the prompt KV after the prefill, before the
         first decode step; budget 1.0 or no press keeps the dense KV (ValueError for an unknown
-        press or a budget outside (0, 1], before any work). entries, raw: as `plan`'s."""
+        press or a budget outside (0, 1], before any work). entries, raw, template: as
+        `plan`'s."""
         req = PressRequest.make(press, budget)
         policy = self.policy_of(policy)
         start, cpu_start = time.perf_counter(), time.process_time()
-        planned = self.plan(parts, policy, max_new_tokens, system_prompt, entries=entries, raw=raw)
+        planned = self.plan(
+            parts,
+            policy,
+            max_new_tokens,
+            system_prompt,
+            entries=entries,
+            raw=raw,
+            template=template,
+        )
         plan = planned.plan
         a = self.adapter
         kv = DenseLinkedKV(
@@ -262,6 +275,7 @@ class ReferenceRunner:
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
         continue_from: Sequence[int] = (),
         on_prefill: Callable[[Prefilled], None] | None = None,
     ) -> Iterator[tuple[int, Prefilled]]:
@@ -269,15 +283,23 @@ class ReferenceRunner:
         temperature is 0, else seeded sampling: `mpic.engine.sampling.Sampler`; `pick(logits
         [V]) -> token id` replaces it, e.g. a Sampler over a request's whole `Sampling`); stops
         after an end id (`ModelSpec.end_token_ids`, the same ids the vLLM engine stops at; the
-        end token is yielded) or `max_new_tokens`. entries, raw: as `plan`'s. continue_from:
-        tokens already generated (`GenerateRequest.continue_from`): decoded first, in place of
-        picks, and not yielded; `max_new_tokens` more follow. on_prefill: called with the
-        prefill before the first pick (a `Sampler` takes the prompt's ids from its plan)."""
+        end token is yielded) or `max_new_tokens`. entries, raw, template: as `plan`'s.
+        continue_from: tokens already generated (`GenerateRequest.continue_from`): decoded first,
+        in place of picks, and not yielded; `max_new_tokens` more follow. on_prefill: called with
+        the prefill before the first pick (a `Sampler` takes the prompt's ids from its plan)."""
         policy = self.policy_of(policy)
         forced = list(continue_from)
         total = len(forced) + max_new_tokens
         pre = self.prefill(
-            parts, policy, total, system_prompt, press, budget, entries=entries, raw=raw
+            parts,
+            policy,
+            total,
+            system_prompt,
+            press,
+            budget,
+            entries=entries,
+            raw=raw,
+            template=template,
         )
         if on_prefill is not None:
             on_prefill(pre)

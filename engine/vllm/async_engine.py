@@ -188,6 +188,7 @@ class AsyncVllmEngine(VllmFrontEnd, EngineBase):
             request.system_prompt,
             request.max_tokens + len(continuation),
             raw=request.raw,
+            template=request.template,
             media=media,
             # plain vLLM for a plain request and for a continuation (over prompt + its tokens)
             exact=request.plain or bool(continuation),

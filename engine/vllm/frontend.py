@@ -43,6 +43,7 @@ from mpic.engine.vllm.requests import (
 )
 from mpic.engine.vllm.version import check_vllm_version
 from mpic.errors import CorruptEntryError, InvalidRequestError
+from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.linker.policies import Policy
 from mpic.linker.policies.full import FullPolicy
 from mpic.linker.policies.scout_scales import load_table as load_scale_table
@@ -236,13 +237,16 @@ class VllmFrontEnd:
         *,
         entries: Mapping[str, CacheEntry] | None = None,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
     ) -> PlannedPrompt:
         """The finished link plan of `parts` (`mpic.engine.request_flow.plan_parts`) under
-        `policy` (a name parsed here, `policy_of`)."""
+        `policy` (a name parsed here, `policy_of`), rendered with the chat template's options
+        `template` (None: the default rendering)."""
         table = {} if entries is None else entries
         rule = self.policy_of(policy)
+        spec, processor = self.spec, self.processor
         return plan_parts(
-            self.spec, self.processor, parts, table, rule, system_prompt, max_new_tokens, raw
+            spec, processor, parts, table, rule, system_prompt, max_new_tokens, raw, template
         )
 
     def prepare(
@@ -254,6 +258,7 @@ class VllmFrontEnd:
         max_new_tokens: int = 0,
         *,
         raw: bool = False,
+        template: ChatTemplateOptions | None = None,
         media: Media | None = None,
         exact: bool = False,
         salt: str | None = None,
@@ -262,10 +267,12 @@ class VllmFrontEnd:
         here once, `policy_of`; its canonical name is what the request carries to vLLM's
         processes), its exact fallback, built only if the link fails, carrying the images of
         `media` when given; or with `exact` plain vLLM over the prompt planned under `full`
-        with its images (no linking). salt: the prefix-cache salt (a fresh one: no prefix-cache
-        hit)."""
+        with its images (no linking). raw, template: how the prompt is rendered (`plan`'s).
+        salt: the prefix-cache salt (a fresh one: no prefix-cache hit)."""
         rule = FullPolicy() if exact else self.policy_of(policy)
-        planned = self.plan(parts, rule, max_new_tokens, system_prompt, entries=entries, raw=raw)
+        planned = self.plan(
+            parts, rule, max_new_tokens, system_prompt, entries=entries, raw=raw, template=template
+        )
 
         def exact_form() -> EngineRequest:  # documents' token ids are in the plan's prompt
             return exact_request(planned.plan, self.spec.image_token_id, images())
