@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
-from mpic.linker.chat_template import ChatTemplateOptions, check_final_message
+from mpic.linker.chat_template import ChatTemplateOptions, check_final_message, template_options
 from mpic.presses import PRESS_NAMES
 from mpic.retriever.spec import RetrievalSpec
 
@@ -327,12 +327,9 @@ class ChatCompletionRequest(VllmSamplingFields):
         """How the chat template renders this request's prompt (vLLM's extensions,
         `mpic.linker.chat_template`); None: the default rendering. InvalidRequestError (naming
         the field) for vLLM's invalid combinations."""
-        options = ChatTemplateOptions(
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            kwargs=dict(self.chat_template_kwargs or {}),
+        return template_options(
+            self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs
         )
-        return None if options.is_default else options
 
     def sampling(self) -> Sampling:
         """The engine-side `Sampling` of this request."""

@@ -84,6 +84,22 @@ class ChatTemplateOptions:
         return self.add_generation_prompt and not self.continue_final_message and not self.kwargs
 
 
+def template_options(
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> ChatTemplateOptions | None:
+    """The options of vLLM's three request fields (chat completions, `/tokenize`); None for
+    the default rendering. InvalidRequestError (naming the field) for vLLM's invalid
+    combinations."""
+    options = ChatTemplateOptions(
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        kwargs=dict(chat_template_kwargs or {}),
+    )
+    return None if options.is_default else options
+
+
 def check_final_message(options: ChatTemplateOptions | None, last_role: str | None) -> None:
     """InvalidRequestError when `options` continue the final message and the last message
     (`last_role`) is not the assistant's."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpic.errors import InvalidRequestError
+from mpic.linker.chat_template import ChatTemplateOptions, templated
 from mpic.linker.prompt import render_prompt_ids
 from mpic.prompt_parts import PromptPart, Turn
 
@@ -26,11 +27,12 @@ def tokenize_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     default_system: str | None,
-    add_generation_prompt: bool = True,
+    template: ChatTemplateOptions | None = None,
 ) -> list[int]:
     """Token ids of text chat messages ({"role", "content": str or text parts}) rendered as the
     chat route renders them: the first system/developer message is the system prompt (else
-    `default_system`), every other message one turn. InvalidRequestError for a non-text part."""
+    `default_system`), every other message one turn; `template`: the request's chat-template
+    options (None: the default rendering). InvalidRequestError for a non-text part."""
     system, parts = default_system, []
     for i, msg in enumerate(messages):
         role = "system" if msg["role"] == "developer" else msg["role"]
@@ -57,7 +59,7 @@ def tokenize_chat(
         and not any(isinstance(p, Turn) for p in rendered[1:])
     ):
         rendered = rendered[1:]  # one user message: rendered as the chat route renders it
-    return render_prompt_ids(tokenizer, rendered, system, add_generation_prompt)
+    return render_prompt_ids(templated(tokenizer, template), rendered, system)
 
 
 def detokenize(tokenizer: Any, tokens: list[int]) -> str:

@@ -161,7 +161,7 @@ class VllmRoutes:
             body.prompt,
             body.messages,
             body.add_special_tokens,
-            body.add_generation_prompt,
+            body.template_options(),
             body.return_token_strs,
         )
         info = await self._model_info()

@@ -41,6 +41,7 @@ from mpic.deployments.serve.inline import resolve_inline
 from mpic.deployments.serve.policy_check import check_layers, check_policy, model_layers
 from mpic.documents import decode_document
 from mpic.errors import MPICError
+from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.storage.entry_store import EntryStore
 from mpic.storage.keys import entry_object_key
 from mpic.storage.object_store import ObjectNotFoundError
@@ -189,7 +190,7 @@ class LLMWorker:
         prompt: str | None,
         messages: list[dict] | None,
         add_special_tokens: bool | None = None,
-        add_generation_prompt: bool = True,
+        template: ChatTemplateOptions | None = None,
         return_token_strs: bool = False,
     ) -> tuple[list[int], list[str] | None]:
         """vLLM's `/tokenize` on the served model (`mpic.deployments.engines.tokenization`): (ids,
@@ -199,8 +200,7 @@ class LLMWorker:
             special = True if add_special_tokens is None else add_special_tokens
             ids = tokenize_text(tok, prompt, special)
         else:
-            ids = tokenize_chat(tok, messages or [], self.cfg.engine.system_prompt,
-                                add_generation_prompt)  # fmt: skip
+            ids = tokenize_chat(tok, messages or [], self.cfg.engine.system_prompt, template)
         strs = None
         if return_token_strs:
             strs = tok.convert_ids_to_tokens(ids) if tok is not None else [chr(i) for i in ids]

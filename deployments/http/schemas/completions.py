@@ -18,6 +18,11 @@ from mpic.deployments.chat_request import (
 from mpic.deployments.http.schemas.answers import Usage
 from mpic.deployments.messages import Sampling
 from mpic.errors import InvalidRequestError
+from mpic.linker.chat_template import (
+    ChatTemplateOptions,
+    check_final_message,
+    template_options,
+)
 
 
 class CompletionMPICOptions(MPICOptions):
@@ -150,6 +155,12 @@ class TokenizeRequest(BaseModel):
         None, description="prompt: default true; messages: default false (the template has them)."
     )
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(
+        False, description="messages: the last (assistant) message left open, as in chat."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="messages: extra variables of the chat template, as in chat."
+    )
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -161,7 +172,17 @@ class TokenizeRequest(BaseModel):
                 raise InvalidRequestError(
                     "each message needs a role and a content", param=f"messages.{i}"
                 )
+        template = self.template_options()
+        if self.messages is not None:
+            check_final_message(template, self.messages[-1]["role"] if self.messages else None)
         return self
+
+    def template_options(self) -> ChatTemplateOptions | None:
+        """How the chat template renders `messages` (as the chat route's, `mpic.linker
+        .chat_template`); None: the default rendering."""
+        return template_options(
+            self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs
+        )
 
 
 class TokenizeResponse(BaseModel):

@@ -125,6 +125,43 @@ def test_tokenize_matches_the_model_tokenizer(ref_app, tiny_llava_dir: Path) -> 
     assert answer["usage"]["prompt_tokens"] == chat["count"]  # what a text chat is charged
 
 
+@pytest.mark.parametrize(
+    ("messages", "fields"),
+    [
+        ([{"role": "user", "content": "a cat"}], {"add_generation_prompt": False}),
+        (
+            [{"role": "user", "content": "a cat"}, {"role": "assistant", "content": "It is"}],
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+    ],
+)
+def test_tokenize_takes_the_chat_template_fields(ref_app, tiny_llava_dir, messages, fields):
+    """`/tokenize` renders chat messages with vLLM's template fields as the chat route does:
+    the ids are HF's own rendering of them, and what that chat is charged."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    got = ref_app.client.post("/tokenize", headers=ALICE, json={"messages": messages, **fields})
+    assert got.status_code == 200, got.text
+    hf = tok.apply_chat_template(messages, tokenize=True, **fields)
+    hf = hf["input_ids"] if isinstance(hf, dict) or hasattr(hf, "keys") else hf
+    default = ref_app.client.post("/tokenize", headers=ALICE, json={"messages": messages})
+    assert got.json()["tokens"] == list(hf) != default.json()["tokens"]
+    answer = ref_app.client.post(
+        "/v1/chat/completions",
+        headers=ALICE,
+        json={"model": "mpic", "max_tokens": 1, "messages": messages, **fields},
+    ).json()
+    assert answer["usage"]["prompt_tokens"] == got.json()["count"]
+    bad = ref_app.client.post(
+        "/tokenize",
+        headers=ALICE,
+        json={"messages": messages[:1], "add_generation_prompt": False,
+              "continue_final_message": True},
+    )  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
 def test_completion_is_greedy_generation_of_the_raw_prompt(ref_app, tiny_llava_dir) -> None:
     import torch
     from transformers import AutoTokenizer
