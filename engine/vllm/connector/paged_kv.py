@@ -241,8 +241,9 @@ class PagedLinkedKV:
             if slots.numel() == 0:
                 continue
             cache_slots = self.slots(slots)
-            place = None if self._keys is not None else self._ops.shift_place(cache_slots)
-            if place is not None and all(lse is not None for _, _, lse in layers):
+            in_place = self._keys is None and all(lse is not None for _, _, lse in layers)
+            place = self._ops.shift_place(cache_slots) if in_place else None
+            if place is not None:
                 deltas = self._deltas(layers)  # in place: no row is read
                 for (layer, _, _), delta in zip(layers, deltas, strict=True):
                     saved = self._ops.shift_keys(layer, place, delta)
