@@ -7,9 +7,11 @@ with the tiny LLaVA:
   with reads and linking in the step (`async_loads=False`) the same run stalls
   decoding. The bounds are sanity bounds far from the stall they guard (a step waiting on S3
   shows gaps of seconds): the async run's largest gap is a quarter of the sync run's at most,
-  its mean ITL at most 2x the unloaded one (measured: 0.8-0.85x alone), over the whole window
-  and over the gaps while only reads ran (the worker's spans); the 1.2x figures are the
-  benchmark's, docs/vllm.md "Under load";
+  its mean ITL at most 8x the unloaded one, over the whole window and over the gaps while only
+  reads ran (the worker's spans), and a tenth of the sync run's mean. Measured: 0.8-0.85x alone,
+  2.28x in one CI run (a busy 2-core host; tiny-model ITL is ~5 ms, so a few ms of noise moves
+  the ratio a lot) against 115x for the sync run; the 1.2x figures are the benchmark's,
+  docs/vllm.md "Under load";
 - batching: 8 linked requests arriving together are linked in one selective pass (the
   connector's counter); their TTFT p50 is a sanity bound (at most 1.5x one pass per request's):
   on the tiny model the two differ by a few ms (41.2 vs 40.2 ms in one full-suite run, the
@@ -34,13 +36,14 @@ def test_entry_reads_do_not_stall_decoding(tiny_llava_dir: Path) -> None:
     print(run.itl_unloaded_ms, run.itl_loading_ms, run.itl_max_loading_ms, run.new_ttft_ms)
     assert run.gets >= 12  # every entry came from the delayed store
     assert min(run.new_ttft_ms) > 200  # the new requests did wait for their GETs
-    assert run.ratio <= 2.0
+    assert run.ratio <= 8.0
     # the gaps while only reads ran (no link pass): the step never waited on a 200 ms GET
-    assert run.reads_gaps >= 5 and run.reads_ratio <= 2.0
+    assert run.reads_gaps >= 5 and run.reads_ratio <= 8.0
     sync = head_of_line(str(tiny_llava_dir), delay_s=0.2, async_loads=False)
     print(sync.itl_unloaded_ms, sync.itl_loading_ms, sync.itl_max_loading_ms)
     assert sync.itl_max_loading_ms > 200  # reads inside the step: decoding waits on S3
     assert run.itl_max_loading_ms * 4 < sync.itl_max_loading_ms
+    assert run.itl_loading_ms * 10 < sync.itl_loading_ms
 
 
 @pytest.mark.parametrize("policy", ["mpic-32", "auto"])
