@@ -3,8 +3,8 @@ batching of concurrent requests (the Ray Serve LLM worker's engine, `engine.kind
 
 Runs in the process that owns the engine (a Serve replica); vLLM's engine core and worker are
 child processes, exactly as for the offline `mpic.engine.vllm.engine.VllmEngine`, with which it
-shares config, CPU set-up, engine arguments, request forms, upload prompt and fallback
-(`mpic.engine.vllm.frontend.VllmFrontEnd`).
+shares config, request forms, upload prompt and fallback (`mpic.engine.vllm.frontend
+.VllmFrontEnd`), CPU set-up and engine arguments (`mpic.engine.vllm.startup`).
 
 `AsyncLLM` lives on its own event loop in a daemon thread, so any caller can use it: `stream`
 is an async generator usable from any other loop (a Serve replica's), every request a vLLM
@@ -37,10 +37,12 @@ from mpic.engine.request_flow import (
     reported_policy,
 )
 from mpic.engine.token_bytes import TokenBytes
-from mpic.engine.vllm.frontend import VllmEngineConfig, VllmFrontEnd, engine_kwargs
+from mpic.engine.vllm.config import VllmEngineConfig
+from mpic.engine.vllm.frontend import VllmFrontEnd
 from mpic.engine.vllm.presses import check_press
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
 from mpic.engine.vllm.sampling import sampling_kwargs, token_logprobs
+from mpic.engine.vllm.startup import engine_kwargs
 from mpic.errors import InvalidRequestError
 from mpic.linker.pipeline import served_plan
 from mpic.linker.prefix import prefix_length, takes_prefix

@@ -2,8 +2,8 @@
 benchmark drives it: they drive `mpic.engine.vllm.async_engine.AsyncVllmEngine` through the
 engine protocol): vLLM's `LLM` generates a batch of exact and linked requests synchronously
 (continuous batching inside the call). Runs in the process that owns the engine; the CPU set-up
-and what it shares with the async engine (the Serve LLM worker's) are in
-`mpic.engine.vllm.frontend`, whose config names are re-exported here.
+and engine arguments are in `mpic.engine.vllm.startup`, what it shares with the async engine
+(the Serve LLM worker's) in `mpic.engine.vllm.frontend`; the config names are re-exported here.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from typing import Any
 
 import torch
 
-from mpic.engine.vllm.frontend import (
-    VllmEngineConfig,
-    VllmFrontEnd,
-    engine_kwargs,
-    prepare_environment,
-)
+from mpic.engine.vllm.config import VllmEngineConfig
+from mpic.engine.vllm.frontend import VllmFrontEnd
 from mpic.engine.vllm.requests import EngineRequest, EngineResult
+from mpic.engine.vllm.startup import engine_kwargs, prepare_environment
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "prepare_environment"]
 

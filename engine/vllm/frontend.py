@@ -1,39 +1,24 @@
-"""What the offline and the async vLLM engines share (process that owns the engine):
-`VllmEngineConfig`, the CPU set-up, vLLM's engine arguments with the MPIC connector, and
-`VllmFrontEnd`. vLLM's engine core and worker (child processes) load
-`mpic.engine.vllm.connector.kv_connector` and the plugin `mpic.engine.vllm.plugin` themselves.
-
-Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_environment`:
-- `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
-- `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
-  that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);
-- float32 on CPU (bf16 is ~5x slower on these AVX2 cores) and `block_size` a multiple of 32
-  (the CPU attention kernel's requirement), both enforced by the config;
-- the torchvision shim for CPU torch is NOT here: it must run at interpreter start-up, so
-  scripts/setup.sh installs it as a `.pth` (scripts/torchvision_cpu_shim.py documents it).
+"""`VllmFrontEnd`: what the offline and the async vLLM engines share (process that owns the
+engine: CLI, benchmark, Serve replica), the vLLM implementation of `mpic.engine.protocol.Engine`
+less its driver: config, model spec, processor, entry store, planning and the request of a
+prompt (`prepare`), the request form vLLM is given, uploads and compressed entries, the
+failed-link fallback. Each driver (`mpic.engine.vllm.engine.VllmEngine`: offline `LLM`;
+`mpic.engine.vllm.async_engine.AsyncVllmEngine`: V1 `AsyncLLM`) starts vLLM and says how one
+request runs to its end (`_run_to_end`). The CPU set-up and vLLM's engine arguments are in
+`mpic.engine.vllm.startup`, the upload prompts in `mpic.engine.vllm.upload_prompt`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mpic.engine.items import (
-    check_item_length,
-    document_item,
-    image_item,
-    image_layout,
-    line_break_offsets,
-    load_image,
-)
+from mpic.engine.items import load_image
 from mpic.engine.model_dir import resolve_model_dir
 from mpic.engine.request_flow import plan_parts, policy_of
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
-from mpic.engine.vllm import upload as vllm_upload
 from mpic.engine.vllm.config import VllmEngineConfig
 from mpic.engine.vllm.requests import (
     EngineRequest,
@@ -41,7 +26,13 @@ from mpic.engine.vllm.requests import (
     linked_request,
     resolve_fallback,
 )
-from mpic.engine.vllm.version import check_vllm_version
+from mpic.engine.vllm.startup import prepare_environment
+from mpic.engine.vllm.upload_prompt import (
+    UploadForm,
+    document_upload_form,
+    image_upload_form,
+    upload_request,
+)
 from mpic.errors import CorruptEntryError, InvalidRequestError
 from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.linker.policies import Policy
@@ -59,70 +50,15 @@ Media = Mapping[str, bytes | Callable[[], bytes]]
 
 logger = logging.getLogger(__name__)
 
-CONNECTOR = "MPICConnector"
-CONNECTOR_MODULE = "mpic.engine.vllm.connector.kv_connector"
-
-__all__ = ["CONNECTOR", "CONNECTOR_MODULE", "VllmEngineConfig", "VllmFrontEnd", "engine_kwargs"]
-
-
-def prepare_environment(cfg: VllmEngineConfig) -> None:
-    """Check the installed vLLM's release (`mpic.engine.vllm.version`: stops outside the tested
-    range unless overridden) and set the process environment vLLM reads at start-up (see the
-    module docstring)."""
-    check_vllm_version(cfg.allow_untested_vllm)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
-
-def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:
-    """vLLM `EngineArgs` keywords for `cfg` (the offline `LLM` and `AsyncEngineArgs` take the
-    same): the MPIC connector (`kv_load_failure_policy="fail"`: a failed link errors the request,
-    the caller answers it exactly) and the CPU-friendly settings."""
-    from vllm.config import KVTransferConfig
-
-    kv_transfer = None
-    if cfg.linking:
-        kv_transfer = KVTransferConfig(
-            kv_connector=CONNECTOR,
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_both",
-            kv_load_failure_policy="fail",
-            kv_connector_extra_config={
-                "storage": cfg.storage.model_dump(mode="json"),
-                "async_loads": cfg.async_loads,
-                "batch_links": cfg.batch_links,
-                "link_share": cfg.link_share,
-                "link_prefix": cfg.link_prefix,
-            },
-        )
-    optional = {
-        "num_gpu_blocks_override": cfg.num_blocks,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-    }
-    return dict(
-        model=resolve_model_dir(cfg.model),  # a local folder, or the local copy of an S3 prefix
-        dtype=cfg.dtype,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        enforce_eager=cfg.enforce_eager,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        seed=cfg.seed,
-        kv_transfer_config=kv_transfer,
-        limit_mm_per_prompt={"image": 16},
-        disable_log_stats=not cfg.log_stats,
-        max_logprobs=cfg.max_logprobs,
-        **{k: v for k, v in optional.items() if v is not None},
-    )
+__all__ = ["Media", "VllmFrontEnd"]
 
 
 class VllmFrontEnd:
     """The vLLM backend of `mpic.engine.protocol.Engine`, shared by its two drivers
     (`VllmEngine`: offline `LLM`; `mpic.engine.vllm.async_engine.AsyncVllmEngine`: V1
     `AsyncLLM`): config, model spec, processor, entry store, planning and the request of a
-    prompt (`prepare`), request forms, the upload prompt and the failed-link fallback."""
+    prompt (`prepare`), request forms, uploads (`mpic.engine.vllm.upload_prompt`) and the
+    failed-link fallback."""
 
     def __init__(self, cfg: VllmEngineConfig) -> None:
         prepare_environment(cfg)
@@ -325,11 +261,11 @@ class VllmFrontEnd:
         own token ids after its canonical context) computed by vLLM, written to the store."""
         return self._store_entry(self._document_form(text, system_prompt))
 
-    def _store_entry(self, form: tuple) -> CacheEntry:
-        """Run an upload prompt (`_upload_form` / `_document_form`: ids, multi-modal data or
-        None, span, entry id, extra) through vLLM and read back the entry its worker stored for
-        the tokens [span)."""
-        self._run_to_end(*self._entry_form(*form))
+    def _store_entry(self, form: UploadForm) -> CacheEntry:
+        """Run an upload prompt (`_upload_form` / `_document_form`) through vLLM
+        (`mpic.engine.vllm.upload_prompt.upload_request`) and read back the entry its worker
+        stored for the item's tokens."""
+        self._run_to_end(*upload_request(self.spec.fingerprint, *form))
         return self.store.get(form[3])
 
     def press_entry(self, entry: CacheEntry, press: str, budget: float) -> CacheEntry:
@@ -338,70 +274,14 @@ class VllmFrontEnd:
         `mpic.engine.vllm.presses`)."""
         return vllm_presses.press_entry(self, entry, press, budget, self._run_to_end)
 
-    def _upload_form(
-        self, media: bytes, system_prompt: str | None
-    ) -> tuple[list[int], dict[str, Any], tuple[int, int], str, dict[str, Any]]:
-        """(ids, multi-modal data, span, entry id, extra) of an image's canonical upload prompt:
-        same canonical context, processor-exact image and content address as the reference runner
-        (`mpic.engine.items.image_item`), so both engines name an image's entry alike; the
-        span and grid are the image's own (`vision.image_layout`); PromptTooLongError over the
-        engine's context limit."""
-        image, context, entry_id = image_item(self.processor, self.spec, media, system_prompt)
-        layout = image_layout(self.processor, image)
-        ids = context + [self.spec.image_token_id]
-        if self.spec.vision_end_id is not None:
-            ids.append(self.spec.vision_end_id)
-        extra: dict[str, Any] = {"context_token_ids": list(context)}
-        if layout.grid_thw is not None:
-            extra["image_grid_thw"] = list(layout.grid_thw)
-        limit = self.cfg.max_model_len or self.spec.max_model_len
-        check_item_length("image", len(context), layout.num_tokens, limit)
-        span = (len(context), len(context) + layout.num_tokens)
-        return ids, {"image": image}, span, entry_id, extra
+    def _upload_form(self, media: bytes, system_prompt: str | None) -> UploadForm:
+        """An image's canonical upload prompt (`mpic.engine.vllm.upload_prompt
+        .image_upload_form`) under the engine's context limit."""
+        limit = self.cfg.max_model_len
+        return image_upload_form(self.processor, self.spec, media, system_prompt, limit)
 
-    def _document_form(
-        self, text: str, system_prompt: str | None
-    ) -> tuple[list[int], None, tuple[int, int], str, dict[str, Any]]:
-        """(ids, None, span, entry id, extra) of a text document's canonical upload prompt
-        (its canonical context, then its own token ids): the same token ids, content address and
-        `extra` as the reference runner's entry (`mpic.engine.items.document_item`);
-        InvalidRequestError when empty, PromptTooLongError over the engine's context limit."""
-        limit = self.cfg.max_model_len or self.spec.max_model_len
-        doc, context, entry_id = document_item(
-            self.processor, self.spec, text, system_prompt, max_len=limit
-        )
-        extra: dict[str, Any] = {
-            "context_token_ids": list(context),
-            "token_ids": list(doc),
-            "line_breaks": line_break_offsets(self.processor, doc),
-        }
-        span = (len(context), len(context) + len(doc))
-        return context + doc, None, span, entry_id, extra
-
-    def _entry_form(
-        self,
-        prompt_token_ids: list[int],
-        multi_modal_data: dict[str, Any] | None,
-        span: tuple[int, int],
-        entry_id: str,
-        extra: dict[str, Any] | None = None,
-    ) -> tuple[dict, Any]:
-        """The vLLM request that stores the KV of its expanded prompt's tokens [span) as
-        `entry_id` (`mpic.engine.vllm.upload`; a unique salt: the prefix cache never skips it).
-        No multi-modal data: a text document's entry (media type "text")."""
-        from vllm import SamplingParams
-
-        media_type = "image" if multi_modal_data else "text"
-        params = vllm_upload.upload_params(
-            entry_id, self.spec.fingerprint, *span, media_type=media_type, extra=extra
-        )
-        prompt: dict[str, Any] = {
-            "prompt_token_ids": list(prompt_token_ids),
-            "cache_salt": f"mpic-upload-{entry_id}-{uuid.uuid4().hex}",
-        }
-        if multi_modal_data:
-            prompt["multi_modal_data"] = multi_modal_data
-        sampling = SamplingParams(
-            temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": params}
-        )
-        return prompt, sampling
+    def _document_form(self, text: str, system_prompt: str | None) -> UploadForm:
+        """A text document's canonical upload prompt (`mpic.engine.vllm.upload_prompt
+        .document_upload_form`) under the engine's context limit."""
+        limit = self.cfg.max_model_len
+        return document_upload_form(self.processor, self.spec, text, system_prompt, limit)

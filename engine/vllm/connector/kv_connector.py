@@ -3,7 +3,7 @@ worker half (each in its own module, as vLLM's own connectors are laid out).
 
 Loaded by vLLM through `KVTransferConfig(kv_connector="MPICConnector",
 kv_connector_module_path="mpic.engine.vllm.connector.kv_connector")` (see
-`mpic.engine.vllm.frontend`).
+`mpic.engine.vllm.startup.engine_kwargs`).
 vLLM builds one instance per role, in different processes:
 
 - SCHEDULER (engine core): `mpic.engine.vllm.connector.scheduler.MPICScheduler` claims a linked

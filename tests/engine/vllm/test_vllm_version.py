@@ -32,7 +32,7 @@ def test_range(version: str, ok: bool) -> None:
 
 
 def test_engine_start_stops_on_untested_release(monkeypatch, caplog) -> None:
-    from mpic.engine.vllm.frontend import prepare_environment
+    from mpic.engine.vllm.startup import prepare_environment
 
     monkeypatch.setattr(vv, "installed_vllm", lambda: "0.33.0")
     monkeypatch.delenv(vv.OVERRIDE_ENV, raising=False)
