@@ -65,6 +65,14 @@ class VllmSamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = Field(
         None, description="vLLM extension: keep the matched stop string (or stop token's text)."
     )
+    skip_special_tokens: bool | None = Field(
+        None, description="vLLM extension: leave special tokens out of the text (default true)."
+    )
+    spaces_between_special_tokens: bool | None = Field(
+        None,
+        description="vLLM extension: spaces around special tokens in the text, where the "
+        "tokenizer's decode adds them (default: the tokenizer's own).",
+    )
 
     def vllm_sampling(self) -> dict[str, Any]:
         """The `Sampling` keywords of the extensions this body sets (absent: the defaults)."""
@@ -75,6 +83,8 @@ class VllmSamplingFields(BaseModel):
             "min_tokens",
             "stop_token_ids",
             "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 

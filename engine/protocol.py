@@ -71,6 +71,13 @@ class Sampling:
     not part of the answer (unless `include_stop_str_in_output`)."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the matched stop string (or the stop token's text) in the answer."""
+    skip_special_tokens: bool = True
+    """vLLM's: leave special tokens out of the text (an end token's text is left out unless
+    `include_stop_str_in_output`)."""
+    spaces_between_special_tokens: bool | None = None
+    """vLLM's (default True): spaces between special tokens and the text around them, for
+    tokenizers whose decode takes the option (HF fast tokenizers add none either way); None:
+    the tokenizer's own default."""
 
 
 @dataclass

@@ -108,9 +108,11 @@ class TextStream:
     (`StopMatcher`: the stop string and what follows are dropped, unless `include_stop`),
     which are looked for in the text after the first `min_tokens` tokens only (vLLM's rule for
     `min_tokens`; a stop string that begins in that text is not cut), or at a stop token
-    (`stop_ids`, vLLM's `stop_token_ids`: the answer ends with it, counted, its text dropped
-    unless `include_stop`). `push` per decoded batch of tokens, `flush` once at the end;
-    `stopped` tells whether a stop string or a stop token ended it."""
+    (`stop_ids`, vLLM's `stop_token_ids` and the end ids: the answer ends with it, counted, its
+    text dropped unless `include_stop`). `skip_special` and `special_spaces`: the decode options
+    (vLLM's `skip_special_tokens`, `spaces_between_special_tokens`: `Detokenizer`). `push` per
+    decoded batch of tokens, `flush` once at the end; `stopped` tells whether a stop string or
+    a stop token ended it."""
 
     def __init__(
         self,
@@ -119,8 +121,10 @@ class TextStream:
         min_tokens: int = 0,
         stop_ids: Iterable[int] = (),
         include_stop: bool = False,
+        skip_special: bool = True,
+        special_spaces: bool | None = None,
     ) -> None:
-        self.detok, self.stopped = Detokenizer(tokenizer), False
+        self.detok, self.stopped = Detokenizer(tokenizer, skip_special, special_spaces), False
         self.stops = StopMatcher(stop, include_stop)
         self.min_tokens, self.stop_ids, self.include_stop = min_tokens, set(stop_ids), include_stop
 
@@ -286,17 +290,22 @@ async def generate(
 ) -> AsyncIterator[TokenEvent | DoneEvent]:
     """The one flow of a generation over any backend's `Engine.decode`: the decoded ids ->
     text pieces (`TextStream`: incremental, cut at `request.sampling.stop`, which ends the
-    generation and aborts the backend's work), then one `DoneEvent` with the finish reason
+    generation and aborts the backend's work, or at a stop token: `stop_token_ids` and, unless
+    `ignore_eos`, the end ids, vLLM's rule: counted, their text left out unless
+    `include_stop_str_in_output`), then one `DoneEvent` with the finish reason
     (`finish_reason`: "length" when `max_tokens` ran out before an end id or a stop string)
     and the backend's `Prefill`. A generation abandoned before its first token ends with no
     DoneEvent (nobody waits for one)."""
     s = request.sampling
+    ends = () if s.ignore_eos else engine.spec.end_token_ids  # stop tokens too (vLLM)
     text = TextStream(
         tokenizer_of(engine.processor),
         s.stop,
         s.min_tokens,
-        s.stop_token_ids,
+        [*s.stop_token_ids, *ends],
         s.include_stop_str_in_output,
+        s.skip_special_tokens,
+        s.spaces_between_special_tokens,
     )
     prefill: Prefill | None = None
     steps = decode_steps(engine, request)

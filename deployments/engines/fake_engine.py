@@ -89,9 +89,20 @@ class FakeTokenizer:
             self.words.append(word)
         return self.ids[word]
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The words of `ids` joined by spaces (the end token is special: dropped)."""
-        return " ".join(self.words[i] for i in ids if i or not skip_special_tokens)
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """The words of `ids` joined by spaces; the end token is special: dropped, or said
+        (with no space around it unless `spaces_between_special_tokens`)."""
+        kept = [i for i in ids if i or not skip_special_tokens]
+        text = self.words[kept[0]] if kept else ""
+        for before, i in zip(kept, kept[1:], strict=False):
+            glued = not spaces_between_special_tokens and 0 in (before, i)
+            text += ("" if glued else " ") + self.words[i]
+        return text
 
     def __len__(self) -> int:
         return len(self.words)
@@ -224,10 +235,11 @@ class FakeEngine(EngineBase):
             if first:
                 ttft = time.perf_counter() - start
                 prefill = Prefill(prompt_tokens, cached, ttft, first_token=captured)
+            if ended or n == done + request.max_tokens - 1:  # counted before its last token:
+                self.generated += 1  # the flow closes it at an end token (a stop token)
             yield Decoded([ids[token]], None if ended else logprobs, prefill if first else None)
             if ended:
                 break
-        self.generated += 1
 
 
 class FakeServeEngine(ServeEngine):

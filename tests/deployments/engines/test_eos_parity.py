@@ -4,7 +4,9 @@ apps, no Ray, the same model folder and store; text-only chats) answer the same 
 same text, the same completion token count (the end token included) and `finish_reason:
 "stop"`, well before `max_tokens`. `ignore_eos: true` decodes to `max_tokens` on both. vLLM's
 `min_tokens` (the end token held back) and `repetition_penalty` (prompt and answer tokens
-penalised) give the same greedy answers on both, different from the answers without them."""
+penalised) give the same greedy answers on both, different from the answers without them.
+`skip_special_tokens: false` says the same special tokens on both: `<|im_end|>` past the end
+with `ignore_eos`, and the ending one only with `include_stop_str_in_output` (vLLM's rule)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ def answers(tiny_qwen2vl_dir: Path, tmp_path_factory) -> dict[str, dict[str, dic
             got["ignore_eos"] = _chat(app, "Describe it.", ignore_eos=True)
             got["min_tokens"] = _chat(app, PROMPTS[0], min_tokens=MIN_TOKENS)
             got["repetition"] = _chat(app, PROMPTS[1], repetition_penalty=5.0)
+            said = {"skip_special_tokens": False}
+            got["specials"] = _chat(app, PROMPTS[0], ignore_eos=True, **said)
+            got["end_said"] = _chat(app, PROMPTS[0], include_stop_str_in_output=True, **said)
+            got["end_unsaid"] = _chat(app, PROMPTS[0], **said)
             stop_id = stop_id or _middle_token(app.worker.engine.runner)
             got["stop_id"] = _chat(app, PROMPTS[2], stop_token_ids=[stop_id])
             bad = {**_body(PROMPTS[0]), "stop_token_ids": [10**9]}
@@ -127,3 +133,15 @@ def test_a_stop_token_ends_the_answer_alike_on_both(answers) -> None:
     for name in ("reference", "vllm"):
         err = answers[name]["bad_stop_id"]["error"]
         assert err["param"] == "stop_token_ids" and "outside the vocabulary" in err["message"]
+
+
+def test_special_tokens_are_said_alike_on_both(answers) -> None:
+    plain = _answer(answers["reference"][PROMPTS[0]])
+    for case in ("specials", "end_said", "end_unsaid"):
+        got = {name: _answer(answers[name][case]) for name in ("reference", "vllm")}
+        assert got["vllm"] == got["reference"], case
+    assert _answer(answers["reference"]["end_unsaid"]) == plain  # the ending token unsaid
+    said = _answer(answers["reference"]["end_said"])
+    assert said == (plain[0] + "<|im_end|>", *plain[1:])
+    past = _answer(answers["reference"]["specials"])[0]
+    assert past.startswith(plain[0] + "<|im_end|>") and len(past) > len(said[0])

@@ -180,6 +180,37 @@ def test_vllm_sampling_extensions(client, fake_app) -> None:
     assert out.status_code == 200, out.text
 
 
+def test_special_token_fields(client, fake_app) -> None:
+    # vLLM's `skip_special_tokens` and `spaces_between_special_tokens` (the fake engine's end
+    # token `<eos>` is its special token): said when not skipped, the ending one only with
+    # `include_stop_str_in_output` (vLLM's rule), on chat and completions
+    h, http = fake_app.headers("alice-key"), fake_app.client
+    msgs = [_user(_upload(client, 4).id, "the red cat sat")]
+
+    def ask(**body) -> str:
+        out = client.chat.completions.create(
+            model="mpic", messages=msgs, max_tokens=6, extra_body=body
+        )
+        return out.choices[0].message.content
+
+    assert ask() == ask(skip_special_tokens=False) == ask(ignore_eos=True) == "the red cat sat"
+    assert ask(ignore_eos=True, skip_special_tokens=False) == "the red cat sat <eos> <eos>"
+    kept = {"include_stop_str_in_output": True}
+    assert ask(**kept) == "the red cat sat"
+    assert ask(**kept, skip_special_tokens=False) == "the red cat sat <eos>"
+    glued = ask(**kept, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert glued == "the red cat sat<eos>"
+    assert ask(**kept, spaces_between_special_tokens=False) == "the red cat sat"
+    body = {"model": "mpic", "prompt": "red cat", "max_tokens": 4, "ignore_eos": True}
+    out = http.post("/v1/completions", json={**body, "skip_special_tokens": False}, headers=h)
+    assert out.status_code == 200 and out.json()["choices"][0]["text"] == "red cat <eos> <eos>"
+    for field, value in (("skip_special_tokens", "no"), ("spaces_between_special_tokens", 1)):
+        bad = {"model": "mpic", "messages": msgs, field: value}
+        _err(http.post("/v1/chat/completions", json=bad, headers=h), 400, field)
+    bad = {**body, "skip_special_tokens": "maybe"}
+    _err(http.post("/v1/completions", json=bad, headers=h), 400, "skip_special_tokens")
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
