@@ -108,8 +108,13 @@ class VllmFrontEnd:
             logprobs=-1 if logprobs else None,
         )
         params.update(sampling or {})
-        if not params["ignore_eos"]:  # vLLM checks stop_token_ids even with ignore_eos
-            params["stop_token_ids"] = list(self.spec.end_token_ids)
+        if not params["ignore_eos"]:  # every end id stops (vLLM checks stop_token_ids even
+            # with ignore_eos, so only then); the request's own stop ids stay: vLLM's
+            # min_tokens keeps all of them out of the first tokens
+            own = [
+                i for i in params.get("stop_token_ids") or [] if i not in self.spec.end_token_ids
+            ]
+            params["stop_token_ids"] = [*own, *self.spec.end_token_ids]
         return prompt, SamplingParams(**params)
 
     @property

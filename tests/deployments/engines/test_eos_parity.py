@@ -53,6 +53,8 @@ def answers(tiny_qwen2vl_dir: Path, tmp_path_factory) -> dict[str, dict[str, dic
             got["end_unsaid"] = _chat(app, PROMPTS[0], **said)
             stop_id = stop_id or _middle_token(app.worker.engine.runner)
             got["stop_id"] = _chat(app, PROMPTS[2], stop_token_ids=[stop_id])
+            # min_tokens holds the request's stop ids back too (vLLM's rule), past their place
+            got["stop_id_held"] = _chat(app, PROMPTS[2], stop_token_ids=[stop_id], min_tokens=32)
             bad = {**_body(PROMPTS[0]), "stop_token_ids": [10**9]}
             got["bad_stop_id"] = app.client.post(
                 "/v1/chat/completions", json=bad, headers=ALICE, timeout=600
@@ -130,6 +132,9 @@ def test_a_stop_token_ends_the_answer_alike_on_both(answers) -> None:
     plain = _answer(answers["reference"][PROMPTS[2]])
     assert cut["reference"][2] == "stop" and cut["reference"][1] < plain[1]
     assert plain[0].startswith(cut["reference"][0])  # the plain answer, cut before that token
+    held = {name: _answer(answers[name]["stop_id_held"]) for name in ("reference", "vllm")}
+    assert held["vllm"] == held["reference"]
+    assert held["reference"][1] >= 32 > cut["reference"][1]  # not cut where the stop id was
     for name in ("reference", "vllm"):
         err = answers[name]["bad_stop_id"]["error"]
         assert err["param"] == "stop_token_ids" and "outside the vocabulary" in err["message"]
