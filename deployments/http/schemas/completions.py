@@ -1,6 +1,7 @@
 """HTTP bodies of the vLLM-compatible routes (Ingress replica): OpenAI's legacy
 `/v1/completions` and vLLM's `/tokenize`, `/detokenize` and `/version`, in vLLM's shapes. Strict
-like the chat bodies (`extra="forbid"`): a field is honoured or answered with a 400 naming it.
+like the chat bodies: a field is honoured or answered with a 400 naming it (`extra="forbid"`),
+and strictly typed (`strict=True`: no string for a number or a boolean, no bool for an int).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class CompletionRequest(VllmSamplingFields):
     is text (a string, or a list of strings: one choice set per prompt); token-id prompts,
     `echo`, `suffix` and `best_of` > n are refused with a 400 naming the field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(description="The served model id (`GET /v1/models`); others get 404.")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(description="Text prompt(s).")
@@ -146,7 +147,7 @@ class TokenizeRequest(BaseModel):
     """vLLM's `/tokenize`: a text `prompt`, or chat `messages` (text only) rendered by the chat
     template as `/v1/chat/completions` renders them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="The served model id (optional).")
     prompt: str | None = None
@@ -197,7 +198,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     """vLLM's `/detokenize`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)

@@ -74,6 +74,11 @@ def test_completion_refusals(fake_app) -> None:
     assert post(prompt=[1, 2, 3]).json()["error"]["param"] == "prompt"
     assert post(prompt="x", echo=True).json()["error"]["param"] == "echo"
     assert post(prompt="x", suffix="y").status_code == 400
+    # strictly typed, like chat bodies: no string for an int or a bool, no bool for an int
+    for field, value in (("max_tokens", "4"), ("stream", "yes"), ("n", True), ("echo", 0)):
+        bad = post(prompt="x", **{field: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, field
+    assert post(prompt="x", max_tokens=2, temperature=0).status_code == 200  # int for a float
     up = fake_app.client.post(
         "/v1/files",
         headers=ALICE,
