@@ -106,6 +106,7 @@ class VllmFrontEnd:
             ignore_eos=ignore_eos,
             extra_args=extra,
             logprobs=-1 if logprobs else None,
+            detokenize=False,  # token ids only: `mpic.engine.request_flow.TextStream` says them
         )
         params.update(sampling or {})
         if not params["ignore_eos"]:  # every end id stops (vLLM checks stop_token_ids even
