@@ -39,7 +39,7 @@ def test_no_gpu_test_repeats_the_skip() -> None:
     files = [*sorted((root / "kernels").glob("test_*.py"))]
     files += [
         root / "engine/hf/test_reference_runner_gpu.py",
-        root / "engine/vllm/test_paged_kv_layout.py",
+        root / "engine/vllm/connector/test_paged_kv_layout.py",
     ]
     for path in files:
         assert "skipif(not torch.cuda.is_available()" not in path.read_text(), path

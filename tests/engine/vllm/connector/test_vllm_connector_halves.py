@@ -24,7 +24,7 @@ from mpic.linker.policies import get_policy
 from mpic.linker.policies.mpic import MPICPolicy
 from mpic.linker.recipe import with_policy
 from mpic.types import LinkPlan
-from tests.engine.vllm.test_paged_kv_layout import BLOCK, vllm_cache
+from tests.engine.vllm.connector.test_paged_kv_layout import BLOCK, vllm_cache
 from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
 BS = 32

@@ -13,7 +13,7 @@ import pytest
 from mpic.engine.vllm.engine import VllmEngine, VllmEngineConfig
 from mpic.engine.vllm.requests import linked_request
 from mpic.storage.config import StorageConfig
-from tests.engine.vllm.test_vllm_linking import NUM_IMAGES, SYSTEM, Setup, _parts, _png
+from tests.engine.vllm.connector.test_vllm_linking import NUM_IMAGES, SYSTEM, Setup, _parts, _png
 
 pytestmark = pytest.mark.slow
 
