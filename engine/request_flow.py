@@ -31,6 +31,7 @@ from mpic.engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+from mpic.engine.sampling import stop_ids
 from mpic.errors import InvalidRequestError
 from mpic.linker.chat_template import ChatTemplateOptions, templated
 from mpic.linker.policies import Policy, get_policy
@@ -297,12 +298,11 @@ async def generate(
     and the backend's `Prefill`. A generation abandoned before its first token ends with no
     DoneEvent (nobody waits for one)."""
     s = request.sampling
-    ends = () if s.ignore_eos else engine.spec.end_token_ids  # stop tokens too (vLLM)
     text = TextStream(
         tokenizer_of(engine.processor),
         s.stop,
         s.min_tokens,
-        [*s.stop_token_ids, *ends],
+        stop_ids(s.stop_token_ids, engine.spec.end_token_ids, s.ignore_eos),
         s.include_stop_str_in_output,
         s.skip_special_tokens,
         s.spaces_between_special_tokens,

@@ -5,12 +5,21 @@ natively with the same fields (`mpic.engine.vllm.frontend`)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from mpic.engine.protocol import Sampling, TokenLogprob
 from mpic.errors import InvalidRequestError
+
+
+def stop_ids(stop_token_ids: Sequence[int], end_ids: Sequence[int], ignore_eos: bool) -> list[int]:
+    """The ids that end an answer, vLLM's rule (both engines' text layer, and the ids the vLLM
+    engine hands vLLM): the request's `stop_token_ids`, then the model's end ids unless
+    `ignore_eos` (vLLM checks `stop_token_ids` even with `ignore_eos`). `min_tokens` holds
+    back these and, with `ignore_eos` too, the end ids (`Sampler`'s `end_ids`)."""
+    ends = [] if ignore_eos else [i for i in end_ids if i not in stop_token_ids]
+    return [*stop_token_ids, *ends]
 
 
 class Sampler:

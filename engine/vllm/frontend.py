@@ -17,6 +17,7 @@ from typing import Any
 from mpic.engine.items import load_image
 from mpic.engine.model_dir import resolve_model_dir
 from mpic.engine.request_flow import plan_parts, policy_of
+from mpic.engine.sampling import stop_ids
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm.config import VllmEngineConfig
@@ -109,13 +110,8 @@ class VllmFrontEnd:
             detokenize=False,  # token ids only: `mpic.engine.request_flow.TextStream` says them
         )
         params.update(sampling or {})
-        if not params["ignore_eos"]:  # every end id stops (vLLM checks stop_token_ids even
-            # with ignore_eos, so only then); the request's own stop ids stay: vLLM's
-            # min_tokens keeps all of them out of the first tokens
-            own = [
-                i for i in params.get("stop_token_ids") or [] if i not in self.spec.end_token_ids
-            ]
-            params["stop_token_ids"] = [*own, *self.spec.end_token_ids]
+        own = params.get("stop_token_ids") or []
+        params["stop_token_ids"] = stop_ids(own, self.spec.end_token_ids, params["ignore_eos"])
         return prompt, SamplingParams(**params)
 
     @property

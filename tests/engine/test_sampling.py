@@ -11,7 +11,7 @@ import torch
 
 from mpic.engine.protocol import Sampling
 from mpic.engine.request_flow import TextStream
-from mpic.engine.sampling import Sampler
+from mpic.engine.sampling import Sampler, stop_ids
 
 VOCAB = 12
 
@@ -110,3 +110,9 @@ def test_a_stop_token_after_held_text_releases_it() -> None:
     stream = TextStream(_Chars(), ["cbx"], stop_ids=[0])
     assert stream.push([2, 1]).text == ""
     assert stream.push([0]).text == "cb" and stream.stopped
+
+
+def test_stop_ids_follow_vllms_rule() -> None:
+    assert stop_ids([7, 2], [2, 0], ignore_eos=False) == [7, 2, 0]  # each id once, own first
+    assert stop_ids([7], [2, 0], ignore_eos=True) == [7]  # own stop ids stop with ignore_eos too
+    assert stop_ids([], [2], ignore_eos=False) == [2]
