@@ -199,7 +199,7 @@ def command(
     models: str = typer.Option(
         "llava,smollm2",
         "--models",
-        help="llava (3 images per chat), smollm2 (4 documents per chat)",
+        help="llava (3 images per chat), smollm2 (4 documents per chat), or a model folder",
     ),  # fmt: skip
     rates: str = typer.Option(
         "0.25,0.5,0.75,1,1.5,2,3,4,6,8", "--rates", help="Offered rates (requests/s), run upward."

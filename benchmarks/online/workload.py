@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import time
 import uuid
@@ -198,7 +199,9 @@ MODELS = ("llava", "smollm2")
 
 
 def model_setup(name: str) -> tuple[str, str, int, int]:
-    """(model folder, item kind, items per chat, items per user) of a `--models` name."""
+    """(model folder, item kind, items per chat, items per user) of a `--models` name: `llava`
+    (the embedded default), `smollm2`, or a model folder (its config's `vision_config` decides:
+    3 images per chat like `llava`, else 4 documents like `smollm2`)."""
     from mpic.deployments.config import ServeAppConfig
     from mpic.deployments.local import prepare_local
 
@@ -206,4 +209,11 @@ def model_setup(name: str) -> tuple[str, str, int, int]:
         return prepare_local(ServeAppConfig()).engine.model, "image", 3, 4
     if name == "smollm2":
         return _smollm2_dir(), "text", 4, 5
-    raise typer.BadParameter(f"unknown model {name!r}; expected {list(MODELS)}")
+    config = Path(name) / "config.json"
+    if config.is_file():
+        if "vision_config" in json.loads(config.read_text()):
+            return name, "image", 3, 4
+        return name, "text", 4, 5
+    raise typer.BadParameter(
+        f"unknown model {name!r}; expected one of {list(MODELS)} or a model folder"
+    )

@@ -81,13 +81,16 @@ def make_tiny(
     device: str | None = None,
     dtype: str | None = None,
     layers: int | None = None,
+    patch_size: int | None = None,
 ) -> Path:
     """Write a random-weight HF folder for `family` at `size` into `out`; returns its path.
 
     device: where weights are drawn (default `default_device(size)`); dtype: "float32" or
     "bfloat16" as saved (default bfloat16 for `7b`, float32 otherwise); layers: the language
     model's decoder layers instead of the size's (e.g. `small` at 7B's 32 layers: per-request
-    costs weighed at a real depth on a CPU). The folder is assembled
+    costs weighed at a real depth on a CPU); patch_size: the vision tower's patch side instead of
+    the size's (tokens per image (image_size / patch_size)^2, merged 2x2 for Qwen: `small` LLaVA
+    at 14 has LLaVA-1.5's 576 tokens per image instead of 144). The folder is assembled
     in a temporary sibling and renamed into place, so a failure never leaves a half-written model
     behind. Raises ValueError on an unknown family, size or dtype.
     """
@@ -101,6 +104,13 @@ def make_tiny(
         raise ValueError(f"unknown dtype {dtype!r}: float32 or bfloat16")
     if layers is not None and not 1 <= layers <= 128:
         raise ValueError(f"layers must be in [1, 128], got {layers}")
+    side = SHAPES[(family, size)].image_size
+    grid = side // patch_size if patch_size else 0
+    if patch_size is not None and (
+        patch_size < 1 or side % patch_size or (family.startswith("qwen") and grid % 2)
+    ):
+        merged = " into an even grid (Qwen merges 2x2)" if family.startswith("qwen") else ""
+        raise ValueError(f"patch size {patch_size} must divide the image side {side}{merged}")
     import torch
     from transformers import (
         LlavaForConditionalGeneration,
@@ -118,6 +128,8 @@ def make_tiny(
     shape = SHAPES[(family, size)]
     if layers is not None:
         shape = dataclasses.replace(shape, layers=layers)
+    if patch_size is not None:
+        shape = dataclasses.replace(shape, patch_size=patch_size)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
@@ -151,6 +163,7 @@ def make_tiny(
                     "dtype": dtype,
                     "device": device,
                     "layers": shape.layers,
+                    "patch_size": shape.patch_size,
                 },
                 indent=1,
             )
@@ -181,10 +194,16 @@ def make_tiny_command(
     layers: int = typer.Option(
         None, "--layers", help="language model decoder layers (default: the size's; 7b has 32)"
     ),
+    patch_size: int = typer.Option(
+        None,
+        "--patch-size",
+        help="vision patch side (default: the size's; llava small 14: 576 tokens per image)",
+    ),
 ) -> None:
     """Write a random-weight HF model folder (config, weights, tokenizer, processor)."""
-    if lm is not None and layers is not None:
-        typer.echo("error: --layers sets a random language model's depth; not with --lm", err=True)
+    if lm is not None and (layers is not None or patch_size is not None):
+        flag = "--layers" if layers is not None else "--patch-size"
+        typer.echo(f"error: {flag} shapes a random model; not with --lm", err=True)
         raise typer.Exit(code=2)
     if lm is not None:  # a trained language model behind a random vision tower
         from mpic.engine.tiny.smollm2 import make_with_trained_lm_command
@@ -202,7 +221,7 @@ def make_tiny_command(
 
     try:
         with Console(stderr=True).status(f"writing {family} {size} model to {out} ..."):
-            path = make_tiny(family, size, out, seed, device, dtype, layers)  # type: ignore[arg-type]
+            path = make_tiny(family, size, out, seed, device, dtype, layers, patch_size)  # type: ignore[arg-type]
     except (FileExistsError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc

@@ -217,3 +217,19 @@ def test_cli_closed_loop_writes_json_and_png_and_rereads_them(
     assert re_doc["models"]["llava"]["summary"]["clients_under_bound_p95"]["prefix"] == 1
     assert re_doc["models"]["llava"]["summary"]["clients_under_bound_p95"]["auto"] == 2
     assert (again / "online_closed.png").is_file()
+
+
+def test_models_take_a_model_folder(tmp_path: Path) -> None:
+    """`--models` takes a model folder beside the two names: a config with a vision tower is
+    served 3 images per chat (as `llava`), one without 4 documents (as `smollm2`); anything
+    else is a usage error naming what it expected."""
+    import typer
+
+    vision, text = tmp_path / "vl", tmp_path / "lm"
+    for folder, config in ((vision, {"vision_config": {}}), (text, {"hidden_size": 8})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    assert online_workload.model_setup(str(vision)) == (str(vision), "image", 3, 4)
+    assert online_workload.model_setup(str(text)) == (str(text), "text", 4, 5)
+    with pytest.raises(typer.BadParameter, match="model folder"):
+        online_workload.model_setup(str(tmp_path / "missing"))

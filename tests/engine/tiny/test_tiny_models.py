@@ -208,3 +208,39 @@ def test_layers_sets_the_language_model_depth(tmp_path: Path):
         )
         assert result.exit_code == 2 and "error:" in result.output, result.output
         assert not out.exists()
+
+
+def test_patch_size_sets_the_tokens_per_image(tmp_path: Path):
+    """`--patch-size`: the vision tower's patch side, so tokens per image (image side / patch)^2
+    (LLaVA-1.5's 576 at `small`'s 336 px and 14 px patches); the processor expands an image to
+    that many tokens, and the model's forward fills them (transformers checks the counts). A
+    patch that does not tile the image (for Qwen, into an even grid) is a CLI error that writes
+    nothing."""
+    import torch
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    out = tmp_path / "m"
+    args = ["model", "make-tiny", "--family", "llava", "--patch-size", "4", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    side = SHAPES[("llava", "tiny")].image_size
+    tokens = (side // 4) ** 2
+    assert tokens != (side // SHAPES[("llava", "tiny")].patch_size) ** 2
+    assert AutoConfig.from_pretrained(out).image_seq_length == tokens
+    processor = AutoProcessor.from_pretrained(out)
+    inputs = processor(text="<image> hi", images=Image.new("RGB", (40, 30)), return_tensors="pt")
+    image_id = AutoConfig.from_pretrained(out).image_token_index
+    assert int((inputs["input_ids"] == image_id).sum()) == tokens
+    model = LlavaForConditionalGeneration.from_pretrained(out)
+    with torch.no_grad():  # transformers checks the image's features fill its tokens
+        logits = model(**inputs).logits
+    assert logits.shape[1] == inputs["input_ids"].shape[1]
+    for family, bad in (("llava", "5"), ("qwen2-vl", "16"), ("llava", "0")):
+        target = tmp_path / f"bad-{family}-{bad}"
+        result = CliRunner().invoke(
+            app,
+            ["model", "make-tiny", "--family", family, "--patch-size", bad, "--out", str(target)],
+        )
+        assert result.exit_code == 2 and "patch size" in result.output, result.output
+        assert not target.exists()
