@@ -5,8 +5,8 @@ A chat names its policy (`mpic.policy`, `mpic.recompute_budget` or the server's 
 `mpic.deployments.serve.resolver.budgeted_policy`); `check_policy` parses that name once into the
 linker's `Policy` (the one the prompt carries to the worker, `LinkedPrompt.parsed_policy`) and
 answers 400 (`mpic.policy`, the message listing the valid names) for an unknown or malformed
-one, a number over `MAX_POLICY_NUMBER`, or more VLCache per-layer ratios than the served model
-has layers. The layer count comes from the model's own `config.json`, read by `model_layers` in
+one, a number over `MAX_POLICY_NUMBER`, or more VLCache per-layer ratios (or a later scout
+scoring layer, `scout-<b>:l<a>-<b>`) than the served model has layers. The layer count comes from the model's own `config.json`, read by `model_layers` in
 the app builder and bound into the Resolver, so validating a policy asks no other deployment: a
 chat is two Ray calls (Resolver, then LLM worker). Where the builder cannot read it (the model
 folder exists on the GPU nodes only, as in `k8s/rayservice.yaml`), the LLM worker checks the
@@ -58,14 +58,17 @@ def check_policy(name: str, num_layers: int | None) -> Policy:
 
 def check_layers(policy: Policy, num_layers: int | None) -> None:
     """InvalidRequestError (400, param `mpic.policy`) when a parsed policy's per-layer ratios
-    do not fit a model of `num_layers` layers (None: unknown, unchecked)."""
-    layer_ratios = getattr(policy, "layer_ratios", None)
-    if num_layers is None or layer_ratios is None:
+    or scoring layers do not fit a model of `num_layers` layers (None: unknown, unchecked)."""
+    if num_layers is None:
         return
-    try:
-        layer_ratios(num_layers)  # e.g. more vlcache ratios than the model's layers
-    except (ValueError, OverflowError) as exc:
-        raise InvalidRequestError(str(exc), param="mpic.policy") from None
+    for per_layer in ("layer_ratios", "scoring_layers"):  # vlcache-<r>:..., scout-<b>:l<a>-<b>
+        check = getattr(policy, per_layer, None)
+        if check is None:
+            continue
+        try:
+            check(num_layers)  # e.g. more vlcache ratios, or a later scout layer, than it has
+        except (ValueError, OverflowError) as exc:
+            raise InvalidRequestError(str(exc), param="mpic.policy") from None
 
 
 def model_layers(engine: EngineConfig) -> int | None:

@@ -7,6 +7,10 @@ second half's held at that best S, by a second sweep of the same grid (a coordin
 2 x |grid| points, not |grid|^2). The scout's selection is made once per prompt and budget: S
 does not change which tokens the scout picks unless the scout itself is corrected, which it is
 not by default.
+
+`choose_scout` picks the scout's own fields before that: the scoring layers and the question
+weight with the lowest mean KL over the budgets, at the default S (a coordinate search again: the
+fields first, then S with them).
 """
 
 from __future__ import annotations
@@ -73,3 +77,62 @@ def calibrate_scale(
             sweep.early, sweep.early_kl = _argmin(early_kl, prefer=sweep.best), early_kl
         out.append(sweep)
     return out
+
+
+@dataclass
+class ScoutChoice:
+    """The result of `choose_scout`."""
+
+    layers: tuple[int, ...]
+    question_weight: float
+    kl: dict[tuple[tuple[int, ...], float], float]
+    """Mean KL over the budgets per (layers, question weight) tried."""
+    default: tuple[tuple[int, ...], float]
+    """The policy's default fields (the first candidate): kept on ties."""
+
+    @property
+    def is_default(self) -> bool:
+        """The default layers and weight won (a table need not spell them)."""
+        return (self.layers, self.question_weight) == self.default
+
+
+def choose_scout(
+    kl_at: Callable[[float, tuple[int, ...], float], float],
+    budgets: Sequence[float],
+    layer_spans: Sequence[Sequence[int]],
+    weights: Sequence[float],
+) -> ScoutChoice:
+    """The (scoring layers, question weight) among `layer_spans` x `weights` of the lowest mean
+    `kl_at(budget, layers, weight)` over `budgets` (the first span with the first weight is the
+    default and wins ties). `kl_at`: the mean first-token KL of `scout-<budget>` with those
+    fields and the default S against full recomputation over the caller's proxy prompts."""
+    spans = [tuple(sorted({int(x) for x in span})) for span in layer_spans]
+    if not spans or not weights or not budgets:
+        raise ValueError("choose_scout needs budgets, layer spans and weights")
+    kl = {}
+    for span in spans:
+        for weight in weights:
+            key = (span, float(weight))
+            if key not in kl:
+                kl[key] = sum(kl_at(b, span, float(weight)) for b in budgets) / len(budgets)
+    default = (spans[0], float(weights[0]))
+    best = min(kl, key=lambda k: (kl[k], k != default))
+    return ScoutChoice(best[0], best[1], kl, default)
+
+
+CANDIDATE_SPANS = ((2 / 30, 5 / 30), (1 / 30, 8 / 30), (2 / 30, 8 / 30), (2 / 30, 12 / 30))
+"""The scoring-layer spans `calibrate-scout` tries by default, as fractions of depth: the
+default's 2-5 of SmolLM2's 30 layers first, then 1-8, 2-8 and 2-12, the deeper spans that
+ranked best at 8 documents (docs/fidelity.md, "KL at 15%")."""
+
+
+def candidate_spans(num_layers: int) -> list[tuple[int, ...]]:
+    """`CANDIDATE_SPANS` at a model's depth (the default span first; duplicates dropped)."""
+    spans: list[tuple[int, ...]] = []
+    for lo_f, hi_f in CANDIDATE_SPANS:
+        lo = max(1, round(num_layers * lo_f))
+        hi = max(lo, min(num_layers - 1, round(num_layers * hi_f)))
+        span = tuple(range(lo, hi + 1))
+        if span not in spans:
+            spans.append(span)
+    return spans

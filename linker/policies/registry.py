@@ -2,9 +2,10 @@
 
 Names: `full`, `prefix`, `full-reuse`, `cacheblend-<r>` (r in percent), `mpic-<k>`, `boundary-<k>`,
 `vlcache-<r>` (static ratio) or `vlcache-<r1>:<r2>:...` (per-layer, non-increasing),
-`scout-<b>[:s<S>[/<S>]][:i<S>][:k<K>][:d<tau>]` (query-aware selection at budget fraction b
-with the linked-key correction S, S for mostly-image prompts, K boundary tokens per item, tau of
-the offset prior: `ScoutPolicy`),
+`scout-<b>[:s<S>[/<S>]][:i<S>][:k<K>][:d<tau>][:l<a>-<b>][:w<w>]` (query-aware selection at
+budget fraction b with the linked-key correction S, S for mostly-image prompts, K boundary tokens
+per item, tau of the offset prior, the scout's scoring layers a..b and question weight w:
+`ScoutPolicy`),
 `auto` / `auto-<b>`: the best selection the benchmark found for a budget (today `scout-<b>`;
 `auto` takes the request's or the server's budget, `DEFAULT_BUDGET` otherwise).
 """
@@ -32,7 +33,7 @@ POLICY_NAMES = (
     "mpic-<k>",
     "boundary-<k>",
     "vlcache-<r>[:<r>...]",
-    "scout-<b>[:s<S>][:i<S>][:k<K>][:d<tau>]",
+    "scout-<b>[:s<S>][:i<S>][:k<K>][:d<tau>][:l<a>-<b>][:w<w>]",
     "auto",
     "auto-<b>",
 )
@@ -53,11 +54,18 @@ _FIXED = {"full": FullPolicy, "prefix": PrefixPolicy, "full-reuse": FullReusePol
 def best_for_budget(budget: float, scales: Sequence[Sequence[float]] | None = None) -> Policy:
     """The best selection measured for a budget fraction (docs/fidelity.md): `scout-<b>` with
     its calibrated correction (S from `scales`, a model's table of (budget, S) or (budget, S of
-    the first half, S of the second half) rows, else the default tables)."""
+    the first half, S of the second half) rows, else the default tables) and the table's scout
+    layers and question weight where it has them (`scout_scales.ScoutTable`)."""
     if scales is None:
         return ScoutPolicy(budget)
     early, late = table_scales(scales, budget)
-    return ScoutPolicy(budget, early, late_scale=late)
+    return ScoutPolicy(
+        budget,
+        early,
+        late_scale=late,
+        layers=getattr(scales, "layers", None),
+        question_weight=getattr(scales, "question_weight", None),
+    )
 
 
 def get_policy(

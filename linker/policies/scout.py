@@ -66,6 +66,36 @@ def scout_layers(num_layers: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
+MAX_LAYER = 1023
+"""The largest layer number a name may spell (a model's own depth is checked at planning)."""
+
+
+def parse_layers(text: str) -> list[int]:
+    """A name's `:l` field -> layer numbers: `2-12` (2..12), `3` (3 alone), runs joined by `_`
+    (`2-5_9-9`); ValueError for anything else."""
+    layers: list[int] = []
+    for run in text.split("_"):
+        first, dash, last = run.partition("-")
+        a, b = int(first), int(last) if dash else int(first)
+        if a < 0 or b < a or b > MAX_LAYER:
+            raise ValueError(
+                f"scoring layers {run!r}: expected <a>-<b> with 0 <= a <= b <= {MAX_LAYER}"
+            )
+        layers += range(a, b + 1)
+    return layers
+
+
+def spell_layers(layers: Sequence[int]) -> str:
+    """Sorted layer numbers as `parse_layers` reads them: runs `a-b` joined by `_`."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return "_".join(f"{a}-{b}" for a, b in runs)
+
+
 IMAGE_SCALE = 1.0
 """S of the default for prompts whose linked items are mostly images: none (1). With the
 canonical context's lead-in (`mpic.linker.prompt.CONTEXT_LEAD_IN`) the images' linked KV needs
@@ -102,7 +132,7 @@ class ScoutPolicy(Policy):
         budget: float,
         scale: float | None = None,
         sinks: int = 1,
-        question_weight: float = 0.0,
+        question_weight: float | None = None,
         layers: Sequence[int] | None = None,
         scout_correction: bool = False,
         late_scale: float | None = None,
@@ -114,7 +144,9 @@ class ScoutPolicy(Policy):
         sinks: leading tokens of every item occurrence always recomputed (with its last token).
         offset_tau: tau of the offset prior that weighs the scout's scores (0: none).
         image_scale: S in every layer for a prompt whose linked item tokens are mostly image
-        tokens (`IMAGE_SCALE`, 1: no correction)."""
+        tokens (`IMAGE_SCALE`, 1: no correction). layers: the scoring layers (None: the depth's
+        default span, `scout_layers`); question_weight: w_q of the scout's equation (None: 0).
+        Layers or a weight left None take a model's own table's (`with_scales`)."""
         if not 0.0 <= budget <= 1.0 or not math.isfinite(budget):
             raise ValueError(f"scout-b needs a budget fraction 0 <= b <= 1, got {budget}")
         if sinks < 0 or sinks != int(sinks):
@@ -145,8 +177,14 @@ class ScoutPolicy(Policy):
         """tau of the offset prior (0: attention scores alone)."""
         self.image_scale = float(image_scale)
         """S in every layer when most linked item tokens are image tokens (`correction`)."""
-        self.question_weight = question_weight
-        self.layers = list(layers) if layers is not None else None
+        if question_weight is not None and not 0.0 <= question_weight <= 100.0:
+            raise ValueError(f"scout's question weight must be in [0, 100], got {question_weight}")
+        if layers is not None and (not layers or min(int(x) for x in layers) < 0):
+            raise ValueError(f"scout's scoring layers must be layer numbers >= 0, got {layers}")
+        self.weight_given = question_weight is not None
+        """w_q was given (a name's `:w`): a model's table does not replace it."""
+        self.question_weight = float(question_weight or 0.0)
+        self.layers = sorted({int(x) for x in layers}) if layers is not None else None
         self.scout_correction = scout_correction
         spelled = f"{self.scale:g}"
         if self.late_scale != self.scale:
@@ -157,32 +195,43 @@ class ScoutPolicy(Policy):
             spelled += f":k{self.sinks}"
         if self.offset_tau != OFFSET_TAU:
             spelled += f":d{self.offset_tau:g}"
+        if self.layers is not None:
+            spelled += f":l{spell_layers(self.layers)}"
+        if self.question_weight != 0.0:
+            spelled += f":w{self.question_weight:g}"
         self.name = f"scout-{budget:g}:s{spelled}"
 
     @classmethod
     def from_arg(cls, arg: str, scales: Sequence[Sequence[float]] | None = None) -> ScoutPolicy:
         """`0.2`, `0.2:s0.8` or `0.2:s0.9/0.8` (the part after `scout-`: one S, or the first
         and the second half's), then optionally `:i<S>` (the S of mostly-image prompts),
-        `:k<K>` (boundary tokens per item) and `:d<tau>` (the offset prior's tau), in that
-        order; without `:s`, S comes from `scales`
-        (a model's table: rows (budget, S) or (budget, S first half, S second half)) or the
-        default tables."""
+        `:k<K>` (boundary tokens per item), `:d<tau>` (the offset prior's tau), `:l<a>-<b>`
+        (the scoring layers a..b; runs joined by `_`: `:l2-5_9-9`) and `:w<w>` (the question
+        weight), in that order; without `:s`, S comes from `scales` (a model's table, rows
+        (budget, S) or (budget, S first half, S second half), `scout_scales.ScoutTable`) or
+        the default tables, and without `:l` / `:w` the layers and weight from the table's
+        scout fields, if it has them, or the defaults."""
         budget, *fields = arg.split(":")
         scale = late = None
         options: dict[str, float] = {}
-        order = "ikd"
+        layers: list[int] | None = None
+        order = "ikdlw"
         for i, field in enumerate(fields):
             key, value = field[:1], field[1:]
+            seen = [*options, *("l" if layers is not None else "")]
             if key == "s" and i == 0:
                 first, slash, second = value.partition("/")
                 scale = float(first)
                 late = float(second) if slash else None
-            elif key and key in order and all(order.index(k) < order.index(key) for k in options):
-                options[key] = float(value)
+            elif key and key in order and all(order.index(k) < order.index(key) for k in seen):
+                if key == "l":
+                    layers = parse_layers(value)
+                else:
+                    options[key] = float(value)
             else:
                 raise ValueError(
-                    f"expected ':s<S>[/<S>]', ':i<S>', ':k<K>', ':d<tau>' (in that order), "
-                    f"got {field!r}"
+                    f"expected ':s<S>[/<S>]', ':i<S>', ':k<K>', ':d<tau>', ':l<a>-<b>', ':w<w>' "
+                    f"(in that order), got {field!r}"
                 )
         if scale is None and scales is not None:
             from mpic.linker.policies.scout_scales import table_scales
@@ -200,23 +249,33 @@ class ScoutPolicy(Policy):
             late_scale=late,
             offset_tau=tau,
             image_scale=image,
+            layers=layers if layers is not None else getattr(scales, "layers", None),
+            question_weight=options.get("w", getattr(scales, "question_weight", None)),
         )
 
     def with_scales(self, scales: Sequence[Sequence[float]] | None) -> ScoutPolicy:
         """With S from a model's table (rows (budget, S) or (budget, S first half, S second
         half)) when S came from the default tables; the same fields otherwise (as
         `get_policy(name, scales=scales)` for the name this policy was parsed from)."""
-        if scales is None or not self.tabled:
+        if scales is None:
+            return self
+        layers = self.layers if self.layers is not None else getattr(scales, "layers", None)
+        weight = (
+            self.question_weight if self.weight_given else getattr(scales, "question_weight", None)
+        )
+        if not self.tabled and layers == self.layers and weight in (None, self.question_weight):
             return self
         from mpic.linker.policies.scout_scales import table_scales
 
-        early, late = table_scales(scales, self.budget)
+        early, late = (
+            table_scales(scales, self.budget) if self.tabled else (self.scale, self.late_scale)
+        )
         return ScoutPolicy(
             self.budget,
             early,
             sinks=self.sinks,
-            question_weight=self.question_weight,
-            layers=self.layers,
+            question_weight=weight,
+            layers=layers,
             scout_correction=self.scout_correction,
             late_scale=late,
             offset_tau=self.offset_tau,
@@ -229,8 +288,16 @@ class ScoutPolicy(Policy):
         return True
 
     def scoring_layers(self, num_layers: int) -> list[int]:
-        """The layers whose attention the scout scores."""
-        return self.layers if self.layers is not None else scout_layers(num_layers)
+        """The layers whose attention the scout scores; ValueError when a layer given (`:l`, a
+        model's table) is not one of the model's `num_layers`."""
+        if self.layers is None:
+            return scout_layers(num_layers)
+        if self.layers[-1] >= num_layers:
+            raise ValueError(
+                f"{self.name}: scoring layer {self.layers[-1]} is past the model's {num_layers} "
+                f"layers (0-{num_layers - 1})"
+            )
+        return self.layers
 
     def scout_task(
         self,
@@ -263,7 +330,9 @@ class ScoutPolicy(Policy):
     def depths(
         self, plan: LinkPlan, entries: Sequence[CacheEntry], num_layers: int
     ) -> torch.Tensor:
-        """Before the scout: the text at every layer (the scout's tokens), items linked."""
+        """Before the scout: the text at every layer (the scout's tokens), items linked
+        (ValueError, at planning time, for scoring layers the model does not have)."""
+        self.scoring_layers(num_layers)
         return text_depths(plan, num_layers)
 
     def budget_tokens(self, num_tokens: int) -> int:

@@ -7,13 +7,17 @@ canonical context's lead-in (`mpic.linker.prompt.CONTEXT_LEAD_IN`) the best S is
 first half of the layers (0.95-0.975) than in the second (0.85-0.9). A table maps budget fractions
 to S: rows (budget, S) for one S in every layer, or (budget, S of the first half of the layers, S of
 the second half); between rows S is interpolated linearly, outside them the nearest row is used.
+A model's own table (`ScoutTable`, `mpic model calibrate-scout --write`) may also carry the
+scout's scoring layers and question weight.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, overload
 
 DEFAULT_TABLE: tuple[tuple[float, float], ...] = (
     (0.0, 0.85),
@@ -68,14 +72,58 @@ def default_scales(budget: float) -> tuple[float, float]:
     return round(interpolate(DEFAULT_EARLY, budget), 3), default_scale(budget)
 
 
-def load_table(model_dir: str | Path) -> list[tuple[float, ...]] | None:
-    """A model's own table (`TABLE_FILE` in its folder): rows (budget, S) or (budget, S of the
-    first half, S of the second half); None without one."""
+@dataclass(frozen=True)
+class ScoutTable(Sequence[tuple[float, ...]]):
+    """A model's own scout calibration (`TABLE_FILE`): its (budget, S) or (budget, S first
+    half, S second half) rows, read as the sequence of rows wherever a table is, and the
+    scout's scoring layers and question weight where `calibrate-scout` chose them (None: the
+    policy's defaults, `mpic.linker.policies.scout.scout_layers` and 0)."""
+
+    rows: tuple[tuple[float, ...], ...]
+    layers: tuple[int, ...] | None = None
+    question_weight: float | None = None
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[float, ...]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[tuple[float, ...]]: ...
+    def __getitem__(self, i: int | slice) -> tuple[float, ...] | Sequence[tuple[float, ...]]:
+        return self.rows[i]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's content: `{"table": rows}`, plus `"scout": {"layers", "question_weight"}`
+        when either is set."""
+        data: dict[str, Any] = {"table": [list(row) for row in self.rows]}
+        if self.layers is not None or self.question_weight is not None:
+            data["scout"] = {
+                "layers": list(self.layers) if self.layers is not None else None,
+                "question_weight": self.question_weight,
+            }
+        return data
+
+
+def load_table(model_dir: str | Path) -> ScoutTable | None:
+    """A model's own table (`TABLE_FILE` in its folder; `ScoutTable.to_json`'s form); None
+    without one, ValueError for a file that is not one."""
     path = Path(model_dir) / TABLE_FILE
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    return [tuple(float(x) for x in row) for row in data["table"]]
+    try:
+        data = json.loads(path.read_text())
+        rows = tuple(tuple(float(x) for x in row) for row in data["table"])
+        scout = data.get("scout") or {}
+        layers = scout.get("layers")
+        weight = scout.get("question_weight")
+        return ScoutTable(
+            rows,
+            tuple(int(x) for x in layers) if layers else None,
+            float(weight) if weight is not None else None,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a scout table ({exc})") from exc
 
 
 def table_scales(table: Sequence[Sequence[float]], budget: float) -> tuple[float, float]:

@@ -37,6 +37,14 @@ def test_bad_names_are_400_on_mpic_policy(name: str, words: str) -> None:
     assert words in str(err.value) and len(str(err.value)) < 300
 
 
+def test_scout_scoring_layers_are_checked_against_the_layer_count() -> None:
+    assert check_policy("scout-0.2:l1-3", None).layers == [1, 2, 3]  # depth unknown
+    assert check_policy("scout-0.2:l1-3", 4).scoring_layers(4) == [1, 2, 3]
+    with pytest.raises(InvalidRequestError, match="past the model's 3 layers") as err:
+        check_policy("scout-0.2:l1-3", 3)
+    assert err.value.param == "mpic.policy" and err.value.status == 400
+
+
 def test_per_layer_ratios_are_checked_against_the_layer_count() -> None:
     assert check_policy("vlcache-0.5:0.4:0.3", None).name  # depth unknown: not checked
     assert check_policy("vlcache-0.5:0.4", 2).layer_ratios(2) == [0.5, 0.4]

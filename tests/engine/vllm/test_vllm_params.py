@@ -88,7 +88,8 @@ def test_config_enforces_cpu_block_size_and_no_extra_fields() -> None:
 
 def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_path) -> None:
     """A model folder with its own scout table (`calibrate-scout --write`): the vLLM front end
-    names the policy with that table's S, the S the reference runner takes from the same
+    names the policy with that table's S (and its scout layers and question weight), the S the
+    reference runner takes from the same
     folder, so the connector's halves (which parse the name once more, in vLLM's processes)
     cannot fall back to the default table; without a table, the default table's canonical
     name."""
@@ -105,7 +106,8 @@ def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_
     assert plain.scout_scales is None and plain.policy_name("auto") == get_policy("auto").name
     model = tmp_path / "model"
     shutil.copytree(tiny_llava_dir, model)
-    (model / TABLE_FILE).write_text(json.dumps({"table": [[0.1, 0.7], [0.3, 0.6]]}))
+    scout = {"layers": [1], "question_weight": 0.5}  # the scout's fields (calibrate-scout)
+    (model / TABLE_FILE).write_text(json.dumps({"table": [[0.1, 0.7], [0.3, 0.6]], "scout": scout}))
     front = VllmFrontEnd(VllmEngineConfig(model=str(model)))
     runner = ReferenceRunner(str(model))
     for name in ("auto", "scout-0.2", "auto-0.3", "mpic-32"):
@@ -113,6 +115,8 @@ def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_
         assert spelled == get_policy(name, scales=runner.scout_scales).name
         assert get_policy(spelled).name == spelled  # parses to itself with the default table
     assert front.policy_name("auto") != get_policy("auto").name
+    assert front.policy_name("auto").endswith(":l1-1:w0.5")  # the connector scores them too
+    assert front.policy_name("scout-0.2:w0") == "scout-0.2:s0.65:l1-1"  # spelled wins
     assert front.policy_name("mpic-32") == "mpic-32"
     # a policy parsed elsewhere (the Resolver's, default table) takes the model's table as
     # parsing its name here would: `with_scales`, no second parse

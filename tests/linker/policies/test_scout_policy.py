@@ -297,3 +297,27 @@ def test_mostly_images_counts_item_tokens_by_entry_kind():
     # img-a (linked twice) as an image, img-b as text: img-a's tokens are the majority
     mixed = [entries[0], as_text[1]] if entries[0].entry_id == "img-a" else [as_text[0], entries[1]]
     assert mostly_images(plan, mixed)
+
+
+def test_layers_and_question_weight_fields_reach_the_scout():
+    """`:l<a>-<b>` and `:w<w>`: the link pass scores those layers with that weight (its report
+    and its selection equal `select` over `scout_scores` called with them, and differ from the
+    default fields'); a layer the model does not have is a ValueError when the prompt is
+    planned, before any KV is touched."""
+    adapter, plan, entries = _setup()
+    out, _ = _run(adapter, plan, entries, "scout-0.5:l1-2:w0.5")
+    assert out.scout.scoring_layers == (1, 2) and out.scout.layers_run == 3
+    from mpic.linker.link import linked_items
+
+    pre = ScoutPolicy(0.5).apply(plan, entries, L)
+    items = linked_items(pre, entries, adapter.rope, L, every_item=True)
+    kv = DenseLinkedKV(L, plan.num_tokens, 2, 8)
+    items.write_to(kv)
+    scores, _ = scout_scores(adapter, pre, entries, kv, [1, 2], items, 0.5)
+    policy = get_policy("scout-0.5:l1-2:w0.5")
+    want = policy.select(pre, entries, scores, L)
+    assert torch.equal(out.plan.recompute_depth, want)
+    default, _ = _run(adapter, plan, entries, "scout-0.5")
+    assert default.scout.scoring_layers == tuple(scout_layers(L)) != (1, 2)
+    with pytest.raises(ValueError, match="past the model's 4 layers"):
+        with_policy(plan, entries, get_policy("scout-0.5:l2-4"), L)
