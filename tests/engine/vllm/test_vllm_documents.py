@@ -155,7 +155,9 @@ def test_policies_with_documents_match_reference_runner(setup: Setup, policy: st
     assert got.token_ids == expected.tokens
 
 
-@pytest.mark.parametrize("policy", ["scout-0.5:s0.9/0.8", "scout-0.4:s1"])
+@pytest.mark.parametrize(
+    "policy", ["scout-0.5:s0.9/0.8", "scout-0.4:s1", "scout-0.5:s0.9:l0-1:w0.5"]
+)
 def test_scout_selects_the_same_tokens_and_answers_as_the_reference_runner(
     setup: Setup, policy: str
 ) -> None:
