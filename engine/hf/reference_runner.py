@@ -114,7 +114,7 @@ class ReferenceRunner:
         self.adapter = make_adapter(self.model, compile_layers, compile_backend)
         self.attention_backend = attention_backend
         self.decode_correction = decode_correction
-        self.scout_scales = load_scale_table(model_dir)
+        self.scout_scales = load_scale_table(model_dir, self.adapter.num_layers)
         """The model's own (budget, S) table for `scout-*` / `auto` names, or None (default)."""
         self.system_prompt = system_prompt
         self.entries: dict[str, CacheEntry] = {}

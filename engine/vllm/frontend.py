@@ -66,7 +66,7 @@ class VllmFrontEnd:
         self.cfg = cfg
         model_dir = resolve_model_dir(cfg.model)
         self.spec = ModelSpec.from_pretrained(model_dir)
-        self.scout_scales = load_scale_table(model_dir)
+        self.scout_scales = load_scale_table(model_dir, self.spec.num_layers)
         """The model's own (budget, S) table for `scout-*` / `auto` names (`mpic model
         calibrate-scout --write`), read as the reference runner reads it; None: the default."""
         self._processor: Any = None

@@ -105,9 +105,10 @@ class ScoutTable(Sequence[tuple[float, ...]]):
         return data
 
 
-def load_table(model_dir: str | Path) -> ScoutTable | None:
+def load_table(model_dir: str | Path, num_layers: int | None = None) -> ScoutTable | None:
     """A model's own table (`TABLE_FILE` in its folder; `ScoutTable.to_json`'s form); None
-    without one, ValueError for a file that is not one."""
+    without one, ValueError for a file that is not one, or whose scout layers a model of
+    `num_layers` layers does not have (checked when given: the engines check at start-up)."""
     path = Path(model_dir) / TABLE_FILE
     if not path.is_file():
         return None
@@ -117,13 +118,20 @@ def load_table(model_dir: str | Path) -> ScoutTable | None:
         scout = data.get("scout") or {}
         layers = scout.get("layers")
         weight = scout.get("question_weight")
-        return ScoutTable(
+        table = ScoutTable(
             rows,
-            tuple(int(x) for x in layers) if layers else None,
+            tuple(sorted({int(x) for x in layers})) if layers else None,
             float(weight) if weight is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a scout table ({exc})") from exc
+    if table.layers and (table.layers[0] < 0 or (num_layers and table.layers[-1] >= num_layers)):
+        raise ValueError(
+            f"{path}: scout layers {list(table.layers)} outside the model's {num_layers}"
+        )
+    if table.question_weight is not None and not 0.0 <= table.question_weight <= 100.0:
+        raise ValueError(f"{path}: question weight {table.question_weight} outside [0, 100]")
+    return table
 
 
 def table_scales(table: Sequence[Sequence[float]], budget: float) -> tuple[float, float]:

@@ -111,6 +111,10 @@ def test_a_models_table_with_scout_fields_names_the_policy(tmp_path) -> None:
     (tmp_path / TABLE_FILE).write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match=TABLE_FILE):
         load_table(tmp_path)
+    (tmp_path / TABLE_FILE).write_text(json.dumps(table.to_json()))  # layers 2-8
+    assert load_table(tmp_path, num_layers=9) == table
+    with pytest.raises(ValueError, match="outside the model's 8"):
+        load_table(tmp_path, num_layers=8)  # an engine of another depth refuses it at start-up
 
 
 @pytest.mark.parametrize(
