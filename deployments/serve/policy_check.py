@@ -6,9 +6,10 @@ A chat names its policy (`mpic.policy`, `mpic.recompute_budget` or the server's 
 linker's `Policy` (the one the prompt carries to the worker, `LinkedPrompt.parsed_policy`) and
 answers 400 (`mpic.policy`, the message listing the valid names) for an unknown or malformed
 one, a number over `MAX_POLICY_NUMBER`, or more VLCache per-layer ratios (or a later scout
-scoring layer, `scout-<b>:l<a>-<b>`) than the served model has layers. The layer count comes from the model's own `config.json`, read by `model_layers` in
-the app builder and bound into the Resolver, so validating a policy asks no other deployment: a
-chat is two Ray calls (Resolver, then LLM worker). Where the builder cannot read it (the model
+scoring layer, `scout-<b>:l<a>-<b>`) than the served model has layers. The layer count comes
+from the model's own `config.json`, read by `model_layers` in the app builder and bound into the
+Resolver, so validating a policy asks no other deployment: a chat is two Ray calls (Resolver,
+then LLM worker). Where the builder cannot read it (the model
 folder exists on the GPU nodes only, as in `k8s/rayservice.yaml`), the LLM worker checks the
 layers of the parsed policy at `generate` from its own read (`check_layers`, no parse), still
 within those two calls.
