@@ -168,7 +168,9 @@ def command(
     if write:
         path = Path(model) / TABLE_FILE
         path.write_text(json.dumps(table.to_json(), indent=1))
-        typer.echo(f"wrote {path}")
+        from mpic.linker.policies import get_policy
+
+        typer.echo(f"wrote {path}: `auto` now names {get_policy('auto', scales=table).name}")
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         data = {

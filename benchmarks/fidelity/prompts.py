@@ -54,9 +54,38 @@ _MODULES = (
     "tokenize",
     "smtplib",
     "ftplib",
+    # appended for larger proxy sets (`calibrate-scout`), after every passage a benchmark uses
+    "pickle",
+    "string",
+    "re",
+    "typing",
+    "zlib",
+    "locale",
+    "gettext",
+    "fnmatch",
+    "sqlite3",
+    "ssl",
+    "pdb",
+    "trace",
+    "gc",
+    "site",
+    "getopt",
+    "optparse",
+    "pprint",
+    "io",
+    "pickletools",
+    "zipimport",
+    "mimetypes",
+    "colorsys",
+    "wsgiref",
+    "marshal",
+    "dbm",
 )
 """Standard-library modules whose docstrings are the passages, in this order (those with too
-short a docstring are skipped)."""
+short a docstring are skipped). The first 30 are the benchmarks' (`mpic bench fidelity` takes
+the first 16, calibrations skip those); the rest only lengthen what calibrations can take, so
+every benchmark prompt is the same as before they were added. None is a module Python 3.13
+removed."""
 
 _QUESTIONS = (
     "What is the {name} module for? Answer in one sentence.",

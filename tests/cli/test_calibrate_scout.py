@@ -41,6 +41,7 @@ def test_calibrate_scout_writes_the_table_the_runner_reads(tiny_llava_dir: Path,
     runner = ReferenceRunner(str(model))
     expected = get_policy(f"scout-{DEFAULT_BUDGET:g}", scales=load_table(model)).name
     assert get_policy("auto", scales=runner.scout_scales).name == expected
+    assert f"`auto` now names {expected}" in result.output
     # the scout's fields first: the 2-layer model's one span, with weights 0 and 0.5, over
     # both budgets; the table spells the pair only when it is not the default
     tried = {(tuple(t["layers"]), t["question_weight"]): t["kl"] for t in data["scout_kl"]}

@@ -269,6 +269,9 @@ def test_passages_are_real_and_distinct() -> None:
     assert all(150 <= len(p.text) <= 700 for p in got)
     proxy = passages(4, skip=16)
     assert not {p.name for p in proxy} & {p.name for p in got}
+    larger = passages(32, skip=16)  # calibrate-scout --documents 8 --prompts 4
+    assert len({p.name for p in larger}) == 32 and larger[:4] == proxy
+    assert not {p.name for p in larger} & {p.name for p in got}
     parts = question_parts(got[:2], ["e1", "e2"], 1)
     assert [p for p in parts if isinstance(p, DocumentRef)] == [
         DocumentRef("e1"),
