@@ -197,7 +197,7 @@ class ScoutPolicy(Policy):
             spelled += f":d{self.offset_tau:g}"
         if self.layers is not None:
             spelled += f":l{spell_layers(self.layers)}"
-        if self.question_weight != 0.0:
+        if self.weight_given:  # spelled whenever given (`:w0` too): a table does not replace it
             spelled += f":w{self.question_weight:g}"
         self.name = f"scout-{budget:g}:s{spelled}"
 

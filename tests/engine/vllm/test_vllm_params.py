@@ -116,7 +116,7 @@ def test_front_end_spells_out_the_models_scout_scales(tiny_llava_dir: Path, tmp_
         assert get_policy(spelled).name == spelled  # parses to itself with the default table
     assert front.policy_name("auto") != get_policy("auto").name
     assert front.policy_name("auto").endswith(":l1-1:w0.5")  # the connector scores them too
-    assert front.policy_name("scout-0.2:w0") == "scout-0.2:s0.65:l1-1"  # spelled wins
+    assert front.policy_name("scout-0.2:w0") == "scout-0.2:s0.65:l1-1:w0"  # spelled wins
     assert front.policy_name("mpic-32") == "mpic-32"
     # a policy parsed elsewhere (the Resolver's, default table) takes the model's table as
     # parsing its name here would: `with_scales`, no second parse

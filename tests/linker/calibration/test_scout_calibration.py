@@ -95,13 +95,14 @@ def test_a_models_table_with_scout_fields_names_the_policy(tmp_path) -> None:
         ("scout-0.2", "scout-0.2:s0.9/0.65:l2-8:w0.5"),
         ("scout-0.2:s0.8", "scout-0.2:s0.8:l2-8:w0.5"),
         ("scout-0.2:l1-3", "scout-0.2:s0.9/0.65:l1-3:w0.5"),
-        ("scout-0.2:w0", "scout-0.2:s0.9/0.65:l2-8"),
+        ("scout-0.2:w0", "scout-0.2:s0.9/0.65:l2-8:w0"),
         ("scout-0.2:k8:l4-4_9-10:w2", "scout-0.2:s0.9/0.65:k8:l4-4_9-10:w2"),
         ("mpic-32", "mpic-32"),
     ):
         assert get_policy(name, scales=table).name == expected, name
         assert get_policy(name).with_scales(table).name == expected, name
         assert get_policy(expected).name == expected  # the connector's parse, no table
+        assert get_policy(expected, scales=table).name == expected  # a fixed point with it
     policy = get_policy("scout-0.2:l4-4_9-10:w2")
     assert policy.layers == [4, 9, 10] and policy.question_weight == 2.0
     (tmp_path / TABLE_FILE).write_text(json.dumps(table.to_json()))
