@@ -1,7 +1,7 @@
 """`mpic model calibrate-scout` (CLI process): S, the linked-key correction's scale, per recompute
 budget for one model (`mpic.linker.calibration.scout`; the policy is `scout-<b>`).
 
-The proxy set: `--prompts` prompts of `--documents` standard-library passages each, taken AFTER
+The proxy set: `--prompts` prompts (4) of `--documents` (8) standard-library passages each, AFTER
 the ones `mpic bench fidelity` uses (so the benchmark's prompts stay held out), cached alone and
 linked into the benchmark's prompt layout with questions 0.. of its templates. For every budget
 and every S of `--grid`, the mean first-token KL of `scout-<b>:s<S>` against full recomputation;
@@ -64,8 +64,8 @@ def command(
     model: str = typer.Option(..., "--model", help="HF model folder (e.g. mpic model import)."),
     budgets: str = typer.Option("0,0.1,0.2,0.3", "--budgets", help="Budget fractions."),
     grid: str = typer.Option("0.6:1.0:0.05", "--grid", help="S values: a,b,c or start:stop:step."),
-    documents: int = typer.Option(4, "--documents", help="Passages per proxy prompt."),
-    prompts: int = typer.Option(3, "--prompts", help="Proxy prompts."),
+    documents: int = typer.Option(8, "--documents", help="Passages per proxy prompt."),
+    prompts: int = typer.Option(4, "--prompts", help="Proxy prompts."),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads."),
     one_scale: bool = typer.Option(
         False, "--one-scale", help="One S in every layer (no sweep of the first half's S)."
