@@ -309,6 +309,7 @@ def command(
             model, decode_correction=decode_correction, link_prefix=link_prefix
         )
         floors = [make_floor(engine, model, name) for name in floor_names]
+        policy_names(policies, engine.spec.num_layers)  # per-layer fields against the depth
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc

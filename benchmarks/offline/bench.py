@@ -347,6 +347,9 @@ def command(
             raise ValueError("--images needs positive counts")
         if not Path(model, "config.json").is_file():
             raise ValueError(f"--model {model!r} is not an HF model folder")
+        from mpic.model_spec import ModelSpec
+
+        policy_names(policies, ModelSpec.from_pretrained(model).num_layers)  # per-layer fields
         bench = get_engine(engine, model, device, dtype, attention)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

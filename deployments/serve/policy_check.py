@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mpic.deployments.config import EngineConfig
 from mpic.errors import InvalidRequestError, MPICError
-from mpic.linker.policies import Policy, get_policy
+from mpic.linker.policies import Policy, check_depth, get_policy
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,10 @@ def check_layers(policy: Policy, num_layers: int | None) -> None:
     or scoring layers do not fit a model of `num_layers` layers (None: unknown, unchecked)."""
     if num_layers is None:
         return
-    for per_layer in ("layer_ratios", "scoring_layers"):  # vlcache-<r>:..., scout-<b>:l<a>-<b>
-        check = getattr(policy, per_layer, None)
-        if check is None:
-            continue
-        try:
-            check(num_layers)  # e.g. more vlcache ratios, or a later scout layer, than it has
-        except (ValueError, OverflowError) as exc:
-            raise InvalidRequestError(str(exc), param="mpic.policy") from None
+    try:
+        check_depth(policy, num_layers)  # more vlcache ratios, or a later scout layer, than it has
+    except (ValueError, OverflowError) as exc:
+        raise InvalidRequestError(str(exc), param="mpic.policy") from None
 
 
 def model_layers(engine: EngineConfig) -> int | None:

@@ -2,6 +2,6 @@
 (`scout_scales`). `get_policy(name)` builds one by name."""
 
 from mpic.linker.policies.base import Policy
-from mpic.linker.policies.registry import POLICY_NAMES, get_policy, policy_names
+from mpic.linker.policies.registry import POLICY_NAMES, check_depth, get_policy, policy_names
 
-__all__ = ["POLICY_NAMES", "Policy", "get_policy", "policy_names"]
+__all__ = ["POLICY_NAMES", "Policy", "check_depth", "get_policy", "policy_names"]

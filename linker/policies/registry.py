@@ -99,7 +99,21 @@ def get_policy(
     raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
 
 
-def policy_names(csv: str) -> list[str]:
+def check_depth(policy: Policy, num_layers: int) -> None:
+    """ValueError when a policy's per-layer fields do not fit a model of `num_layers` layers:
+    more `vlcache-<r>:...` ratios than layers, or a `scout-<b>:l<a>-<b>` scoring layer past
+    them (the one check the Serve Resolver and the CLIs share)."""
+    for per_layer in ("layer_ratios", "scoring_layers"):
+        check = getattr(policy, per_layer, None)
+        if check is not None:
+            check(num_layers)
+
+
+def policy_names(csv: str, num_layers: int | None = None) -> list[str]:
     """Canonical names of a comma-separated list of policies (CLI `--policies`); ValueError as
-    `get_policy` for a bad one."""
-    return [get_policy(p).name for p in csv.split(",") if p.strip()]
+    `get_policy` for a bad one, or (`num_layers` given) as `check_depth`."""
+    policies = [get_policy(p) for p in csv.split(",") if p.strip()]
+    if num_layers is not None:
+        for policy in policies:
+            check_depth(policy, num_layers)
+    return [p.name for p in policies]

@@ -168,11 +168,15 @@ def test_gpu_sync_and_fall_columns_appear_when_rows_have_them(capsys, monkeypatc
         ["--device", "tpu"],
         ["--engine", "vllm", "--dtype", "bfloat16"],
         ["--top-ops", "-1"],
+        ["--policies", "full,scout-0.2:l2-2"],  # the tiny model has layers 0-1
+        ["--policies", "vlcache-0.5:0.5:0.5"],  # more ratios than layers
     ],
 )
 def test_bad_options_exit_2(tiny_llava_dir, bad):
     result = CliRunner().invoke(app, ["bench", "offline", "--model", str(tiny_llava_dir), *bad])
     assert result.exit_code == 2
+    if bad[0] == "--policies" and ":" in bad[1]:
+        assert "error:" in result.output and "layer" in result.output, result.output
 
 
 def test_demo_on_a_given_model(tiny_llava_dir):
