@@ -53,13 +53,6 @@ def parse_spans(text: str) -> list[tuple[int, ...]] | str:
         raise typer.BadParameter(f"--scout-layers: {exc}") from exc
 
 
-def spell(layers: tuple[int, ...]) -> str:
-    """Layer numbers as a name's `:l` field spells them (`2-5`)."""
-    from mpic.linker.policies.scout import spell_layers
-
-    return spell_layers(layers)
-
-
 def command(
     model: str = typer.Option(..., "--model", help="HF model folder (e.g. mpic model import)."),
     budgets: str = typer.Option("0,0.1,0.2,0.3", "--budgets", help="Budget fractions."),
@@ -102,7 +95,7 @@ def command(
     from mpic.benchmarks.offline.bench import kl_divergence
     from mpic.engine.hf.reference_runner import ReferenceRunner
     from mpic.linker.calibration.scout import calibrate_scale, candidate_spans, choose_scout
-    from mpic.linker.policies.scout import ScoutPolicy
+    from mpic.linker.policies.scout import ScoutPolicy, spell_layers
     from mpic.linker.policies.scout import scout_layers as default_layers
     from mpic.linker.policies.scout_scales import TABLE_FILE, ScoutTable
 
@@ -145,10 +138,11 @@ def command(
         )
         if not choice.is_default:
             layers, weight = choice.layers, choice.question_weight
+        chosen = (choice.layers, choice.question_weight)
         typer.echo(
-            f"scout: layers {spell(choice.layers)}, question weight {choice.question_weight:g} "
-            f"(mean KL {choice.kl[(choice.layers, choice.question_weight)]:.4f}; the default, "
-            f"layers {spell(default)} and weight 0: {choice.kl[(default, 0.0)]:.4f})"
+            f"scout: layers {spell_layers(chosen[0])}, question weight {chosen[1]:g} "
+            f"(mean KL {choice.kl[chosen]:.4f}; the default, "
+            f"layers {spell_layers(default)} and weight 0: {choice.kl[(default, 0.0)]:.4f})"
         )
 
     def kl_at(budget: float, early: float, late: float) -> float:

@@ -342,14 +342,14 @@ def command(
 
     try:
         counts = [int(x) for x in images.split(",") if x.strip()]
-        names = policy_names(policies)
         if not counts or min(counts) < 1:
             raise ValueError("--images needs positive counts")
         if not Path(model, "config.json").is_file():
             raise ValueError(f"--model {model!r} is not an HF model folder")
         from mpic.model_spec import ModelSpec
 
-        policy_names(policies, ModelSpec.from_pretrained(model).num_layers)  # per-layer fields
+        # names, and their per-layer fields against the model's depth (its config alone)
+        names = policy_names(policies, ModelSpec.from_pretrained(model).num_layers)
         bench = get_engine(engine, model, device, dtype, attention)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

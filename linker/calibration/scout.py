@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mpic.linker.policies.scout import scout_layers
+
 
 @dataclass
 class ScaleSweep:
@@ -129,10 +131,8 @@ ranked best at 8 documents (docs/fidelity.md, "KL at 15%")."""
 def candidate_spans(num_layers: int) -> list[tuple[int, ...]]:
     """`CANDIDATE_SPANS` at a model's depth (the default span first; duplicates dropped)."""
     spans: list[tuple[int, ...]] = []
-    for lo_f, hi_f in CANDIDATE_SPANS:
-        lo = max(1, round(num_layers * lo_f))
-        hi = max(lo, min(num_layers - 1, round(num_layers * hi_f)))
-        span = tuple(range(lo, hi + 1))
+    for fractions in CANDIDATE_SPANS:
+        span = tuple(scout_layers(num_layers, fractions))
         if span not in spans:
             spans.append(span)
     return spans

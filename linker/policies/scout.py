@@ -59,10 +59,11 @@ SCOUT_LAYER_SPAN = (2 / 30, 5 / 30)
 a few percent of it on the benchmark and cost about 2x and 4x the scout time; docs/fidelity.md)."""
 
 
-def scout_layers(num_layers: int) -> list[int]:
-    """The scoring layers for a model of `num_layers` (layers 2..5 on a 30-layer model)."""
-    lo = max(1, round(num_layers * SCOUT_LAYER_SPAN[0]))
-    hi = max(lo, min(num_layers - 1, round(num_layers * SCOUT_LAYER_SPAN[1])))
+def scout_layers(num_layers: int, span: tuple[float, float] = SCOUT_LAYER_SPAN) -> list[int]:
+    """The scoring layers for a model of `num_layers` (layers 2..5 on a 30-layer model): `span`
+    (fractions of depth) at that depth, from layer 1 at the least to the last layer at most."""
+    lo = max(1, round(num_layers * span[0]))
+    hi = max(lo, min(num_layers - 1, round(num_layers * span[1])))
     return list(range(lo, hi + 1))
 
 
