@@ -256,6 +256,9 @@ def _selective_pass(
         assert not compute_logits, "last token not recomputed"
     else:
         index = cat_parts([requests[i].global_index for i in running])
+        lasts = [r.offset + r.plan.num_tokens - 1 for r in requests]
+        # only the last tokens' hidden states are read (logits), or none (vLLM computes them)
+        read = torch.tensor(lasts if compute_logits else [], dtype=torch.int64)
         hidden, final, run_depth = run_layers(
             adapter,
             pass_kv,
@@ -266,6 +269,7 @@ def _selective_pass(
             ),
             cat_parts([requests[i].plan.recompute_depth[requests[i].index] for i in running]),
             requests[0].hook if len(requests) == 1 else None,
+            outputs=torch.isin(index.cpu(), read),
         )
         start = 0
         for i in running:
@@ -274,7 +278,6 @@ def _selective_pass(
             start = end
         if compute_logits:
             row_of = {int(g): row for row, g in enumerate(final.tolist())}
-            lasts = [r.offset + r.plan.num_tokens - 1 for r in requests]
             assert all(last in row_of for last in lasts), "last token not recomputed"
             rows = torch.tensor([row_of[last] for last in lasts], device=hidden.device)
             out = adapter.logits(hidden[rows])

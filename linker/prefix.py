@@ -162,6 +162,7 @@ class PrefixCache:
                 torch.arange(c),
                 positions,
                 torch.full((c,), a.num_layers, dtype=torch.int64),
+                outputs=torch.zeros(c, dtype=torch.bool),  # their KV alone is read
             )
         self.prefills += 1
         self._kv[context] = (kv.keys, kv.values)

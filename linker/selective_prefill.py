@@ -56,13 +56,20 @@ def run_layers(
     positions: torch.Tensor,
     depth: torch.Tensor,
     hook: LayerHook | None = None,
+    outputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run tokens through the decoder layers, each until its depth.
 
     hidden [S, hidden] input embeddings of the tokens at prompt indices `index` (int64 [S],
-    ascending), positions [S] or [3, S], depth int64 [S] (layers each token runs; > 0).
-    Returns (hidden [S', hidden] of the tokens that ran every layer, their index [S'] (host),
-    the final depth of all S tokens [S] (host)).
+    ascending), positions [S] or [3, S], depth int64 [S] (layers each token runs; > 0);
+    outputs: bool [S], the tokens whose final hidden state the caller reads (None: every token
+    that runs every layer). Returns (hidden [S', hidden] of the output tokens that ran every
+    layer, their index [S'] (host), the final depth of all S tokens [S] (host)).
+
+    The last layer a token runs writes its K/V and stops there: its attention output and MLP
+    run only if a later layer or the caller reads its hidden state (vLLM computes a linked
+    prompt's last token itself, so its link pass reads none: a 1/L share of the pass's
+    projections and MLP saved). The outputs are unchanged.
 
     No host<->device sync in the layer loop: the depths stay on the host and decide there which
     tokens stay active; index and positions move to the model's device once, and shrink by
@@ -80,6 +87,8 @@ def run_layers(
         """Host bool mask [S] -> device int64 rows (integer gathers do not sync)."""
         return torch.nonzero(keep).flatten().to(dev)
 
+    last = adapter.num_layers - 1
+    read = torch.ones_like(depth, dtype=torch.bool) if outputs is None else outputs.cpu()
     # the active set shrinks only at layers equal to some token's depth: check there alone
     ends = set(depth.unique().tolist())
     for layer in range(adapter.num_layers):
@@ -103,9 +112,23 @@ def run_layers(
                     idx, pos = idx[take], pos[..., take]
                     rows = rows[chosen]
         linked_kv.write(layer, idx, k, v)
+        if layer + 1 in ends or layer == last:  # some token's last layer: is it read on?
+            goes_on = depth[rows] > layer + 1 if layer < last else read[rows]
+            if not bool(goes_on.any()):
+                rows = rows[goes_on]
+                continue
+            if not bool(goes_on.all()):  # attend with the same index (one mask), then drop
+                take = rows_of(goes_on)
+                attn = linked_kv.attend(layer, q, idx)[take]
+                hidden, idx, pos = hidden[take], idx[take], pos[..., take]
+                rows = rows[goes_on]
+                hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
+                continue
         attn = linked_kv.attend(layer, q, idx)
         hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
     full = depth[rows] >= adapter.num_layers
+    if rows.numel() == 0:
+        return hidden[:0], host_index[:0], depth
     if not bool(full.all()):
         hidden = hidden[rows_of(full)]
     return hidden, host_index[rows[full]], depth

@@ -36,6 +36,7 @@ def prefill_text_first(adapter: LayerAdapter, plan: LinkPlan, linked_kv: LinkedK
         torch.arange(t),
         plan.positions[..., text_index],
         torch.full((t,), adapter.num_layers, dtype=torch.int64),
+        outputs=torch.zeros(t, dtype=torch.bool),  # their KV alone is read
     )
     for layer in range(adapter.num_layers):
         linked_kv.write(layer, text_index, scratch.keys[layer], scratch.values[layer])

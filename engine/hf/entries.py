@@ -98,6 +98,7 @@ def compute_entry(
             torch.arange(c + t),
             positions,
             torch.full((c + t,), adapter.num_layers, dtype=torch.int64),
+            outputs=torch.zeros(c + t, dtype=torch.bool),  # their KV alone is read
         )
     extra: dict[str, Any] = {"context_token_ids": list(context_ids)}
     if document_ids is not None:

@@ -211,3 +211,56 @@ def test_gathered_input_embeds_equal_row_by_row(pick):
     want = _plain_embeds(adapter, plan, entries)[index]
     assert got.shape == want.shape
     assert torch.equal(got, want)
+
+
+class _CountingAdapter(ToyAdapter):
+    """The toy decoder, counting the rows that reach attention output + MLP per layer."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mlp_rows: list[tuple[int, int]] = []
+
+    def attention_output_and_mlp(self, layer, hidden, attn):
+        self.mlp_rows.append((layer, int(hidden.shape[0])))
+        return super().attention_output_and_mlp(layer, hidden, attn)
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_a_tokens_last_layer_runs_mlp_only_for_rows_read_on(mrope):
+    """run_layers' outputs: the KV and the rows read are exactly as without it, while the last
+    layer a token runs skips its MLP unless a later layer or the caller reads it (VLCache
+    depths end early; the caller reads one row, or none)."""
+    from mpic.linker.selective_prefill import run_layers
+
+    adapter = _CountingAdapter(mrope=mrope, num_layers=4)
+    _, plan, entries = _setup(mrope)
+    n, L = plan.num_tokens, adapter.num_layers
+    embeds = _plain_embeds(adapter, plan, entries)
+    depth = torch.full((n,), L, dtype=torch.int64)
+    depth[5:11] = torch.tensor([3, 3, 2, 1, 1, 2])  # tokens that stop early (VLCache)
+
+    def run(outputs):
+        adapter.mlp_rows.clear()
+        kv = DenseLinkedKV(L, n, 2, 8)
+        args = (embeds, torch.arange(n), plan.positions, depth)
+        hidden, index, ran = run_layers(adapter, kv, *args, outputs=outputs)
+        return hidden, index, ran, kv, list(adapter.mlp_rows)
+
+    h_all, i_all, d_all, kv_all, rows_all = run(None)
+    last = torch.zeros(n, dtype=torch.bool)
+    last[-1] = True
+    h_last, i_last, d_last, kv_last, rows_last = run(last)
+    h_none, i_none, _, kv_none, rows_none = run(torch.zeros(n, dtype=torch.bool))
+
+    assert i_all.tolist() == [i for i in range(n) if depth[i] == L]
+    assert i_last.tolist() == [n - 1] and i_none.numel() == 0 and h_none.shape[0] == 0
+    torch.testing.assert_close(h_last, h_all[-1:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(d_all, depth) and torch.equal(d_last, depth)
+    for kv in (kv_last, kv_none):  # every token's KV, at every layer it runs, unchanged
+        torch.testing.assert_close(kv.keys, kv_all.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.values, kv_all.values, rtol=1e-5, atol=1e-5)
+    # a layer's MLP rows: the tokens running a later layer (+ the rows read, at the last)
+    later = [int((depth > layer + 1).sum()) for layer in range(L - 1)]
+    assert rows_all == [*enumerate(later), (L - 1, int((depth == L).sum()))]
+    assert rows_last == [*enumerate(later), (L - 1, 1)]
+    assert rows_none == list(enumerate(later))  # the last layer: K/V written, nothing else
