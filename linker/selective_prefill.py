@@ -71,35 +71,27 @@ def run_layers(
     prompt's last token itself, so its link pass reads none: a 1/L share of the pass's
     projections and MLP saved). The outputs are unchanged.
 
-    No host<->device sync in the layer loop: the depths stay on the host and decide there which
-    tokens stay active; index and positions move to the model's device once, and shrink by
-    integer gathers (boolean masks would sync) only at layers where the active set changes. The
-    same index tensor object is handed to every layer until then, so the linked KV's attention
-    backend builds its mask once. A hook (CacheBlend) may sync at its check layer.
+    No host<->device sync and no host-to-device copy in the layer loop: the depths stay on the
+    host and decide there which tokens go on after each layer; index and positions move to the
+    model's device once, and the row gathers of every layer where the active set shrinks are
+    planned before the loop and moved in one copy (`_planned_cuts`; integer gathers: boolean
+    masks would sync). The same index tensor object is handed to every layer until the set
+    shrinks, so the linked KV's attention backend builds its mask once. A hook (CacheBlend) may
+    sync at its check layer, and the layers after it gather as they go.
     """
-    dev = adapter.device
+    dev, last = adapter.device, adapter.num_layers - 1
     depth = depth.cpu().clone()
     host_index = index.cpu()
+    read = torch.ones_like(depth, dtype=torch.bool) if outputs is None else outputs.cpu()
     rows = torch.arange(host_index.shape[0])  # row of each active token in the caller's arrays
     idx, pos = host_index.to(dev), positions.to(dev)  # the active tokens', on the device
+    cuts: dict[int, _Cut | None] | None = _planned_cuts(depth, read, last, dev)
 
     def rows_of(keep: torch.Tensor) -> torch.Tensor:
-        """Host bool mask [S] -> device int64 rows (integer gathers do not sync)."""
+        """Host bool mask [S] -> device int64 rows (after a hook: the plan no longer holds)."""
         return torch.nonzero(keep).flatten().to(dev)
 
-    last = adapter.num_layers - 1
-    read = torch.ones_like(depth, dtype=torch.bool) if outputs is None else outputs.cpu()
-    # the active set shrinks only at layers equal to some token's depth: check there alone
-    ends = set(depth.unique().tolist())
     for layer in range(adapter.num_layers):
-        if layer in ends:
-            keep = depth[rows] > layer
-            if not bool(keep.all()):
-                take = rows_of(keep)
-                hidden, idx, pos = hidden[take], idx[take], pos[..., take]
-                rows = rows[keep]
-        if rows.numel() == 0:
-            break
         q, k, v = adapter.attention_inputs(layer, hidden, pos)
         if hook is not None:
             chosen = hook.select(layer, idx, k, linked_kv)
@@ -111,24 +103,62 @@ def run_layers(
                     q, k, v, hidden = q[take], k[take], v[take], hidden[take]
                     idx, pos = idx[take], pos[..., take]
                     rows = rows[chosen]
+                    cuts = None  # planned for the old set: decide layer by layer from here
         linked_kv.write(layer, idx, k, v)
-        if layer + 1 in ends or layer == last:  # some token's last layer: is it read on?
+        if cuts is None:
             goes_on = depth[rows] > layer + 1 if layer < last else read[rows]
-            if not bool(goes_on.any()):
-                rows = rows[goes_on]
-                continue
-            if not bool(goes_on.all()):  # attend with the same index (one mask), then drop
-                take = rows_of(goes_on)
-                attn = linked_kv.attend(layer, q, idx)[take]
-                hidden, idx, pos = hidden[take], idx[take], pos[..., take]
-                rows = rows[goes_on]
-                hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
-                continue
-        attn = linked_kv.attend(layer, q, idx)
+            shrinks = not bool(goes_on.all())
+        else:
+            shrinks = layer in cuts
+        if not shrinks:
+            attn = linked_kv.attend(layer, q, idx)
+            hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
+            continue
+        if cuts is None:
+            host = torch.nonzero(goes_on).flatten()
+            cut: _Cut | None = _Cut(host, host.to(dev))
+        else:
+            cut = cuts[layer]
+        if cut is None or cut.host.numel() == 0:  # nobody reads on: its K/V were all we needed
+            return hidden[:0], host_index[:0], depth
+        rows, take = rows[cut.host], cut.device
+        attn = linked_kv.attend(layer, q, idx)[take]  # the same index: one mask per set
+        hidden, idx, pos = hidden[take], idx[take], pos[..., take]
         hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
-    full = depth[rows] >= adapter.num_layers
-    if rows.numel() == 0:
-        return hidden[:0], host_index[:0], depth
-    if not bool(full.all()):
-        hidden = hidden[rows_of(full)]
-    return hidden, host_index[rows[full]], depth
+    return hidden, host_index[rows], depth
+
+
+@dataclass
+class _Cut:
+    """The rows that go on after a layer, among those active at it: int64 [S'] on the host and
+    the same on the model's device (the gather)."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+
+
+def _planned_cuts(
+    depth: torch.Tensor, read: torch.Tensor, last: int, device: torch.device
+) -> dict[int, _Cut | None]:
+    """The layers after which run_layers' active set shrinks (a token's last layer: depth - 1;
+    at the last layer, the rows not read), each with the device int64 gather, among the rows
+    active at that layer, of those that go on (None: none does); the gathers built on the host
+    and moved to the device in one copy. depth int64 [S] (> 0), read bool [S] (host)."""
+    rows = torch.arange(depth.shape[0])
+    cuts: dict[int, torch.Tensor | None] = {}
+    for layer in sorted({int(d) - 1 for d in depth.unique()} | {last}):
+        goes_on = depth[rows] > layer + 1 if layer < last else read[rows]
+        if bool(goes_on.all()):
+            continue
+        if not bool(goes_on.any()):
+            cuts[layer] = None
+            break
+        cuts[layer] = torch.nonzero(goes_on).flatten()
+        rows = rows[goes_on]
+    takes = [t for t in cuts.values() if t is not None]
+    moved = iter(
+        torch.cat(takes).to(device).split([int(t.numel()) for t in takes]) if takes else ()
+    )
+    return {
+        layer: None if take is None else _Cut(take, next(moved)) for layer, take in cuts.items()
+    }
