@@ -77,7 +77,7 @@ def run_layers(
     planned before the loop and moved in one copy (`_planned_cuts`; integer gathers: boolean
     masks would sync). The same index tensor object is handed to every layer until the set
     shrinks, so the linked KV's attention backend builds its mask once. A hook (CacheBlend) may
-    sync at its check layer, and the layers after it gather as they go.
+    sync at its check layer, and the gathers after it are planned again for the tokens left.
     """
     dev, last = adapter.device, adapter.num_layers - 1
     depth = depth.cpu().clone()
@@ -85,11 +85,7 @@ def run_layers(
     read = torch.ones_like(depth, dtype=torch.bool) if outputs is None else outputs.cpu()
     rows = torch.arange(host_index.shape[0])  # row of each active token in the caller's arrays
     idx, pos = host_index.to(dev), positions.to(dev)  # the active tokens', on the device
-    cuts: dict[int, _Cut | None] | None = _planned_cuts(depth, read, last, dev)
-
-    def rows_of(keep: torch.Tensor) -> torch.Tensor:
-        """Host bool mask [S] -> device int64 rows (after a hook: the plan no longer holds)."""
-        return torch.nonzero(keep).flatten().to(dev)
+    cuts = _planned_cuts(depth, read, last, dev)
 
     for layer in range(adapter.num_layers):
         q, k, v = adapter.attention_inputs(layer, hidden, pos)
@@ -99,27 +95,18 @@ def run_layers(
                 chosen = chosen.cpu()
                 if not bool(chosen.all()):
                     depth[rows[~chosen]] = layer
-                    take = rows_of(chosen)
+                    take = torch.nonzero(chosen).flatten().to(dev)
                     q, k, v, hidden = q[take], k[take], v[take], hidden[take]
                     idx, pos = idx[take], pos[..., take]
                     rows = rows[chosen]
-                    cuts = None  # planned for the old set: decide layer by layer from here
+                    cuts = _planned_cuts(depth[rows], read[rows], last, dev)  # the rows left
         linked_kv.write(layer, idx, k, v)
-        if cuts is None:
-            goes_on = depth[rows] > layer + 1 if layer < last else read[rows]
-            shrinks = not bool(goes_on.all())
-        else:
-            shrinks = layer in cuts
-        if not shrinks:
+        cut = cuts.get(layer)
+        if cut is None:  # every active token goes on
             attn = linked_kv.attend(layer, q, idx)
             hidden = adapter.attention_output_and_mlp(layer, hidden, attn)
             continue
-        if cuts is None:
-            host = torch.nonzero(goes_on).flatten()
-            cut: _Cut | None = _Cut(host, host.to(dev))
-        else:
-            cut = cuts[layer]
-        if cut is None or cut.host.numel() == 0:  # nobody reads on: its K/V were all we needed
+        if cut.host.numel() == 0:  # nobody reads on: this layer's K/V were all that was needed
             return hidden[:0], host_index[:0], depth
         rows, take = rows[cut.host], cut.device
         attn = linked_kv.attend(layer, q, idx)[take]  # the same index: one mask per set
@@ -139,26 +126,22 @@ class _Cut:
 
 def _planned_cuts(
     depth: torch.Tensor, read: torch.Tensor, last: int, device: torch.device
-) -> dict[int, _Cut | None]:
+) -> dict[int, _Cut]:
     """The layers after which run_layers' active set shrinks (a token's last layer: depth - 1;
-    at the last layer, the rows not read), each with the device int64 gather, among the rows
-    active at that layer, of those that go on (None: none does); the gathers built on the host
-    and moved to the device in one copy. depth int64 [S] (> 0), read bool [S] (host)."""
+    at the last layer, the rows not read), each with the rows, among those active at it, that
+    go on (empty: none does, and the pass ends there); their device copies built on the host
+    and moved in one copy. depth int64 [S] (> 0), read bool [S], both on the host."""
     rows = torch.arange(depth.shape[0])
-    cuts: dict[int, torch.Tensor | None] = {}
+    kept: dict[int, torch.Tensor] = {}
     for layer in sorted({int(d) - 1 for d in depth.unique()} | {last}):
         goes_on = depth[rows] > layer + 1 if layer < last else read[rows]
         if bool(goes_on.all()):
             continue
-        if not bool(goes_on.any()):
-            cuts[layer] = None
-            break
-        cuts[layer] = torch.nonzero(goes_on).flatten()
+        kept[layer] = torch.nonzero(goes_on).flatten()
         rows = rows[goes_on]
-    takes = [t for t in cuts.values() if t is not None]
-    moved = iter(
-        torch.cat(takes).to(device).split([int(t.numel()) for t in takes]) if takes else ()
-    )
-    return {
-        layer: None if take is None else _Cut(take, next(moved)) for layer, take in cuts.items()
-    }
+        if rows.numel() == 0:
+            break
+    if not kept:
+        return {}
+    moved = torch.cat(list(kept.values())).to(device).split([int(t.numel()) for t in kept.values()])
+    return {layer: _Cut(t, d) for (layer, t), d in zip(kept.items(), moved, strict=True)}
