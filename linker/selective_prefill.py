@@ -88,6 +88,8 @@ def run_layers(
     cuts = _planned_cuts(depth, read, last, dev)
 
     for layer in range(adapter.num_layers):
+        if rows.numel() == 0:  # no tokens given, or a hook dropped them all
+            return hidden[:0], host_index[:0], depth
         q, k, v = adapter.attention_inputs(layer, hidden, pos)
         if hook is not None:
             chosen = hook.select(layer, idx, k, linked_kv)
