@@ -6,9 +6,10 @@ The plans' depths come set from `mpic.linker.recipe`, final for every policy but
 (`scout-*`, the default `auto`), which is applied again here (its scout's tokens) before its
 scout sets the final depths. `link_pass` runs four named stages, each over every request:
 
-1. link (`_link`, per request): the text-first pass of two-step policies, the entries' rotated
-   KV (`linked_items`, every item for a scout, which then scores those very keys) and the
-   cached prefix (`mpic.linker.prefix`) written into the request's linked KV;
+1. link (`_link`, per request): the entries' rotated KV (`linked_items`, every item for a
+   scout, which then scores those very keys) and the cached prefix (`mpic.linker.prefix`)
+   written into the request's linked KV; then ONE text-first pass for all the two-step
+   requests (`mpic.linker.two_step`: each one's text alone in view, stacked);
 2. scout (`_scout`): ONE scouting pass (`mpic.linker.scout.scout_pass`) for all the scouting
    requests of the batch, their text stacked over the stacked linked KV; each policy then sets
    its request's final depths from its scores (`select`);
@@ -139,6 +140,9 @@ def link_pass(
     ]
     if len(requests) > 1 and any(r.hook is not None for r in requests):
         raise ValueError("a policy with an in-pass hook (CacheBlend) links in a pass of its own")
+    two_step = [r for r in requests if r.planned.policy.two_step]
+    if two_step:  # one text-first pass for all of them, each text alone in view
+        prefill_text_first(adapter, [(r.plan, r.kv) for r in two_step])
     _scout(adapter, requests, pass_kv)
     for r in requests:
         _finish(adapter, r)
@@ -174,15 +178,15 @@ def served_plan(planned: PlannedPrompt, num_layers: int, prefix_length: int = 0)
 
 
 def _link(adapter: LayerAdapter, planned: PlannedPrompt, kv: LinkedKV, offset: int) -> _Request:
-    """Stage 1: a scouting policy applied again, the text-first pass (two-step policies), the
-    entries' rotated KV and the cached prefix written into `kv`."""
+    """Stage 1: a scouting policy applied again, the entries' rotated KV and the cached prefix
+    written into `kv` (a two-step policy's text comes from the batch's text-first pass,
+    `link_pass`)."""
     plan, entries, policy = planned.plan, planned.entries, planned.policy
     if policy.scouts:  # a plan carrying an earlier run's final depths scouts from scratch
         plan = policy.apply(plan, entries, adapter.num_layers)
-    ran = torch.zeros(plan.num_tokens, dtype=torch.bool)
-    if policy.two_step:
-        prefill_text_first(adapter, plan, kv)
-        ran |= plan.is_text
+    ran = (
+        plan.is_text.clone() if policy.two_step else torch.zeros(plan.num_tokens, dtype=torch.bool)
+    )
     hook = policy.layer_hook(plan, adapter.num_layers)
     items = linked_items(
         plan,

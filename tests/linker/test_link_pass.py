@@ -2,7 +2,7 @@
 requests of mixed policies linked together equal each linked alone (`link_and_prefill`, the
 batch of one): the same final depths and the same logits and linked KV to float tolerance; the
 scouting requests share ONE scouting pass (one run of the scout's layers over their stacked
-text); in-pass hooks refuse a batch; the stacked KV routes rows to their requests."""
+text), the two-step ones ONE text-first pass; in-pass hooks refuse a batch; the stacked KV routes rows to their requests."""
 
 import dataclasses
 
@@ -68,7 +68,16 @@ def _kv(adapter, planned):
 @pytest.mark.parametrize("prefix", [False, True])
 def test_a_batch_equals_each_request_alone(mrope, prefix):
     adapter = ToyAdapter(mrope=mrope, num_layers=L)
-    policies = ["mpic-2", "auto", "scout-0.6:s0.8", "vlcache-0.5:0.34:0", "full", "auto-0.3"]
+    policies = [
+        "mpic-2",
+        "auto",
+        "full-reuse",
+        "scout-0.6:s0.8",
+        "vlcache-0.5:0.34:0",
+        "full",
+        "auto-0.3",
+        "full-reuse",
+    ]
     planned = _planned(adapter, policies, prefix)
     alone = []
     for p in planned:
@@ -101,6 +110,21 @@ def test_eight_scouting_requests_share_one_scout_pass():
     for p in planned:  # one at a time: a scout and a pass per request
         assert link_and_prefill(adapter, p, _kv(adapter, p)).scout.requests == 1
     assert len(adapter.calls) == 8 * (run_to + L)
+
+
+def test_two_step_requests_share_one_text_first_pass():
+    # full reuse's text-first pass (its text alone in view) for 4 requests: ONE run of the
+    # layers over their stacked text, then the selective pass once (each last token)
+    adapter = _Counting(ToyAdapter(num_layers=L))
+    planned = _planned(adapter._a, ["full-reuse"] * 4)
+    together = link_pass(adapter, planned, [_kv(adapter, p) for p in planned])
+    assert adapter.calls == list(range(L)) + list(range(L))
+    texts = [int(p.plan.is_text.sum()) for p in planned]
+    assert [out.recomputed_tokens for out in together] == texts  # the last token is text
+    adapter.calls.clear()
+    for p in planned:
+        link_and_prefill(adapter, p, _kv(adapter, p))
+    assert len(adapter.calls) == 4 * 2 * L
 
 
 def test_in_pass_hooks_link_alone():

@@ -153,12 +153,12 @@ def batchable(policy: Policy) -> bool:
 
 
 def joins_batch(policy: Policy) -> bool:
-    """True when a policy's requests can share the worker's one batched selective pass
-    (`mpic.engine.vllm.connector.batched_link`): each is prepared alone (scout, correction,
-    prefix), then their recomputed tokens run the layers together. Not two-step policies (their
-    text-first pass) nor in-pass hooks (CacheBlend's selection reads the request's own tokens
-    mid-pass)."""
-    return not policy.two_step and type(policy).layer_hook is Policy.layer_hook
+    """True when a policy's requests can share the worker's one batched link pass
+    (`mpic.engine.vllm.connector.batched_link`): each is linked alone (entries, prefix), the
+    scouting ones scouted together, the two-step ones' text run together (one text-first pass,
+    each text alone in view), then their recomputed tokens run the layers together. Not
+    in-pass hooks (CacheBlend's selection reads the request's own tokens mid-pass)."""
+    return type(policy).layer_hook is Policy.layer_hook
 
 
 def parse_policy(name: str) -> Policy | None:

@@ -2,10 +2,11 @@
 `mpic.engine.vllm.connector.worker`, in a step or on its linking thread).
 
 `RequestLinker.link` takes the jobs whose entries are in memory. Those whose policy joins a batch
-(`link_job.joins_batch`: plain policies, and scouting and corrected ones such as the default
-`auto`) go through ONE link pass together (`mpic.engine.vllm.connector.batched_link`: the
-linker's `link_pass`, one scouting pass for the scouting requests, one selective pass for all);
-the others (two-step policies, in-pass hooks) one at a time through the same pass as a batch of
+(`link_job.joins_batch`: plain policies, scouting and corrected ones such as the default
+`auto`, two-step ones such as `full-reuse`) go through ONE link pass together
+(`mpic.engine.vllm.connector.batched_link`: the linker's `link_pass`, one text-first pass for
+the two-step requests, one scouting pass for the scouting requests, one selective pass for
+all); the others (in-pass hooks: CacheBlend) one at a time through the same pass as a batch of
 one (`link_and_prefill`); both with vLLM's modules (`VllmLayerAdapter`) into their paged blocks
 (`PagedLinkedKV`, read straight from the blocks; dense K/V mirrors only where a CPU layout
 could not be learnt). A
@@ -189,7 +190,7 @@ class RequestLinker:
         Token N-1 runs too (its block exists), so in-pass selections see the same tokens as in
         the reference runner; vLLM's forward then recomputes it identically. The plan's depths
         are the front end's (`mpic.linker.recipe` applied the policy once); the policy object
-        only drives two-step passes and in-pass hooks here. A corrected request's keys are
+        only drives the text-first pass (CacheBlend is two-step too) and in-pass hooks here. A corrected request's keys are
         shifted for vLLM's forward of token N-1 (`shift`)."""
         policy = job.rule()
         planned = PlannedPrompt(plan, entries, policy, refs=[], prefix=prefix)

@@ -155,14 +155,15 @@ def test_eight_in_flight_with_preemption_equal_one_at_a_time(setup: Setup) -> No
     assert [r.token_ids for r in together] == alone
 
 
-def test_the_default_in_flight_together_equals_one_at_a_time(setup: Setup) -> None:
+@pytest.mark.parametrize("policy", ["auto", "full-reuse"])
+def test_in_flight_together_equals_one_at_a_time(setup: Setup, policy: str) -> None:
     # Issue 33 item 1: requests under the default `auto` (scout + linked-key correction) join
-    # the worker's one batched selective pass (each prepared alone: scout, correction, prefix);
-    # their greedy tokens equal those of the same requests linked one at a time, which equal
-    # the reference runner's (test_vllm_families.py).
-    name = setup.engine.policy_name("auto")
+    # the worker's one batched link pass (each prepared alone: scout, correction, prefix), and
+    # so do two-step ones (full reuse: one text-first pass for all); their greedy tokens equal
+    # those of the same requests linked one at a time, which equal the reference runner's.
+    name = setup.engine.policy_name(policy)
     pairs = [
-        _parts(setup, [j % NUM_IMAGES, (j + 1) % NUM_IMAGES], f"default {j}") for j in range(4)
+        _parts(setup, [j % NUM_IMAGES, (j + 1) % NUM_IMAGES], f"{policy} {j}") for j in range(4)
     ]
     requests = [
         linked_request(setup.ref.plan(parts, name).plan, name, setup.engine.spec)
@@ -180,16 +181,18 @@ def test_the_default_in_flight_together_equals_one_at_a_time(setup: Setup) -> No
         assert [r.token_ids for r in together] == [r.token_ids for r in alone]
         linked = after["linked_requests"] - before["linked_requests"]
         assert linked >= 4
-        # issue 33 item 1: every request of a pass is scouted, in that pass's scouting pass
+        # issue 33 item 1: every scouting request of a pass is scouted in that pass's scout
         scouted = after["scouted_requests"] - before["scouted_requests"]
-        assert scouted == linked
+        assert scouted == (linked if policy == "auto" else 0)
         if after["link_passes"] - before["link_passes"] < linked:  # two shared a pass
-            assert after["scout_passes"] - before["scout_passes"] < scouted
+            if policy == "auto":
+                assert after["scout_passes"] - before["scout_passes"] < scouted
             break
     else:
-        pytest.fail("in three tries no two requests under the default shared a link pass")
-    expected = setup.ref.generate(pairs[0][0], name, max_new_tokens=12)
-    assert together[0].token_ids == expected.tokens
+        pytest.fail(f"in three tries no two requests under {policy} shared a link pass")
+    for (parts, _), got in zip(pairs, together, strict=True):
+        expected = setup.ref.generate(parts, name, max_new_tokens=12)
+        assert got.token_ids == expected.tokens
 
 
 @pytest.mark.parametrize("damage", ["deleted", "corrupt"])
