@@ -17,8 +17,8 @@ scout sets the final depths. `link_pass` runs four named stages, each over every
    scouting policy spent their share of the budget on item tokens), the policy's linked-key
    correction handed to the request's linked KV, the recomputed tokens' input embeddings;
 4. the selective pass (`_selective_pass`): the recomputed tokens of every request, stacked,
-   through the layers once (`run_layers`, with the policy's in-pass hook in a batch of one),
-   and each request's last-token logits.
+   through the layers once (`run_layers`; in-pass hooks, CacheBlend's, each over its own
+   request's rows: `_BatchHook`), and each request's last-token logits.
 
 Stacking: request r's prompt index p is the global index `offsets[r] + p` of a linked KV over
 all of them (`mpic.linker.kv.stacked.StackedLinkedKV`, or an engine's own subclass such as the
@@ -119,10 +119,9 @@ def link_pass(
     """Link and selectively prefill every prompt of `prompts` in one pass (module docstring).
 
     kvs: each prompt's linked KV, zeroed, at least N slots; stacked: a linked KV over all of
-    them in batch order (default: a `StackedLinkedKV`; none for a batch of one); in-pass hooks
-    (CacheBlend) only in a batch of one. compute_logits: every prompt's last token must be
-    recomputed at every layer, its logits are returned (False: the engine computes the last
-    token, vLLM).
+    them in batch order (default: a `StackedLinkedKV`; none for a batch of one).
+    compute_logits: every prompt's last token must be recomputed at every layer, its logits are
+    returned (False: the engine computes the last token, vLLM).
     """
     if len(prompts) != len(kvs):
         raise ValueError(f"{len(prompts)} prompts for {len(kvs)} linked KVs")
@@ -138,8 +137,6 @@ def link_pass(
     requests = [
         _link(adapter, p, kv, off) for p, kv, off in zip(prompts, kvs, offsets, strict=True)
     ]
-    if len(requests) > 1 and any(r.hook is not None for r in requests):
-        raise ValueError("a policy with an in-pass hook (CacheBlend) links in a pass of its own")
     two_step = [r for r in requests if r.planned.policy.two_step]
     if two_step:  # one text-first pass for all of them, each text alone in view
         prefill_text_first(adapter, [(r.plan, r.kv) for r in two_step])
@@ -157,6 +154,44 @@ def link_pass(
         )
         for r, result in zip(requests, results, strict=True)
     ]
+
+
+class _BatchHook:
+    """The in-pass hooks of a batch's requests (`LayerHook`, CacheBlend's KV-deviation check),
+    each asked about its own request's active rows, in its own prompt indices and linked KV, as
+    in a pass alone; the other requests' rows stay active."""
+
+    def __init__(self, requests: list[_Request]) -> None:
+        self._requests = [r for r in requests if r.hook is not None]
+
+    def select(
+        self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
+    ) -> torch.Tensor | None:
+        """bool [S] over the pass's active rows (global `index`), or None (no hook acts)."""
+        host = index.cpu()
+        keep: torch.Tensor | None = None
+        for r in self._requests:
+            assert r.hook is not None
+            rows = torch.nonzero((host >= r.offset) & (host < r.offset + r.plan.num_tokens))
+            rows = rows.flatten()
+            if not rows.numel():
+                continue
+            take = rows.to(index.device)
+            chosen = r.hook.select(layer, index[take] - r.offset, k[take], r.kv)
+            if chosen is None:
+                continue
+            if keep is None:
+                keep = torch.ones(host.numel(), dtype=torch.bool)
+            keep[rows] = chosen.cpu()
+        return keep
+
+
+def _pass_hook(requests: list[_Request]) -> LayerHook | None:
+    """The selective pass's in-pass hook: a request's own alone (the very object, as in a pass
+    of one), `_BatchHook` over the requests that have one in a batch, None where none has."""
+    if len(requests) == 1:
+        return requests[0].hook
+    return _BatchHook(requests) if any(r.hook is not None for r in requests) else None
 
 
 def served_plan(planned: PlannedPrompt, num_layers: int, prefix_length: int = 0) -> LinkPlan:
@@ -272,7 +307,7 @@ def _selective_pass(
                 [requests[i].plan.positions[..., requests[i].index] for i in running], dim=-1
             ),
             cat_parts([requests[i].plan.recompute_depth[requests[i].index] for i in running]),
-            requests[0].hook if len(requests) == 1 else None,
+            _pass_hook(requests),
             outputs=torch.isin(index.cpu(), read),
         )
         start = 0

@@ -2,7 +2,8 @@
 requests of mixed policies linked together equal each linked alone (`link_and_prefill`, the
 batch of one): the same final depths and the same logits and linked KV to float tolerance; the
 scouting requests share ONE scouting pass (one run of the scout's layers over their stacked
-text), the two-step ones ONE text-first pass; in-pass hooks refuse a batch; the stacked KV routes rows to their requests."""
+text), the two-step ones ONE text-first pass; in-pass hooks (CacheBlend) select each over its own
+rows; the stacked KV routes rows to their requests."""
 
 import dataclasses
 
@@ -127,13 +128,27 @@ def test_two_step_requests_share_one_text_first_pass():
     assert len(adapter.calls) == 4 * 2 * L
 
 
-def test_in_pass_hooks_link_alone():
+def test_in_pass_hooks_each_select_their_own_rows_in_a_batch():
+    # CacheBlend's KV-deviation check (an in-pass hook) in a batch: each request's hook sees its
+    # own rows, indices and linked KV, so each keeps what it keeps alone (depths equal)
     adapter = ToyAdapter(num_layers=L)
-    planned = _planned(adapter, ["cacheblend-15", "mpic-2"])
-    with pytest.raises(ValueError, match="pass of its own"):
-        link_pass(adapter, planned, [_kv(adapter, p) for p in planned])
-    (one,) = link_pass(adapter, planned[:1], [_kv(adapter, planned[0])])
-    assert one.result.logits is not None
+    policies = ["cacheblend-15", "mpic-2", "cacheblend-50", "auto", "cacheblend-15"]
+    planned = _planned(adapter, policies)
+    alone = []
+    for p in planned:
+        kv = _kv(adapter, p)
+        alone.append((link_and_prefill(adapter, p, kv), kv))
+    kvs = [_kv(adapter, p) for p in planned]
+    together = link_pass(adapter, planned, kvs)
+    for (ref, ref_kv), out, kv in zip(alone, together, kvs, strict=True):
+        assert torch.equal(out.result.recompute_depth, ref.result.recompute_depth)
+        assert out.recomputed_tokens == ref.recomputed_tokens
+        torch.testing.assert_close(out.result.logits, ref.result.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.keys, ref_kv.keys, rtol=1e-5, atol=1e-5)
+    # the check kept some item tokens and dropped others (it acted), differently per request
+    stopped = [out.result.recompute_depth for out in together]
+    dropped = [int(((d > 0) & (d < L)).sum()) for d in stopped]  # stopped at the check layer
+    assert dropped[0] > 0 and dropped[2] > 0 and dropped[1] == 0
 
 
 def test_stacked_kv_routes_rows_to_their_requests():

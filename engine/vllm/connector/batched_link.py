@@ -23,11 +23,11 @@ its K/V read from its blocks, one call per request and layer), the other request
 in the one `cpu_attention_with_kv_cache` call; writes stay one call. On other devices (CUDA),
 and where a request keeps dense mirrors (a CPU layout that could not be learnt), the two
 operations loop over the requests' `PagedLinkedKV`s (one call each:
-`mpic.linker.kv.stacked.StackedLinkedKV`); the layer compute is still shared. Two-step
-policies (full reuse) join too: their text-first passes are one pass of the batch's two-step
-requests (`mpic.linker.two_step`), each text alone in view. Policies whose pass needs the whole
-prompt to itself link in a pass of their own (`link_job.joins_batch`: in-pass hooks), as do
-compression requests.
+`mpic.linker.kv.stacked.StackedLinkedKV`); the layer compute is still shared. Every policy
+joins: two-step ones (full reuse, CacheBlend) have their text-first passes run as one pass of
+the batch's two-step requests (`mpic.linker.two_step`), each text alone in view, and an in-pass
+hook (CacheBlend's KV-deviation check) selects among its own request's rows
+(`mpic.linker.pipeline`). Compression requests link in a pass of their own.
 """
 
 from __future__ import annotations

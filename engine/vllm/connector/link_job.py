@@ -152,15 +152,6 @@ def batchable(policy: Policy) -> bool:
     )
 
 
-def joins_batch(policy: Policy) -> bool:
-    """True when a policy's requests can share the worker's one batched link pass
-    (`mpic.engine.vllm.connector.batched_link`): each is linked alone (entries, prefix), the
-    scouting ones scouted together, the two-step ones' text run together (one text-first pass,
-    each text alone in view), then their recomputed tokens run the layers together. Not
-    in-pass hooks (CacheBlend's selection reads the request's own tokens mid-pass)."""
-    return type(policy).layer_hook is Policy.layer_hook
-
-
 def parse_policy(name: str) -> Policy | None:
     """The policy a linked request names (its canonical name, `VllmFrontEnd.policy_name`),
     parsed once per job; None for a name that does not parse (the job fails in the worker)."""

@@ -1,17 +1,16 @@
 """What runs the link pass on the vLLM worker (vLLM worker process, the connector's worker half,
 `mpic.engine.vllm.connector.worker`, in a step or on its linking thread).
 
-`RequestLinker.link` takes the jobs whose entries are in memory. Those whose policy joins a batch
-(`link_job.joins_batch`: plain policies, scouting and corrected ones such as the default
-`auto`, two-step ones such as `full-reuse`) go through ONE link pass together
+`RequestLinker.link` takes the jobs whose entries are in memory and links them, whatever their
+policy (plain, scouting and corrected such as the default `auto`, two-step such as
+`full-reuse`, CacheBlend's in-pass check), in ONE link pass together
 (`mpic.engine.vllm.connector.batched_link`: the linker's `link_pass`, one text-first pass for
 the two-step requests, one scouting pass for the scouting requests, one selective pass for
-all); the others (in-pass hooks: CacheBlend) one at a time through the same pass as a batch of
-one (`link_and_prefill`); both with vLLM's modules (`VllmLayerAdapter`) into their paged blocks
-(`PagedLinkedKV`, read straight from the blocks; dense K/V mirrors only where a CPU layout
-could not be learnt). A
-request whose params carry `mpic_press` is an item's canonical prompt: its prefill is observed
-and the item's compressed entry written to the store (`mpic.engine.vllm.presses`).
+all, each CacheBlend request checking its own rows), with vLLM's modules (`VllmLayerAdapter`)
+into their paged blocks (`PagedLinkedKV`, read straight from the blocks; dense K/V mirrors only
+where a CPU layout could not be learnt). A request whose params carry `mpic_press` is an item's
+canonical prompt (a compression request): its prefill runs alone, observed, and the item's
+compressed entry is written to the store (`mpic.engine.vllm.presses`).
 
 The template/system prefix (`mpic.linker.prefix`, `link_prefix`, on by default): before a
 request is linked, the worker finds, from the plan and the entries it has just read, the longest
@@ -38,9 +37,9 @@ from mpic.engine.item_press import press_item_entry
 from mpic.engine.vllm.connector.adapter import VllmLayerAdapter
 from mpic.engine.vllm.connector.batched_link import BatchItem, link_batch
 from mpic.engine.vllm.connector.entry_reads import LOAD_ERRORS
-from mpic.engine.vllm.connector.link_job import LinkJob, joins_batch
+from mpic.engine.vllm.connector.link_job import LinkJob
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV, paged_ops
-from mpic.linker.pipeline import LinkedPrefill, link_and_prefill
+from mpic.linker.pipeline import LinkedPrefill
 from mpic.linker.policies.base import Policy
 from mpic.linker.prefix import CachedPrefix, PrefixCache, takes_prefix
 from mpic.linker.recipe import PlannedPrompt
@@ -105,17 +104,17 @@ class RequestLinker:
                 plan = job.plan()
                 policy = job.rule()  # parsed once, where the job was built
                 prefix = self._prefix(job, policy, plan, entries)
-                if job.press is None and joins_batch(policy):
+                if job.press is None:  # every policy joins the batch
                     plan = self._fit(job, plan)
                     kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
                     item = BatchItem(plan, entries, kv, job.block_ids, policy, prefix)
                     batch.append((job, item))
                     continue
-                out = self._link_one(job, plan, entries, layers, caches, adapter, shift, prefix)
+                self._press(job, plan, entries, layers, caches, adapter)
             except LOAD_ERRORS as exc:
                 failed(job, exc)
                 continue
-            linked([job], began, [out] if out is not None else [])
+            linked([job], began, [])
         groups = [batch] if self.batch_links else [[one] for one in batch]
         for group in groups if batch else []:
             began = time.perf_counter()
@@ -172,7 +171,7 @@ class RequestLinker:
             recompute_depth=plan.recompute_depth[:n],
         )
 
-    def _link_one(
+    def _press(
         self,
         job: LinkJob,
         plan: LinkPlan,
@@ -180,29 +179,17 @@ class RequestLinker:
         layers: list,
         caches: list[torch.Tensor],
         adapter: Any,
-        shift: Shift,
-        prefix: CachedPrefix | None = None,
-    ) -> LinkedPrefill | None:
-        """The linker's `link_and_prefill` (the link pass of one) over the whole prompt, into
-        the request's blocks (with `prefix`: its tokens linked exactly, `mpic.linker.prefix`);
-        None for a compression request (its entry stored instead).
-
-        Token N-1 runs too (its block exists), so in-pass selections see the same tokens as in
-        the reference runner; vLLM's forward then recomputes it identically. The plan's depths
-        are the front end's (`mpic.linker.recipe` applied the policy once); the policy object
-        only drives the text-first pass (CacheBlend is two-step too) and in-pass hooks here. A corrected request's keys are
-        shifted for vLLM's forward of token N-1 (`shift`)."""
+    ) -> None:
+        """A compression request (an item's canonical prompt, `job.press`): its prefill into the
+        request's blocks, observed by the press, and the item's compressed entry stored
+        (`mpic.engine.item_press`). It links in a pass of its own."""
+        assert job.press is not None
         policy = job.rule()
-        planned = PlannedPrompt(plan, entries, policy, refs=[], prefix=prefix)
+        planned = PlannedPrompt(plan, entries, policy, refs=[])
         kv = self._paged_kv(job, policy, plan, layers, caches, adapter)
         kv.clear()  # the "dummy cache" of zeros, as in the reference runner's dense KV
-        if job.press is not None:  # the item's canonical prefill, observed; compressed entry
-            entry = press_item_entry(adapter, planned, kv, job.press.press, job.press.budget)
-            self._store().put(entry)
-            return None
-        out = link_and_prefill(adapter, planned, kv)
-        shift(job, kv, plan)
-        return out
+        entry = press_item_entry(adapter, planned, kv, job.press.press, job.press.budget)
+        self._store().put(entry)
 
     def _paged_kv(
         self,

@@ -13,10 +13,10 @@ with the tiny LLaVA:
   the ratio a lot) against 115x for the sync run; the 1.2x figures are the benchmark's,
   docs/vllm.md "Under load";
 - batching: 8 linked requests arriving together are linked in one link pass (the connector's
-  counter), under mpic-32, the default and full reuse; their TTFT p50 is a sanity bound (at most 1.5x one pass per request's):
-  on the tiny model the two differ by a few ms (41.2 vs 40.2 ms in one full-suite run, the
-  other way round in the next), so which is lower is the benchmark's figure
-  (`mpic bench linking`), not this test's.
+  counter), under mpic-32, the default, full reuse and CacheBlend; their TTFT p50 is a sanity
+  bound (at most 1.5x one pass per request's): on the tiny model the two differ by a few ms
+  (41.2 vs 40.2 ms in one full-suite run, the other way round in the next), so which is lower
+  is the benchmark's figure (`mpic bench linking`), not this test's.
 Exactness of batched passes: `test_vllm_linking.py` (8 requests in flight equal one at a time)."""
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ def test_entry_reads_do_not_stall_decoding(tiny_llava_dir: Path) -> None:
     assert run.itl_loading_ms * 10 < sync.itl_loading_ms
 
 
-@pytest.mark.parametrize("policy", ["mpic-32", "auto", "full-reuse"])
+@pytest.mark.parametrize("policy", ["mpic-32", "auto", "full-reuse", "cacheblend-15"])
 def test_eight_arriving_together_are_linked_in_one_pass(tiny_llava_dir: Path, policy: str) -> None:
     # the default `auto` (scout + correction) joins the batched pass too (issue 33 item 1), and
-    # so do two-step policies (full reuse: their text-first passes are one pass too)
+    # so do two-step policies (full reuse: their text-first passes are one pass too) and
+    # CacheBlend (its in-pass check over its own rows)
     together = batching(str(tiny_llava_dir), requests=8, batch_links=True, policy=policy)
     apart = batching(str(tiny_llava_dir), requests=8, batch_links=False, policy=policy)
     print(together.ttft_ms, together.stats, apart.ttft_ms, apart.stats)

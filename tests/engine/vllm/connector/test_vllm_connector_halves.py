@@ -13,7 +13,7 @@ import torch
 from mpic.engine.vllm import params as vllm_params
 from mpic.engine.vllm import presses as vllm_presses
 from mpic.engine.vllm.connector.batched_link import BatchedPagedKV, BatchItem, link_batch
-from mpic.engine.vllm.connector.link_job import LinkJob, batchable, joins_batch, needs_last_token
+from mpic.engine.vllm.connector.link_job import LinkJob, batchable, needs_last_token
 from mpic.engine.vllm.connector.paged_cuda import FlashPagedOps
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.engine.vllm.connector.scheduler import MPICScheduler
@@ -75,10 +75,6 @@ def test_policies_that_batch() -> None:
     assert not batchable(get_policy("cacheblend-15"))  # in-pass hook
     assert not needs_last_token(get_policy("mpic-4"))
     assert needs_last_token(get_policy("cacheblend-15")) and needs_last_token(None)
-    # the batched pass also takes scouting and corrected policies (the default), not hooks or
-    # two-step policies
-    assert joins_batch(get_policy("auto")) and joins_batch(get_policy("mpic-32"))
-    assert not joins_batch(get_policy("cacheblend-15"))
 
 
 def test_linked_claims_are_async_and_ship_their_blocks() -> None:

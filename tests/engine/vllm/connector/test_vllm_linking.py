@@ -155,11 +155,12 @@ def test_eight_in_flight_with_preemption_equal_one_at_a_time(setup: Setup) -> No
     assert [r.token_ids for r in together] == alone
 
 
-@pytest.mark.parametrize("policy", ["auto", "full-reuse"])
+@pytest.mark.parametrize("policy", ["auto", "full-reuse", "cacheblend-15"])
 def test_in_flight_together_equals_one_at_a_time(setup: Setup, policy: str) -> None:
     # Issue 33 item 1: requests under the default `auto` (scout + linked-key correction) join
     # the worker's one batched link pass (each prepared alone: scout, correction, prefix), and
-    # so do two-step ones (full reuse: one text-first pass for all); their greedy tokens equal
+    # so do two-step ones (full reuse: one text-first pass for all) and CacheBlend (its check
+    # over its own rows); their greedy tokens equal
     # those of the same requests linked one at a time, which equal the reference runner's.
     name = setup.engine.policy_name(policy)
     pairs = [
