@@ -65,21 +65,9 @@ def _kv(adapter, planned):
     return DenseLinkedKV(adapter.num_layers, planned.plan.num_tokens, 2, 8)
 
 
-@pytest.mark.parametrize("mrope", [False, True])
-@pytest.mark.parametrize("prefix", [False, True])
-def test_a_batch_equals_each_request_alone(mrope, prefix):
-    adapter = ToyAdapter(mrope=mrope, num_layers=L)
-    policies = [
-        "mpic-2",
-        "auto",
-        "full-reuse",
-        "scout-0.6:s0.8",
-        "vlcache-0.5:0.34:0",
-        "full",
-        "auto-0.3",
-        "full-reuse",
-    ]
-    planned = _planned(adapter, policies, prefix)
+def _batch_equals_alone(adapter, planned):
+    """Link `planned` one at a time, then in one batch: the same final depths, logits and
+    linked KV (float tolerance). Returns the batch's outcomes."""
     alone = []
     for p in planned:
         kv = _kv(adapter, p)
@@ -94,6 +82,24 @@ def test_a_batch_equals_each_request_alone(mrope, prefix):
         torch.testing.assert_close(out.result.logits, ref.result.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv.keys, ref_kv.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv.values, ref_kv.values, rtol=1e-5, atol=1e-5)
+    return together
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_batch_equals_each_request_alone(mrope, prefix):
+    adapter = ToyAdapter(mrope=mrope, num_layers=L)
+    policies = [
+        "mpic-2",
+        "auto",
+        "full-reuse",
+        "scout-0.6:s0.8",
+        "vlcache-0.5:0.34:0",
+        "full",
+        "auto-0.3",
+        "full-reuse",
+    ]
+    together = _batch_equals_alone(adapter, _planned(adapter, policies, prefix))
     scouted = [out.scout for out in together if out.scout is not None]
     assert len(scouted) == 3 and all(s.requests == 3 for s in scouted)
 
@@ -133,18 +139,7 @@ def test_in_pass_hooks_each_select_their_own_rows_in_a_batch():
     # own rows, indices and linked KV, so each keeps what it keeps alone (depths equal)
     adapter = ToyAdapter(num_layers=L)
     policies = ["cacheblend-15", "mpic-2", "cacheblend-50", "auto", "cacheblend-15"]
-    planned = _planned(adapter, policies)
-    alone = []
-    for p in planned:
-        kv = _kv(adapter, p)
-        alone.append((link_and_prefill(adapter, p, kv), kv))
-    kvs = [_kv(adapter, p) for p in planned]
-    together = link_pass(adapter, planned, kvs)
-    for (ref, ref_kv), out, kv in zip(alone, together, kvs, strict=True):
-        assert torch.equal(out.result.recompute_depth, ref.result.recompute_depth)
-        assert out.recomputed_tokens == ref.recomputed_tokens
-        torch.testing.assert_close(out.result.logits, ref.result.logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(kv.keys, ref_kv.keys, rtol=1e-5, atol=1e-5)
+    together = _batch_equals_alone(adapter, _planned(adapter, policies))
     # the check kept some item tokens and dropped others (it acted), differently per request
     stopped = [out.result.recompute_depth for out in together]
     dropped = [int(((d > 0) & (d < L)).sum()) for d in stopped]  # stopped at the check layer
