@@ -192,7 +192,7 @@ def check_module_member(token: str) -> str | None:
         if any(
             rest[0] in c.members for cs in index.classes.values() for c in cs if c.module == module
         ):
-            return None  # a method of a class of the module (`worker._link_one`)
+            return None  # a method of a class of the module (`worker._shift_last_query`)
     if head in index.bound and rest[0] in index.words:
         return None  # also a variable's name (`spec.eos_token_id`, `app.calls`)
     return f"no module {head!r} defines {rest[0]!r}"

@@ -40,7 +40,7 @@ def test_every_name_the_docs_give_in_backticks_exists() -> None:
         "ReferenceRunner.press_entry(entry, press, budget)",
         "DEFAULT_BUDGET",
         "link_job.batchable",
-        "worker._link_one",
+        "worker._shift_last_query",
         "engine.kind",
         "get_policy(name)",
         "plan_prompt",

@@ -324,7 +324,7 @@ class MPICWorker:
 
     def _shift_last_query(self, job: LinkJob, kv: PagedLinkedKV, plan: LinkPlan) -> None:
         """A corrected request's keys shifted for vLLM's forward of token N-1
-        (`RequestLinker._link_one`): now when that forward is this step's, else in the step
+        (`RequestLinker.link`): now when that forward is this step's, else in the step
         that schedules it."""
         if job.phase2 == "shift":
             with self._lock:
