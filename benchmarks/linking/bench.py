@@ -114,6 +114,12 @@ def command(
         "--modes",
         help="Head-of-line load modes to run (exact: the same prompts as plain vLLM requests).",
     ),
+    policies: str = typer.Option(
+        "mpic-32,auto",
+        "--policies",
+        help="Batching: the policies whose requests arrive together, each batched and one pass "
+        "per request (every policy joins the batched pass).",
+    ),
     out: str = typer.Option("out/linking", "--out", help="Folder for JSON and PNGs."),
 ) -> None:
     """Head-of-line (async vs sync entry reads) and batched linking on the vLLM worker."""
@@ -121,15 +127,21 @@ def command(
     from rich.table import Table
 
     from mpic.deployments.local import prepare_local
+    from mpic.linker.policies import policy_names
 
-    if model is None:
-        from mpic.deployments.config import ServeAppConfig
-
-        model = prepare_local(ServeAppConfig()).engine.model
     names = {"background": True, "reads": "reads", "step": False, "exact": "reads"}
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
     if unknown := set(chosen) - set(names):
         raise typer.BadParameter(f"unknown mode(s) {sorted(unknown)}; choose from {list(names)}")
+    batched = [p.strip() for p in policies.split(",") if p.strip()]
+    try:
+        policy_names(policies)  # checked before any model is written or engine started
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policies") from exc
+    if model is None:
+        from mpic.deployments.config import ServeAppConfig
+
+        model = prepare_local(ServeAppConfig()).engine.model
     hol = [
         head_of_line(
             model, delay_ms / 1e3, names[m], link_share=link_share, exact=m == "exact"
@@ -137,9 +149,7 @@ def command(
         for m in chosen
     ]
     bat = [
-        batching(model, requests, batch_links=b, policy=p)
-        for p in ("mpic-32", "auto")  # the default joins the batched pass too
-        for b in (True, False)
+        batching(model, requests, batch_links=b, policy=p) for p in batched for b in (True, False)
     ]
     table = Table(title="Linking on the vLLM worker")
     for col in ["run", "figure"]:
