@@ -159,30 +159,33 @@ def link_pass(
 class _BatchHook:
     """The in-pass hooks of a batch's requests (`LayerHook`, CacheBlend's KV-deviation check),
     each asked about its own request's active rows, in its own prompt indices and linked KV, as
-    in a pass alone; the other requests' rows stay active."""
+    in a pass alone; the other requests' rows stay active. At a layer where no hook acts
+    (`acts_at`) nothing is read: no host sync."""
 
     def __init__(self, requests: list[_Request]) -> None:
         self._requests = [r for r in requests if r.hook is not None]
 
+    def acts_at(self, layer: int) -> bool:
+        return any(r.hook is not None and r.hook.acts_at(layer) for r in self._requests)
+
     def select(
         self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
     ) -> torch.Tensor | None:
-        """bool [S] over the pass's active rows (global `index`), or None (no hook acts)."""
-        host = index.cpu()
-        keep: torch.Tensor | None = None
-        for r in self._requests:
+        """bool [S] over the pass's active rows (global `index`, ascending), or None."""
+        acting = [r for r in self._requests if r.hook is not None and r.hook.acts_at(layer)]
+        if not acting:
+            return None
+        host = index.cpu()  # a sync, as the hook's own at its layer
+        keep = torch.ones(host.numel(), dtype=torch.bool)
+        for r in acting:  # request r's rows: one range of the ascending index
             assert r.hook is not None
-            rows = torch.nonzero((host >= r.offset) & (host < r.offset + r.plan.num_tokens))
-            rows = rows.flatten()
-            if not rows.numel():
+            ends = torch.tensor([r.offset, r.offset + r.plan.num_tokens])
+            a, b = torch.searchsorted(host, ends).tolist()
+            if a == b:
                 continue
-            take = rows.to(index.device)
-            chosen = r.hook.select(layer, index[take] - r.offset, k[take], r.kv)
-            if chosen is None:
-                continue
-            if keep is None:
-                keep = torch.ones(host.numel(), dtype=torch.bool)
-            keep[rows] = chosen.cpu()
+            chosen = r.hook.select(layer, index[a:b] - r.offset, k[a:b], r.kv)
+            if chosen is not None:
+                keep[a:b] = chosen.cpu()
         return keep
 
 

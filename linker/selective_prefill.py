@@ -29,6 +29,12 @@ from mpic.linker.kv.linked import LinkedKV
 class LayerHook(Protocol):
     """A dynamic token selection inside the pass (CacheBlend's KV-deviation check)."""
 
+    def acts_at(self, layer: int) -> bool:
+        """True at the layers where `select` may return a mask (it returns None elsewhere): a
+        batch asks each request's hook only there (`mpic.linker.pipeline`), so the layers
+        where none acts cost no host sync."""
+        ...
+
     def select(
         self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
     ) -> torch.Tensor | None:

@@ -35,11 +35,15 @@ class KVDeviationHook:
         self.always = always
         """bool [N] by prompt index, or None (nothing but the last token)."""
 
+    def acts_at(self, layer: int) -> bool:
+        """Only at the check layer."""
+        return layer == self.check_layer
+
     def select(
         self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
     ) -> torch.Tensor | None:
         """bool [S]: the tokens to keep recomputing (None before/after the check layer)."""
-        if layer != self.check_layer:
+        if not self.acts_at(layer):
             return None
         old = linked_kv.read_keys(layer, index).to(k.device, torch.float32)
         deviation = (k.float() - old).pow(2).sum(dim=(-2, -1)).cpu()  # [S]

@@ -6,14 +6,16 @@ text), the two-step ones ONE text-first pass; in-pass hooks (CacheBlend) select 
 rows; the stacked KV routes rows to their requests."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mpic.linker.kv.dense import DenseLinkedKV
 from mpic.linker.kv.stacked import StackedLinkedKV
-from mpic.linker.pipeline import link_and_prefill, link_pass
+from mpic.linker.pipeline import _BatchHook, link_and_prefill, link_pass
 from mpic.linker.plan import build_plan, resolve_entries, unique_entries
+from mpic.linker.policies.cacheblend import KVDeviationHook
 from mpic.linker.policies.scout import scout_layers
 from mpic.linker.prefix import PrefixCache
 from mpic.linker.recipe import with_policy
@@ -144,6 +146,17 @@ def test_in_pass_hooks_each_select_their_own_rows_in_a_batch():
     stopped = [out.result.recompute_depth for out in together]
     dropped = [int(((d > 0) & (d < L)).sum()) for d in stopped]  # stopped at the check layer
     assert dropped[0] > 0 and dropped[2] > 0 and dropped[1] == 0
+
+
+def test_a_batch_hook_reads_nothing_where_no_hook_acts():
+    # on CUDA reading the active index is a host sync: a batch reads it only at a layer where
+    # one of its hooks acts (CacheBlend's check layer), as a hook alone does
+    hook = KVDeviationHook(check_layer=1, count=1, last_index=3)
+    cacheblend = SimpleNamespace(hook=hook, offset=0, plan=SimpleNamespace(num_tokens=4), kv=None)
+    batch = _BatchHook([cacheblend, SimpleNamespace(hook=None)])
+    assert [batch.acts_at(layer) for layer in range(3)] == [False, True, False]
+    assert batch.select(0, None, None, None) is None  # None: the index is not even touched
+    assert batch.select(2, None, None, None) is None
 
 
 def test_stacked_kv_routes_rows_to_their_requests():

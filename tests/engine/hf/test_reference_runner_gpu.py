@@ -117,6 +117,9 @@ def test_fused_flex_equals_sdpa_runs_on_cuda(tiny_model_dir, sample_images):
 class _SyncGuard:
     """A no-op in-pass hook that makes any host<->device sync raise from layer 1 on."""
 
+    def acts_at(self, layer):
+        return layer == 1
+
     def select(self, layer, index, k, linked_kv):
         if layer == 1:
             torch.cuda.set_sync_debug_mode("error")
