@@ -159,31 +159,30 @@ def link_pass(
 class _BatchHook:
     """The in-pass hooks of a batch's requests (`LayerHook`, CacheBlend's KV-deviation check),
     each asked about its own request's active rows, in its own prompt indices and linked KV, as
-    in a pass alone; the other requests' rows stay active. At a layer where no hook acts
-    (`acts_at`) nothing is read: no host sync."""
+    in a pass alone (the rows split as the stacked KV splits them for its writes and attention:
+    `StackedLinkedKV.by_request`); the other requests' rows stay active. At a layer where no
+    hook acts (`acts_at`) nothing is read: no host sync."""
 
     def __init__(self, requests: list[_Request]) -> None:
-        self._requests = [r for r in requests if r.hook is not None]
+        self._hooks = [r.hook for r in requests]  # by batch position
+        self._kvs = [r.kv for r in requests]
 
     def acts_at(self, layer: int) -> bool:
-        return any(r.hook is not None and r.hook.acts_at(layer) for r in self._requests)
+        return any(hook is not None and hook.acts_at(layer) for hook in self._hooks)
 
     def select(
         self, layer: int, index: torch.Tensor, k: torch.Tensor, linked_kv: LinkedKV
     ) -> torch.Tensor | None:
-        """bool [S] over the pass's active rows (global `index`, ascending), or None."""
-        acting = [r for r in self._requests if r.hook is not None and r.hook.acts_at(layer)]
-        if not acting:
+        """bool [S] over the pass's active rows (global `index`), or None."""
+        if not self.acts_at(layer):
             return None
-        host = index.cpu()  # a sync, as the hook's own at its layer
-        keep = torch.ones(host.numel(), dtype=torch.bool)
-        for r in acting:  # request r's rows: one range of the ascending index
-            assert r.hook is not None
-            ends = torch.tensor([r.offset, r.offset + r.plan.num_tokens])
-            a, b = torch.searchsorted(host, ends).tolist()
-            if a == b:
+        assert isinstance(linked_kv, StackedLinkedKV), "a batch runs over a stacked KV"
+        keep = torch.ones(index.shape[0], dtype=torch.bool)
+        for a, b, r, local in linked_kv.by_request(index):  # reads the index: a sync on CUDA
+            hook = self._hooks[r]
+            if hook is None or not hook.acts_at(layer):
                 continue
-            chosen = r.hook.select(layer, index[a:b] - r.offset, k[a:b], r.kv)
+            chosen = hook.select(layer, local, k[a:b], self._kvs[r])
             if chosen is not None:
                 keep[a:b] = chosen.cpu()
         return keep

@@ -56,7 +56,7 @@ class StackedLinkedKV:
         edges = [0, *breaks.tolist(), int(host.shape[0])]
         return [(a, b, int(req[a])) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
-    def _by_request(self, index: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
+    def by_request(self, index: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """`_requests(index)` with each request's local index, computed once per index object:
         `run_layers` hands the same object to every layer until the active set changes, and a
         request's attention keeps its prepared masks while it gets the same local object."""
@@ -69,7 +69,7 @@ class StackedLinkedKV:
 
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite global indices `index` [S] of `layer` with k, v [S, H_kv, D]."""
-        for a, b, r, local in self._by_request(index):
+        for a, b, r, local in self.by_request(index):
             self._kvs[r].write(layer, local, k[a:b], v[a:b])
 
     def write_layers(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -80,7 +80,7 @@ class StackedLinkedKV:
 
     def read_keys(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Keys linked at global indices `index` of `layer`: [S, H_kv, D]."""
-        parts = [self._kvs[r].read_keys(layer, local) for _, _, r, local in self._by_request(index)]
+        parts = [self._kvs[r].read_keys(layer, local) for _, _, r, local in self.by_request(index)]
         return torch.cat(parts)
 
     def set_correction(self, correction: object) -> None:
@@ -92,6 +92,6 @@ class StackedLinkedKV:
         request's keys [0, p] (one call per request present; their outputs joined by one
         `cat`, none for a single request)."""
         parts = [
-            self._kvs[r].attend(layer, q[a:b], local) for a, b, r, local in self._by_request(index)
+            self._kvs[r].attend(layer, q[a:b], local) for a, b, r, local in self.by_request(index)
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)

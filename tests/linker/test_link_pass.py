@@ -153,7 +153,7 @@ def test_a_batch_hook_reads_nothing_where_no_hook_acts():
     # one of its hooks acts (CacheBlend's check layer), as a hook alone does
     hook = KVDeviationHook(check_layer=1, count=1, last_index=3)
     cacheblend = SimpleNamespace(hook=hook, offset=0, plan=SimpleNamespace(num_tokens=4), kv=None)
-    batch = _BatchHook([cacheblend, SimpleNamespace(hook=None)])
+    batch = _BatchHook([cacheblend, SimpleNamespace(hook=None, kv=None)])
     assert [batch.acts_at(layer) for layer in range(3)] == [False, True, False]
     assert batch.select(0, None, None, None) is None  # None: the index is not even touched
     assert batch.select(2, None, None, None) is None

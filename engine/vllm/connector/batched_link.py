@@ -139,7 +139,7 @@ class BatchedPagedKV(StackedLinkedKV):
                 kept.append((starts, starts + b - a, r))
                 starts += b - a
             out[rows] = self._attend_plain(layer, q[rows], index[rows], kept)
-        for a, b, r, local in self._by_request(index):
+        for a, b, r, local in self.by_request(index):
             if r in corrected:  # the corrected kernel over the request's own blocks
                 out[a:b] = self._kvs[r].attend(layer, q[a:b], local)
         return out
