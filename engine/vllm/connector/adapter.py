@@ -9,12 +9,20 @@ rotary_emb, attn, o_proj) -> post_attention_layernorm -> mlp`.
 
 The adapter carries the full residual stream `hidden` between layers and adds residuals itself:
 vLLM's fused "add + RMSNorm" (residual kept apart, possibly in place) computes the same sums.
+
+On the CPU the RMSNorms run vLLM's fused CPU kernel (`torch.ops._C.rms_norm`) and the gated MLP's
+SiLU multiplies in place: vLLM's eager CPU forward runs its norms' native torch recipe (seven
+unfused passes over the rows), which cost a fourteenth of a batched link pass of 16 small-LLaVA
+prompts (3.3 vs 0.23 ms a norm at 2,400 rows x 512, 2 threads). The values agree to float32
+rounding (2e-6 at unit scale); elsewhere the modules run as vLLM's forward runs them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from vllm.model_executor.layers.activation import SiluAndMul
 
 from mpic.model_spec import RopeSpec
 
@@ -45,6 +53,7 @@ class VllmLayerAdapter:
         weight = self._lm.model.embed_tokens.weight
         self.dtype = weight.dtype
         self.device = weight.device
+        self._fused_cpu = self.device.type == "cpu" and hasattr(torch.ops._C, "rms_norm")
 
     def attention_layer(self, layer: int) -> nn.Module:
         """vLLM's `Attention` module of `layer` (owns `layer_name`, `isa`, scales, `impl`)."""
@@ -60,7 +69,7 @@ class VllmLayerAdapter:
         """hidden [S, hidden], positions [S] or [3, S] -> q [S, H, D], k, v [S, H_kv, D]."""
         block = self._layers[layer]
         attn = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = self._norm(block.input_layernorm, hidden)
         qkv, _ = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q, k = attn.rotary_emb(positions.to(self.device), q, k)
@@ -78,9 +87,40 @@ class VllmLayerAdapter:
         block = self._layers[layer]
         out, _ = block.self_attn.o_proj(attn_out.reshape(hidden.shape[0], -1))
         residual = hidden + out  # vLLM's fused add+norm may work in place: keep `hidden` intact
-        return block.mlp(block.post_attention_layernorm(residual)) + residual
+        return self._mlp(block.mlp, self._norm(block.post_attention_layernorm, residual)) + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] float32 (final norm, LM head, vLLM's logits processor)."""
-        x = self._lm.model.norm(hidden)
+        x = self._norm(self._lm.model.norm, hidden)
         return self._lm.logits_processor(self._lm.lm_head, x).float()
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """vLLM's `RMSNorm` of x [S, hidden]: `cpu_rms_norm` on the CPU, else the module."""
+        return cpu_rms_norm(norm, x) if self._fused_cpu else norm(x)
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """vLLM's gated MLP of x [S, hidden]: `cpu_gated_mlp` on the CPU, else the module."""
+        return cpu_gated_mlp(mlp, x) if self._fused_cpu else mlp(x)
+
+
+def cpu_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """vLLM's `RMSNorm` module `norm` applied to x [S, hidden] through vLLM's fused CPU kernel
+    (one pass over the rows instead of the native recipe's seven); a norm over part of the row
+    or without a weight runs as the module."""
+    if norm.variance_size_override is not None or not norm.has_weight:
+        return norm(x)
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x.contiguous(), norm.weight.data, norm.variance_epsilon)
+    return out
+
+
+def cpu_gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """vLLM's gated MLP module `mlp` (Llama / Qwen2: gate_up_proj, act_fn, down_proj) applied to
+    x [S, hidden] -> [S, hidden] = down(silu(gate) * up), the product taken in place: the values
+    of vLLM's `SiluAndMul` with one allocation fewer. Another activation runs as the module."""
+    if not isinstance(mlp.act_fn, SiluAndMul):
+        return mlp(x)
+    gate_up, _ = mlp.gate_up_proj(x)
+    half = gate_up.shape[-1] // 2
+    out, _ = mlp.down_proj(F.silu(gate_up[:, :half]).mul_(gate_up[:, half:]))
+    return out
