@@ -8,19 +8,9 @@ import torch
 from torch import nn
 
 from mpic.engine.vllm.connector.adapter import cpu_gated_mlp, cpu_rms_norm
+from tests.engine.vllm.connector.cpu_ops import vllm_cpu_op_built
 
-
-def _cpu_ops_built() -> bool:
-    try:
-        from vllm import _custom_ops  # noqa: F401
-
-        torch.ops._C.rms_norm  # noqa: B018 - raises if not registered
-    except (ImportError, AttributeError, RuntimeError):
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _cpu_ops_built(), reason="vLLM's CPU ops")
+pytestmark = pytest.mark.skipif(not vllm_cpu_op_built("rms_norm"), reason="vLLM's CPU ops")
 
 
 @pytest.fixture

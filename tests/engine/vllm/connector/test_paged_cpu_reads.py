@@ -14,19 +14,11 @@ from mpic.engine.vllm.connector.paged_cpu import CpuPagedOps, cpu_layout
 from mpic.engine.vllm.connector.paged_kv import PagedLinkedKV
 from mpic.linker.correction import LinkCorrection
 from mpic.linker.policies import get_policy
+from tests.engine.vllm.connector.cpu_ops import vllm_cpu_op_built
 
-
-def _cpu_ops_built() -> bool:
-    try:
-        from vllm import _custom_ops  # noqa: F401
-
-        torch.ops._C.cpu_attn_reshape_and_cache  # noqa: B018 - raises if not registered
-    except (ImportError, AttributeError, RuntimeError):
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _cpu_ops_built(), reason="vLLM's CPU attention ops")
+pytestmark = pytest.mark.skipif(
+    not vllm_cpu_op_built("cpu_attn_reshape_and_cache"), reason="vLLM's CPU attention ops"
+)
 
 BS, HKV, HEADS, DIM = 32, 2, 4, 64
 
