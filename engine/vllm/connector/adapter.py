@@ -53,6 +53,7 @@ class VllmLayerAdapter:
         weight = self._lm.model.embed_tokens.weight
         self.dtype = weight.dtype
         self.device = weight.device
+        # the CPU with vLLM's CPU kernels: the norms and the MLP's product take the shortcuts
         self._fused_cpu = self.device.type == "cpu" and hasattr(torch.ops._C, "rms_norm")
 
     def attention_layer(self, layer: int) -> nn.Module:
