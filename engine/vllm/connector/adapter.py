@@ -12,8 +12,8 @@ vLLM's fused "add + RMSNorm" (residual kept apart, possibly in place) computes t
 
 On the CPU the RMSNorms run vLLM's fused CPU kernel (`torch.ops._C.rms_norm`) and the gated MLP's
 SiLU multiplies in place: vLLM's eager CPU forward runs its norms' native torch recipe (seven
-unfused passes over the rows), which cost a fourteenth of a batched link pass of 16 small-LLaVA
-prompts (3.3 vs 0.23 ms a norm at 2,400 rows x 512, 2 threads). The values agree to float32
+unfused passes over the rows), about 7% of a batched link pass of 16 small-LLaVA prompts
+(3.3 vs 0.23 ms a norm at 2,400 rows x 512, 2 threads). The values agree to float32
 rounding (2e-6 at unit scale); elsewhere the modules run as vLLM's forward runs them.
 """
 
