@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 from mpic.model_spec import RopeSpec
 
@@ -118,8 +119,10 @@ def cpu_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def cpu_gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """vLLM's gated MLP module `mlp` (Llama / Qwen2: gate_up_proj, act_fn, down_proj) applied to
     x [S, hidden] -> [S, hidden] = down(silu(gate) * up), the product taken in place: the values
-    of vLLM's `SiluAndMul` with one allocation fewer. Another activation runs as the module."""
-    if not isinstance(mlp.act_fn, SiluAndMul):
+    of vLLM's `SiluAndMul` with one allocation fewer. Another activation, or a quantized
+    `down_proj` (vLLM may fuse its input quantization into the activation), runs as the module."""
+    plain = isinstance(getattr(mlp.down_proj, "quant_method", None), UnquantizedLinearMethod)
+    if not isinstance(mlp.act_fn, SiluAndMul) or not plain:
         return mlp(x)
     gate_up, _ = mlp.gate_up_proj(x)
     half = gate_up.shape[-1] // 2

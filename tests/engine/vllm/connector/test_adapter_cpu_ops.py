@@ -47,11 +47,14 @@ def test_cpu_rms_norm_of_a_strided_input(vllm_config):
 
 
 class _Linear(nn.Module):
-    """vLLM's linear layers' call contract: (output, bias) tuple."""
+    """vLLM's linear layers' call contract: (output, bias) tuple; unquantized unless told."""
 
-    def __init__(self, n_in: int, n_out: int) -> None:
+    def __init__(self, n_in: int, n_out: int, quant_method: object = None) -> None:
         super().__init__()
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
         self.inner = nn.Linear(n_in, n_out, bias=False)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
 
     def forward(self, x):
         return self.inner(x), None
@@ -81,3 +84,22 @@ def test_cpu_gated_mlp_runs_another_activation_as_the_module(vllm_config):
 
     x = torch.randn(3, 8)
     assert torch.equal(cpu_gated_mlp(Other(), x), torch.full_like(x, 7.0))
+
+
+def test_cpu_gated_mlp_leaves_a_quantized_down_proj_to_the_module(vllm_config):
+    """vLLM may fuse a quantized down_proj's input quantization into the activation: the
+    module's own forward runs."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    class Quantized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act_fn = SiluAndMul()
+            self.gate_up_proj = _Linear(8, 16)
+            self.down_proj = _Linear(8, 8, quant_method=object())
+
+        def forward(self, x):
+            return torch.full_like(x, 5.0)
+
+    x = torch.randn(3, 8)
+    assert torch.equal(cpu_gated_mlp(Quantized(), x), torch.full_like(x, 5.0))
