@@ -66,7 +66,8 @@ def prefill_text_first(
             torch.full((total,), adapter.num_layers, dtype=torch.int64),
             outputs=torch.zeros(total, dtype=torch.bool),  # their KV alone is read
         )
+    # all layers in one write per prompt: one index copy to the device and two index writes,
+    # not one blocking copy (a host sync on CUDA) and two writes per layer
     for (_, linked_kv), text_index, scratch in zip(prompts, texts, scratches, strict=True):
-        for layer in range(adapter.num_layers):
-            linked_kv.write(layer, text_index, scratch.keys[layer], scratch.values[layer])
+        linked_kv.write_layers(text_index, scratch.keys, scratch.values)
     return sizes
