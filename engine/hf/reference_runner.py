@@ -31,6 +31,7 @@ from mpic.engine.hf.loader import load_hf_model
 from mpic.engine.protocol import Sampling
 from mpic.engine.request_flow import plan_parts, policy_of
 from mpic.engine.sampling import Sampler
+from mpic.kernels.attention import default_backend_name
 from mpic.kernels.attention_backend import AttentionBackend
 from mpic.linker.chat_template import ChatTemplateOptions
 from mpic.linker.kv.dense import DenseLinkedKV
@@ -113,6 +114,12 @@ class ReferenceRunner:
         self.model, self.processor, self.spec = load_hf_model(model_dir, device, dtype)
         self.adapter = make_adapter(self.model, compile_layers, compile_backend)
         self.attention_backend = attention_backend
+        chosen = attention_backend or default_backend_name(self.adapter.device)
+        if chosen == "sdpa_runs" and self.adapter.device.type == "cuda":
+            logger.warning(
+                "attention backend sdpa_runs on CUDA: it is the CPU oracle (many small calls "
+                "per layer) and ran 3-90x slower than flex on an H200; flex is the CUDA default"
+            )
         self.decode_correction = decode_correction
         self.scout_scales = load_scale_table(model_dir, self.adapter.num_layers)
         """The model's own (budget, S) table for `scout-*` / `auto` names, or None (default)."""
