@@ -94,6 +94,8 @@ cat <<'EOF'
 
 Now one device call (run tool), from the repository root, carry [".gpu"], timeout_s ~590:
   set -o pipefail; bash scripts/gpu/run.sh 2>&1 | tee $OUT/log.txt
+A second call at once after it (the machine stays warm 30 s), if device time is left:
+  set -o pipefail; STAGES="ab profile" BUDGET=280 bash scripts/gpu/run.sh 2>&1 | tee $OUT/log.txt
 Dry run here first (tiny models on the CPU, ~2 min):
   mkdir -p /tmp/gpudry; DRY=1 OUT=/tmp/gpudry bash scripts/gpu/run.sh 2>&1 | tee /tmp/gpudry/log.txt
 EOF

@@ -7,10 +7,16 @@
 # 2. writes the 7B-shaped LLaVA, benchmarks it (`mpic bench offline`, bf16, flex attention,
 #    images 1,8,16, full / full-reuse / mpic-32 / auto, 3 repeats), then the same for Qwen2-VL;
 # 3. runs the gpu-marked tests from .gpu/proj (kernels, then engine/hf, then the rest).
+# STAGES (default "llava qwen tests") picks and orders the stages; two more, for a second call:
+#   ab       Qwen2-VL 7B, images 1,8, full / mpic-32 / auto under three configurations, each in
+#            its own process: flex with the compiled layer step (the default), flex with
+#            MPIC_COMPILE_LAYERS=0, sdpa_runs;
+#   profile  scripts/gpu/host_profile.py: where the host time of one mpic-32 prefill goes.
 # Everything fits BUDGET seconds (default 480) from the start: each step runs under `timeout`
 # capped by what is left, and is skipped, with a message, when too little is left.
-# Results in $OUT: summary.txt (the two tables, recompile counts, test results), <step>.out
-# (each step's full output), llava7b.json/.png, qwen2vl7b.json/.png.
+# Results in $OUT (at most 8 files: what the device tool brings back): summary.txt (the tables,
+# recompile counts, test results), steps.tar.gz (each step's full output, <step>.out, refreshed
+# after every step), llava7b.json/.png, qwen2vl7b.json/.png (and ab-*.json with the ab stage).
 # Overrides: IMAGES (1,8,16), REPEATS (3), RESERVE_LLAVA (seconds kept for Qwen2-VL and the tests
 # when LLaVA's bench starts, 200), TESTS=0 (no tests): a short second call.
 # DRY=1: the same on this CPU machine (no wheel install; PY_DRY, default .venv/bin/python; tiny
@@ -37,6 +43,7 @@ export COLUMNS=260  # rich tables at full width in a pipe
 el() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 SUM=$OUT/summary.txt
+STAGES=${STAGES:-llava qwen tests}
 say() { echo "$@" | tee -a "$SUM"; }
 FAILED=0
 NOISE='Warning|warnings\.warn|\[__recompiles\]'
@@ -47,11 +54,15 @@ if [ -n "${DRY:-}" ]; then
   case $PY in /*) ;; */*) PY=$ROOT/$PY ;; esac  # absolute, symlinks kept (a venv's python)
   W=$(mktemp -d /tmp/mpic-gpu.XXXXXX)
   trap 'rm -rf "$W"' EXIT
+  AB_IMAGES=1,2
 else
   MODE="GPU" SIZE=7b DEV=cuda DT=bfloat16 IMAGES=${IMAGES:-1,8,16} REPEATS=${REPEATS:-3}
   PY=$(command -v "${PY:-python3}") || { echo "no python3"; exit 3; }  # absolute: a shebang
   W=/tmp/mpic-gpu; rm -rf "$W"; mkdir -p "$W"
+  AB_IMAGES=1,8
 fi
+STEPS=$W/steps  # each step's full output, archived into $OUT/steps.tar.gz after every step
+mkdir -p "$STEPS"
 : > "$SUM"
 say "mpic GPU check, $MODE, budget $BUDGET s, $(date -u +%FT%TZ)"
 [ -f "$G/MANIFEST" ] && say "$(sed 's/^/  /' "$G/MANIFEST")"
@@ -108,7 +119,8 @@ else say "note: this mpic bench offline has no --top-ops: left out"; fi
 if ! "$PY" -c "import matplotlib" 2>/dev/null; then say "note: no matplotlib: no plots"; fi
 
 # step NAME NEED CAP CMD...: CMD under `timeout` (signal $SIG, default TERM) for min(CAP, left)
-# seconds, skipped when that is under NEED; full output in $OUT/NAME.out, filtered on stdout.
+# seconds, skipped when that is under NEED; full output in $STEPS/NAME.out (and the archive),
+# filtered on stdout.
 step() {
   local name=$1 need=$2 cap=$3 l rc t
   shift 3
@@ -120,9 +132,10 @@ step() {
   fi
   echo "=== $name (t=$(el) s, timeout ${cap} s)"
   t=$(date +%s)
-  timeout -k 15 -s "${SIG:-TERM}" "$cap" "$@" 2>&1 | tee "$OUT/$name.out" |
+  timeout -k 15 -s "${SIG:-TERM}" "$cap" "$@" 2>&1 | tee "$STEPS/$name.out" |
     grep --line-buffered -vE "$NOISE"
   rc=${PIPESTATUS[0]}
+  tar -czf "$OUT/steps.tar.gz" -C "$STEPS" .
   local why=""
   [ "$rc" = 124 ] && why=" (TIMEOUT)"
   say "=== $name: rc $rc$why after $(( $(date +%s) - t )) s (t=$(el) s)"
@@ -139,7 +152,7 @@ bench() {  # bench TAG FAMILY RESERVE: write the model, benchmark it, leave RESE
     mpic bench offline --model "$W/$tag" --engine reference --device "$DEV" --dtype "$DT" \
     --attention flex --images "$IMAGES" --policies full,full-reuse,mpic-32,auto \
     --repeats "$REPEATS" --threads 0 "${TOPOPS[@]}" --json "$OUT/$tag.json" "${plot[@]}"
-  local rc=$? f=$OUT/bench-$tag.out
+  local rc=$? f=$STEPS/bench-$tag.out
   rm -rf "${W:?}/$tag"  # a 7B folder is ~15 GB
   [ "$rc" = 99 ] && return
   {
@@ -167,42 +180,77 @@ EOF
   } | tee -a "$SUM"
 }
 
-bench llava7b llava ${RESERVE_LLAVA:-200}        # Qwen2-VL's model and bench, and some tests, still to come
-bench qwen2vl7b qwen2-vl 70    # the kernel tests, at least
+stage_llava() { bench llava7b llava "${RESERVE_LLAVA:-200}"; }  # Qwen2-VL and some tests to come
+stage_qwen() { bench qwen2vl7b qwen2-vl 70; }  # the kernel tests, at least
 
-# The gpu-marked tests, against the installed wheel, in priority order.
-PROJ=$G/proj
-if [ -d "$PROJ/tests" ] && [ "${TESTS:-1}" = 1 ]; then
-  cd "$PROJ" || exit 2
-  # the fused corrected attention and the CUDA reference runner lead their groups
-  mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | LC_ALL=C sort |
-    awk '/test_correction|test_reference_runner_gpu/ {print; next} {rest[n++] = $0}
-         END {for (i = 0; i < n; i++) print rest[i]}')
-  kernels=() hf=() rest=()
-  for f in "${files[@]}"; do
-    case $f in tests/kernels/*) kernels+=("$f") ;; tests/engine/hf/*) hf+=("$f") ;;
-      *) rest+=("$f") ;; esac
+stage_tests() {  # the gpu-marked tests, against the installed wheel, in priority order
+  PROJ=$G/proj
+  if [ -d "$PROJ/tests" ] && [ "${TESTS:-1}" = 1 ]; then
+    cd "$PROJ" || exit 2
+    # the fused corrected attention and the CUDA reference runner lead their groups
+    mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | LC_ALL=C sort |
+      awk '/test_correction|test_reference_runner_gpu/ {print; next} {rest[n++] = $0}
+           END {for (i = 0; i < n; i++) print rest[i]}')
+    kernels=() hf=() rest=()
+    for f in "${files[@]}"; do
+      case $f in tests/kernels/*) kernels+=("$f") ;; tests/engine/hf/*) hf+=("$f") ;;
+        *) rest+=("$f") ;; esac
+    done
+    run_tests() {  # run_tests NAME RESERVE FILE...: leave RESERVE s for later groups if possible
+      local name=$1 cap=$(( $(left) - $2 ))
+      shift 2
+      [ $# -gt 0 ] || return
+      [ "$cap" -lt 30 ] && cap=$(left)
+      # SIGINT at the timeout: pytest stops and still prints what failed so far
+      SIG=INT step "$name" 30 "$cap" "$PY" -m pytest -q -p no:cacheprovider \
+        -m gpu -rfE --continue-on-collection-errors "$@"
+      [ $? = 99 ] && return  # skipped
+      { echo "$name ($*):"; grep -E '^(FAILED|ERROR) ' "$STEPS/$name.out" | head -20
+        tail -n 1 "$STEPS/$name.out"; } | tee -a "$SUM"
+    }
+    echo >> "$SUM"
+    run_tests tests-kernels 60 "${kernels[@]}"
+    run_tests tests-engine-hf 20 "${hf[@]}"
+    run_tests tests-rest 0 "${rest[@]}"
+    cd "$W" || true
+  else
+    say "=== SKIP tests: no .gpu/proj (run scripts/gpu/prepare.sh)"
+  fi
+}
+
+ab_model() {  # the Qwen2-VL model of the ab and profile stages (written once)
+  [ -d "$W/ab" ] || step make-ab 40 150 mpic model make-tiny --family qwen2-vl --size "$SIZE" \
+    --out "$W/ab"
+}
+
+stage_ab() {  # one process per configuration: the compiled layer step's and the backend's worth
+  ab_model || return
+  local attention mode name
+  for attention in flex:compiled flex:eager sdpa_runs:compiled; do
+    mode=${attention#*:} attention=${attention%:*} name=ab-${attention}-${mode}
+    step "$name" 40 $(( $(left) - 40 )) env $([ "$mode" = eager ] && echo MPIC_COMPILE_LAYERS=0) \
+      mpic bench offline --model "$W/ab" --engine reference --device "$DEV" --dtype "$DT" \
+      --attention "$attention" --images "$AB_IMAGES" --policies full,mpic-32,auto \
+      --repeats "$REPEATS" --threads 0 --json "$OUT/$name.json"
+    { echo; echo "$name:"; sed -n '/MPIC offline benchmark/,/^└/p' "$STEPS/$name.out"; } |
+      tee -a "$SUM"
   done
-  run_tests() {  # run_tests NAME RESERVE FILE...: leave RESERVE s for later groups if possible
-    local name=$1 cap=$(( $(left) - $2 ))
-    shift 2
-    [ $# -gt 0 ] || return
-    [ "$cap" -lt 30 ] && cap=$(left)
-    # SIGINT at the timeout: pytest stops and still prints what failed so far
-    SIG=INT step "$name" 30 "$cap" "$PY" -m pytest -q -p no:cacheprovider \
-      -m gpu -rfE --continue-on-collection-errors "$@"
-    [ $? = 99 ] && return  # skipped
-    { echo "$name ($*):"; grep -E '^(FAILED|ERROR) ' "$OUT/$name.out" | head -20
-      tail -n 1 "$OUT/$name.out"; } | tee -a "$SUM"
-  }
-  echo >> "$SUM"
-  run_tests tests-kernels 60 "${kernels[@]}"
-  run_tests tests-engine-hf 20 "${hf[@]}"
-  run_tests tests-rest 0 "${rest[@]}"
-  cd "$W" || true
-else
-  say "=== SKIP tests: no .gpu/proj (run scripts/gpu/prepare.sh)"
-fi
+}
+
+stage_profile() {  # where the host time of one mpic-32 prefill goes (cProfile)
+  ab_model || return
+  step host-profile 40 120 "$PY" "$ROOT/scripts/gpu/host_profile.py" "$W/ab" --device "$DEV" \
+    --dtype "$DT"
+  { echo; echo "host-profile:"; head -n 40 "$STEPS/host-profile.out"; } | tee -a "$SUM"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    llava | qwen | tests | ab | profile) "stage_$stage" ;;
+    *) say "=== unknown stage $stage (llava, qwen, tests, ab, profile)"; FAILED=1 ;;
+  esac
+done
+rm -rf "${W:?}/ab"
 
 say ""
 say "done in $(el) s of $BUDGET s; $([ "$FAILED" = 0 ] && echo 'every step passed' || echo 'some step FAILED or timed out')"
