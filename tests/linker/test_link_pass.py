@@ -19,6 +19,7 @@ from mpic.linker.policies.cacheblend import KVDeviationHook
 from mpic.linker.policies.scout import scout_layers
 from mpic.linker.prefix import PrefixCache
 from mpic.linker.recipe import with_policy
+from mpic.linker.two_step import prefill_text_first
 from tests.linker.toy_model import CONTEXT, IMAGE_ID, ToyAdapter, toy_entries, toy_spec
 
 L = 6
@@ -134,6 +135,41 @@ def test_two_step_requests_share_one_text_first_pass():
     for p in planned:
         link_and_prefill(adapter, p, _kv(adapter, p))
     assert len(adapter.calls) == 4 * 2 * L
+
+
+class _Writes:
+    """A linked KV, recording its writes: per layer (`write`) and of all layers at once."""
+
+    def __init__(self, kv) -> None:
+        self._kv = kv
+        self.per_layer = 0
+        self.all_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    def write(self, layer, index, k, v):
+        self.per_layer += 1
+        self._kv.write(layer, index, k, v)
+
+    def write_layers(self, index, k, v):
+        self.all_layers.append((index, k))
+        self._kv.write_layers(index, k, v)
+
+
+def test_text_first_kv_goes_in_with_one_write_of_all_layers():
+    # on CUDA a write copies its host index to the device, a blocking copy (a host sync): the
+    # text-first KV goes into each prompt's linked KV in one write of all its layers
+    adapter = ToyAdapter(num_layers=L)
+    planned = _planned(adapter, ["full-reuse"] * 3)
+    kvs = [_Writes(_kv(adapter, p)) for p in planned]
+    prefill_text_first(adapter, [(p.plan, kv) for p, kv in zip(planned, kvs, strict=True)])
+    for p, kv in zip(planned, kvs, strict=True):
+        text = torch.nonzero(p.plan.is_text).flatten()
+        assert kv.per_layer == 0 and len(kv.all_layers) == 1
+        index, keys = kv.all_layers[0]
+        assert torch.equal(index, text) and keys.shape[:2] == (L, text.numel())
+        assert bool(kv.keys[:, text].abs().sum(dim=(1, 2, 3)).gt(0).all())  # every layer written
 
 
 def test_in_pass_hooks_each_select_their_own_rows_in_a_batch():
