@@ -30,11 +30,12 @@ backend):
   there), which also returns each row's log-sum-exp, over the linked keys and over the rest
   (keys gathered per group, causal-by-prompt-index masks built once per query set), merged by
   `merge_groups`: about the cost of one plain attention call (`attend_groups` takes the groups'
-  K/V already gathered: the vLLM worker reads them straight from its paged cache);
-- on CUDA the `flex` backend (the default there) runs two compiled FlexAttention calls that
-  return their log-sum-exps, merged the same way (`FlexBackend.attend_corrected`; written after
-  the H100 run in docs/kernels.md "GPU" and not yet run on a GPU; a call that fails to lower
-  falls back to the next path, with a warning);
+  K/V already gathered: the vLLM worker reads them straight from its paged cache); bfloat16
+  inputs run in bfloat16, any other dtype in float32;
+- on CUDA the `flex` backend (the default there) runs compiled FlexAttention that returns its
+  log-sum-exps, merged the same way (`FlexBackend.attend_corrected`; its tests passed on an
+  H200, docs/kernels.md "Fourth run"; a call that fails to lower falls back to the next path,
+  with a warning);
 - otherwise the torch path here: scores materialised per chunk of 64 queries ([H, chunk, N]),
   ~20 kernels per chunk and layer. On an H100 this made the default `auto` slower than full
   recomputation (docs/kernels.md "GPU").
@@ -229,15 +230,18 @@ def attend_groups(
     lse_a_out: a list that receives the linked group's log-sum-exps float32 [H, S] (-inf for a
     query that sees no linked key), e.g. for the vLLM worker's shift of the last query's keys."""
     flash = _flash_with_lse()
-    qh = q.float().transpose(0, 1)[None]  # [1, H, S, D]
+    # bfloat16 runs as is (the kernel accumulates in float32 and returns float32 log-sum-exps;
+    # ~45% faster than casting on a CPU with AMX); any other dtype in float32
+    work = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    qh = q.to(work).transpose(0, 1)[None]  # [1, H, S, D]
     parts = []
     for (keys, values), mask in ((group_a, groups.mask_a), (group_b, groups.mask_b)):
         if keys.shape[0] == 0:  # an empty group: weight 0 (lse -inf)
             lse = torch.full(qh.shape[1:3], -math.inf)
             parts.append((torch.zeros(qh.shape[1:]), lse))
             continue
-        k = keys.float().transpose(0, 1)[None]  # [1, H_kv, N_g, D]
-        v = values.float().transpose(0, 1)[None]
+        k = keys.to(work).transpose(0, 1)[None]  # [1, H_kv, N_g, D]
+        v = values.to(work).transpose(0, 1)[None]
         out, lse = flash(qh, k, v, attn_mask=mask, scale=scale)
         parts.append((out[0], lse[0]))
     (out_a, lse_a), (out_b, lse_b) = parts

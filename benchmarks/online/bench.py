@@ -18,9 +18,9 @@ prompt becomes a vLLM request (the server's own path):
   another position misses);
 - `full`: the same exact request with a fresh cache salt (no prefix-cache hit).
 
-All run on the same vLLM engine (same settings, float32 on CPU; the prefix cache is reset before
-every measurement), driven in-process through `AsyncVllmEngine` (no HTTP: the engine is what is
-compared). The saturation measurement:
+All run on the same vLLM engine (same settings: float32 unless `--dtype` says otherwise; the
+prefix cache is reset before every measurement), driven in-process through `AsyncVllmEngine` (no
+HTTP: the engine is what is compared). The saturation measurement:
 
 - unloaded TTFT: the median of `--unloaded` (default 10) requests sent one at a time, each
   after 1 s of an idle engine (as a request arrives at a low rate), after one warm-up request per
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,8 @@ class RunSettings:
     per_user: int
     max_tokens: int
     seed: int
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """`VllmOptions` fields that differ from their defaults (`engine_options`)."""
 
 
 def _echo(model: str, system: str, p: RatePoint, curve: SystemCurve) -> None:
@@ -155,7 +157,9 @@ def run_model(
     order = sorted(systems, key=lambda s: s != "prefix")  # prefix first: its half rate
     curves: list[SystemCurve] = []
     half = 0.0
-    with engine_session(name, model, kind, run.users, run.per_user, run.seed) as work:
+    with engine_session(
+        name, model, kind, run.users, run.per_user, run.seed, **run.engine_options
+    ) as work:
         engine = work.engine
         warm = make_chats(run.unloaded + 1, run.users, run.per_user, run.items, run.seed + 99)
         for system in order:
@@ -193,6 +197,16 @@ def run_model(
             if on_curve is not None:
                 on_curve(curves)
     return curves
+
+
+def engine_options(dtype: str) -> dict[str, Any]:
+    """`VllmOptions` overrides for `--dtype` (empty at the default, float32); BadParameter for a
+    dtype the engine does not take."""
+    from mpic.engine.vllm.config import VllmOptions
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
+    return {} if dtype == VllmOptions().dtype else {"dtype": dtype}
 
 
 def command(
@@ -248,6 +262,11 @@ def command(
         help="Closed loop: the p95 TTFT bound for 'most clients under the bound' (default 1 s; "
         "with --from-json, the run's own unless given).",
     ),
+    dtype: str = typer.Option(
+        "float32",
+        "--dtype",
+        help="The engine's model dtype for every system: float32, bfloat16 or float16.",
+    ),
 ) -> None:
     """MPIC vs vLLM prefix caching vs full recomputation, online, on one vLLM engine."""
     if closed_loop:
@@ -262,6 +281,7 @@ def command(
         return
     from mpic.deployments.config import ServeAppConfig
 
+    options = engine_options(dtype)
     default = ServeAppConfig().default_policy
     names = []
     for s in systems.split(","):
@@ -277,18 +297,19 @@ def command(
             raise typer.BadParameter(f"--clients needs positive counts, got {clients!r}")
         bound = online_closed.DEFAULT_TTFT_BOUND_S if ttft_bound_s is None else ttft_bound_s
         online_closed.command(model_list, names, levels, duration_s, bound, max_tokens, users,
-                              seed, {"default_policy": default}, Path(out))  # fmt: skip
+                              seed, {"default_policy": default, "dtype": dtype}, Path(out),
+                              options)  # fmt: skip
         return
     rate_list = sorted(float(r) for r in rates.split(",") if r)
     meta = {"rates": rate_list, "requests": requests, "unloaded": unloaded_n,
             "max_tokens": max_tokens, "users": users, "default_policy": default,
-            "seed": seed}  # fmt: skip
+            "seed": seed, "dtype": dtype}  # fmt: skip
     results: dict[str, list[SystemCurve]] = {}
     for m in model_list:
         model, kind, items, per_user = model_setup(m)
         typer.echo(f"{m}: {model} ({items} {kind} items per chat; systems {names})")
         run = RunSettings(rate_list, requests, unloaded_n, items, users, per_user, max_tokens,
-                          seed)  # fmt: skip
+                          seed, options)  # fmt: skip
 
         def save(curves: list[SystemCurve], m: str = m) -> None:
             write_outputs({**results, m: curves}, meta, Path(out))

@@ -47,7 +47,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,8 @@ class ClosedSettings:
     per_user: int
     max_tokens: int
     seed: int
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """`VllmOptions` fields that differ from their defaults (`--dtype`)."""
 
 
 def _echo(model: str, system: str, lv: Level) -> None:
@@ -150,7 +152,9 @@ def run_model(
 ) -> list[ClosedCurve]:
     """Every system's levels on one model (one engine); `on_curve(curves)` after each level."""
     curves = [ClosedCurve(s) for s in systems]
-    with wl.engine_session(name, model, kind, run.users, run.per_user, run.seed) as work:
+    with wl.engine_session(
+        name, model, kind, run.users, run.per_user, run.seed, **run.engine_options
+    ) as work:
         warm = wl.make_chats(1, run.users, run.per_user, run.items, run.seed + 99)
         for system in systems:
             wl.unloaded(work, system, warm, run.max_tokens)  # first-use costs out of the way
@@ -179,6 +183,7 @@ def command(
     seed: int,
     meta: dict,
     out: Path,
+    engine_options: dict[str, Any] | None = None,
 ) -> None:
     """The closed-loop run of `mpic bench online --closed-loop` (options checked there)."""
     meta = {**meta, "mode": "closed-loop", "clients": clients, "duration_s": duration_s,
@@ -189,7 +194,8 @@ def command(
         model, kind, items, per_user = wl.model_setup(m)
         typer.echo(f"{m}: {model} ({items} {kind} items per chat; systems {systems}; "
                    f"clients {clients}, {duration_s:g} s each)")  # fmt: skip
-        run = ClosedSettings(clients, duration_s, items, users, per_user, max_tokens, seed)
+        run = ClosedSettings(clients, duration_s, items, users, per_user, max_tokens, seed,
+                             dict(engine_options or {}))  # fmt: skip
 
         def save(curves: list[ClosedCurve], m: str = m) -> None:
             write_outputs({**results, m: curves}, meta, out)

@@ -175,7 +175,7 @@ def print_table(results: dict[str, list[SystemCurve]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Online serving on one vLLM engine (CPU, float32)")
+    table = Table(title="Online serving on one vLLM engine")
     for col in ["model", "system", "unloaded ms", "sat. p99 / p95", "rate: p50/p95/p99 ms, /s"]:
         table.add_column(col)
     for m, curves in results.items():

@@ -165,10 +165,12 @@ def unloaded(
 
 @contextmanager
 def engine_session(
-    name: str, model: str, kind: str, users: int, per_user: int, seed: int
+    name: str, model: str, kind: str, users: int, per_user: int, seed: int, **options: Any
 ) -> Iterator[Workload]:
     """One vLLM engine on `model` (`AsyncVllmEngine`, a fresh store, 16 sequences at most) with
-    the users' items uploaded; every system of a run is measured on it. Closed on exit."""
+    the users' items uploaded; every system of a run is measured on it. Closed on exit.
+    options: `VllmOptions` fields that differ from their defaults (`--dtype bfloat16`:
+    `dtype="bfloat16"`)."""
     import tempfile
 
     from mpic.engine.vllm.async_engine import AsyncVllmEngine
@@ -176,7 +178,9 @@ def engine_session(
     from mpic.storage.config import StorageConfig
 
     storage = StorageConfig(url=Path(tempfile.mkdtemp()).as_uri(), fsync=False)
-    engine = AsyncVllmEngine(VllmEngineConfig(model=model, storage=storage, max_num_seqs=16))
+    engine = AsyncVllmEngine(
+        VllmEngineConfig(model=model, storage=storage, max_num_seqs=16, **options)
+    )
     try:
         work = Workload(engine, kind, users, per_user, seed)
         typer.echo(f"[{time.strftime('%H:%M:%S')}] {name}: {len(work.entries)} items uploaded")

@@ -23,7 +23,11 @@ class VllmOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = Field("float32", description="Model dtype; float32 on CPU (bf16 ~5x slower).")
+    dtype: str = Field(
+        "float32",
+        description="Model dtype (float32: what the exactness checks compare; bfloat16 is faster "
+        "on CPUs with AMX, ~5x slower on AVX2-only cores).",
+    )
     block_size: int = Field(32, description="KV block size; a multiple of 32 on CPU.")
     kv_cache_gib: int = Field(1, ge=1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: int | None = Field(None, ge=1, description="Context limit (None: the model's).")

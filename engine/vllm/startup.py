@@ -8,15 +8,19 @@ Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_enviro
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) from `VllmEngineConfig.kv_cache_gib`;
 - `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
   that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);
-- float32 on CPU (bf16 is ~5x slower on these AVX2 cores) and `block_size` a multiple of 32
-  (the CPU attention kernel's requirement), both enforced by the config;
+- float32 by default (`VllmOptions.dtype`; bfloat16 is faster on a CPU with AMX, slower on
+  AVX2-only cores: docs/vllm.md; on a CPU whose flags have `amx_bf16` a float32 start logs a
+  hint) and `block_size` a multiple of 32 (the CPU attention kernel's
+  requirement, enforced by the config);
 - the torchvision shim for CPU torch is NOT here: it must run at interpreter start-up, so
   scripts/setup.sh installs it as a `.pth` (scripts/torchvision_cpu_shim.py documents it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from mpic.engine.model_dir import resolve_model_dir
@@ -28,6 +32,23 @@ CONNECTOR_MODULE = "mpic.engine.vllm.connector.kv_connector"
 
 __all__ = ["CONNECTOR", "CONNECTOR_MODULE", "engine_kwargs", "prepare_environment"]
 
+log = logging.getLogger(__name__)
+
+CPUINFO = Path("/proc/cpuinfo")
+"""Where `cpu_flags` reads the CPU's feature flags (Linux)."""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (`flags` of /proc/cpuinfo: `amx_bf16`, `avx512f`, ...; empty
+    where there is no such file)."""
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
 
 def prepare_environment(cfg: VllmEngineConfig) -> None:
     """Check the installed vLLM's release (`mpic.engine.vllm.version`: stops outside the tested
@@ -36,6 +57,12 @@ def prepare_environment(cfg: VllmEngineConfig) -> None:
     check_vllm_version(cfg.allow_untested_vllm)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if cfg.dtype == "float32" and "amx_bf16" in cpu_flags():
+        log.info(
+            "this CPU has AMX bfloat16 tiles: engine.dtype bfloat16 (mpic serve --dtype "
+            "bfloat16) serves 2-3x the requests of float32 here; float32 is the default, the "
+            "dtype the exactness checks compare"
+        )
 
 
 def engine_kwargs(cfg: VllmEngineConfig) -> dict[str, Any]:

@@ -231,3 +231,26 @@ def test_attend_groups_over_pre_gathered_groups_is_the_two_call_path():
     got = correction.attend_groups(q, split[0], split[1], 0.8, dim**-0.5, groups)
     want = corrected_attention(q, q_index, keys, values, linked, 0.8, dim**-0.5, state)
     assert torch.equal(got, want)
+
+
+def test_attend_groups_runs_bfloat16_as_is_within_its_rounding():
+    # bfloat16 K/V (a bf16 vLLM cache) run through the kernel in bfloat16, not cast to float32:
+    # the output is bfloat16 and within bf16 rounding of the float32 equation, a linked group
+    # that no query sees (-inf lse) included
+    if correction._flash_with_lse() is None:
+        pytest.skip("no CPU flash kernel with log-sum-exps")
+    g = torch.Generator().manual_seed(4)
+    n, heads, kv_heads, dim = 96, 6, 2, 32
+    keys, values = (torch.randn(n, kv_heads, dim, generator=g) for _ in range(2))
+    q_index = torch.tensor([0, 1, 2, 50, 51, 90, 95])
+    q = torch.randn(q_index.numel(), heads, dim, generator=g)
+    linked = torch.zeros(n, dtype=torch.bool)
+    linked[10:80] = True
+    state = correction.prepare_corrected(q_index, linked, n)
+    groups = state.groups
+    assert groups is not None and not bool(groups.sees_a[0, 0])
+    split = [(keys[i].bfloat16(), values[i].bfloat16()) for i in (groups.index_a, groups.index_b)]
+    got = correction.attend_groups(q.bfloat16(), split[0], split[1], 0.8, dim**-0.5, groups)
+    assert got.dtype == torch.bfloat16
+    want = _naive(q, q_index, keys, values, linked, 0.8)  # scale 1 / sqrt(dim)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)

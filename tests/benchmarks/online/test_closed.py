@@ -233,3 +233,35 @@ def test_models_take_a_model_folder(tmp_path: Path) -> None:
     assert online_workload.model_setup(str(text)) == (str(text), "text", 4, 5)
     with pytest.raises(typer.BadParameter, match="model folder"):
         online_workload.model_setup(str(tmp_path / "missing"))
+
+
+def test_cli_dtype_reaches_the_engine_and_the_json_and_a_bad_one_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--dtype bfloat16` is the engine's dtype for every system (a `VllmOptions` override on the
+    one engine session) and the JSON's `meta.dtype`; the default float32 overrides nothing; a
+    dtype the engine does not take is a usage error before any engine starts."""
+    from mpic.cli import app
+
+    work = StubWork(StubEngine({"prefix": 0.01, "mpic-32": 0.01}, 0.001))
+    options: list[dict] = []
+
+    @contextmanager
+    def session(name, model, kind, users, per_user, seed, **opts):
+        options.append(opts)
+        yield work
+
+    monkeypatch.setattr(online_workload, "model_setup", lambda m: ("stub-model", "image", 3, 4))
+    monkeypatch.setattr(online_workload, "engine_session", session)
+    base = ["bench", "online", "--closed-loop", "--models", "llava", "--systems",
+            "mpic-32,prefix", "--clients", "1", "--duration-s", "0.1"]  # fmt: skip
+    for dtype, expected in (("bfloat16", {"dtype": "bfloat16"}), ("float32", {})):
+        out = tmp_path / dtype
+        result = CliRunner().invoke(app, [*base, "--dtype", dtype, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert options[-1] == expected
+        assert json.loads((out / "online_closed.json").read_text())["meta"]["dtype"] == dtype
+
+    result = CliRunner().invoke(app, [*base, "--dtype", "int8", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "int8" in result.output
+    assert len(options) == 2 and not (tmp_path / "x").exists()

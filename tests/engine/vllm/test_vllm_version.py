@@ -49,3 +49,27 @@ def test_engine_start_stops_on_untested_release(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger=vv.__name__):
         prepare_environment(cfg)
     assert "UNTESTED vLLM" in caplog.text
+
+
+def test_float32_start_on_an_amx_cpu_hints_at_bfloat16(monkeypatch, tmp_path, caplog) -> None:
+    # the hint reads the CPU's flags: given on a CPU with AMX bf16 tiles at float32 only
+    from mpic.engine.vllm import startup
+
+    monkeypatch.setattr(vv, "installed_vllm", lambda: "0.32.0")
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.setenv(name, "")
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(startup, "CPUINFO", info)
+    cfg = VllmEngineConfig(model="unused")
+    for flags, dtype, hinted in (
+        ("fpu avx2 amx_bf16 amx_tile", "float32", True),
+        ("fpu avx2 amx_bf16 amx_tile", "bfloat16", False),
+        ("fpu avx2 avx512f", "float32", False),
+    ):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=startup.__name__):
+            startup.prepare_environment(cfg.model_copy(update={"dtype": dtype}))
+        assert ("AMX bfloat16" in caplog.text) is hinted, (flags, dtype)
+    info.unlink()
+    assert startup.cpu_flags() == set()  # no /proc/cpuinfo: no flags, no error
