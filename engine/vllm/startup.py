@@ -9,9 +9,10 @@ Every CPU set-up step (docs/design.md "Platform notes") lives in `prepare_enviro
 - `VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's children are spawned, never forked from a process
   that already runs torch threads (callers' scripts need `if __name__ == "__main__":`);
 - float32 by default (`VllmOptions.dtype`; bfloat16 is faster on a CPU with AMX, slower on
-  AVX2-only cores: docs/vllm.md; on a CPU whose flags have `amx_bf16` a float32 start logs a
-  hint) and `block_size` a multiple of 32 (the CPU attention kernel's
-  requirement, enforced by the config);
+  AVX2-only cores: docs/vllm.md); a float32 start logs a hint on a CPU whose flags have
+  `amx_bf16`, and a warning on a CUDA device, where bfloat16 is what `vllm serve` would pick;
+- `block_size` a multiple of 32 (the CPU attention kernel's requirement, enforced by the
+  config);
 - the torchvision shim for CPU torch is NOT here: it must run at interpreter start-up, so
   scripts/setup.sh installs it as a `.pth` (scripts/torchvision_cpu_shim.py documents it).
 """
@@ -38,6 +39,12 @@ CPUINFO = Path("/proc/cpuinfo")
 """Where `cpu_flags` reads the CPU's feature flags (Linux)."""
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (`flags` of /proc/cpuinfo: `amx_bf16`, `avx512f`, ...; empty
     where there is no such file)."""
@@ -57,7 +64,13 @@ def prepare_environment(cfg: VllmEngineConfig) -> None:
     check_vllm_version(cfg.allow_untested_vllm)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if cfg.dtype == "float32" and "amx_bf16" in cpu_flags():
+    if cfg.dtype == "float32" and _cuda_available():
+        log.warning(
+            "engine.dtype float32 on a CUDA device: twice the memory of bfloat16 and slower "
+            "(vllm serve's --dtype auto serves a bfloat16 checkpoint in bfloat16); set "
+            "engine.dtype: bfloat16 (mpic serve --dtype bfloat16)"
+        )
+    elif cfg.dtype == "float32" and "amx_bf16" in cpu_flags():
         log.info(
             "this CPU has AMX bfloat16 tiles: engine.dtype bfloat16 (mpic serve --dtype "
             "bfloat16) serves 2-3x the requests of float32 here; float32 is the default, the "

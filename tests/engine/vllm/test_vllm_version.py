@@ -73,3 +73,12 @@ def test_float32_start_on_an_amx_cpu_hints_at_bfloat16(monkeypatch, tmp_path, ca
         assert ("AMX bfloat16" in caplog.text) is hinted, (flags, dtype)
     info.unlink()
     assert startup.cpu_flags() == set()  # no /proc/cpuinfo: no flags, no error
+
+    # on a CUDA device float32 is a warning (twice bfloat16's memory), bfloat16 says nothing
+    monkeypatch.setattr(startup, "_cuda_available", lambda: True)
+    for dtype, warned in (("float32", True), ("bfloat16", False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=startup.__name__):
+            startup.prepare_environment(cfg.model_copy(update={"dtype": dtype}))
+        assert ("float32 on a CUDA device" in caplog.text) is warned, dtype
+        assert "AMX" not in caplog.text
