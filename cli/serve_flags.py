@@ -18,16 +18,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from mpic.deployments.config import ServeAppConfig, VllmServeEngineConfig
+from mpic.engine.vllm.config import DTYPES
 
-DTYPES = {
-    "auto": None,
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float": "float32",
-    "float32": "float32",
-}
-"""vLLM's `--dtype` choices -> the weights dtype (auto: float32 here, as MPIC's CPU default)."""
 VLLM_ONLY = (
     "gpu_memory_utilization",
     "tensor_parallel_size",
@@ -126,7 +118,7 @@ def apply_flags(cfg: ServeAppConfig, flags: ServeFlags, check_model: bool = True
     if flags.dtype is not None:
         if flags.dtype not in DTYPES:
             raise FlagError(f"--dtype {flags.dtype!r}: choose from {', '.join(DTYPES)}")
-        engine["dtype"] = DTYPES[flags.dtype] or "float32"
+        engine["dtype"] = DTYPES[flags.dtype]
     vllm_only = [k for k in VLLM_ONLY if k in given]
     if vllm_only and engine["kind"] != "vllm":
         names = ", ".join("--" + k.replace("_", "-") for k in vllm_only)

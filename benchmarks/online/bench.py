@@ -133,7 +133,7 @@ class RunSettings:
     max_tokens: int
     seed: int
     engine_options: dict[str, Any] = field(default_factory=dict)
-    """`VllmOptions` fields that differ from their defaults (`engine_options`)."""
+    """`VllmOptions` fields that differ from their defaults (`--dtype`)."""
 
 
 def _echo(model: str, system: str, p: RatePoint, curve: SystemCurve) -> None:
@@ -200,13 +200,13 @@ def run_model(
 
 
 def engine_options(dtype: str) -> dict[str, Any]:
-    """`VllmOptions` overrides for `--dtype` (empty at the default, float32); BadParameter for a
-    dtype the engine does not take."""
-    from mpic.engine.vllm.config import VllmOptions
+    """`VllmOptions` overrides for `--dtype` (vLLM's names, as `mpic serve --dtype`; empty for
+    the default dtype); BadParameter for a name vLLM does not take."""
+    from mpic.engine.vllm.config import DTYPES, VllmOptions
 
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise typer.BadParameter(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
-    return {} if dtype == VllmOptions().dtype else {"dtype": dtype}
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    return {} if DTYPES[dtype] == VllmOptions().dtype else {"dtype": DTYPES[dtype]}
 
 
 def command(
@@ -265,7 +265,8 @@ def command(
     dtype: str = typer.Option(
         "float32",
         "--dtype",
-        help="The engine's model dtype for every system: float32, bfloat16 or float16.",
+        help="The engine's weights dtype for every system: auto, half, float16, bfloat16, "
+        "float, float32 (as mpic serve; auto: float32).",
     ),
 ) -> None:
     """MPIC vs vLLM prefix caching vs full recomputation, online, on one vLLM engine."""
@@ -282,6 +283,7 @@ def command(
     from mpic.deployments.config import ServeAppConfig
 
     options = engine_options(dtype)
+    dtype = options.get("dtype", "float32")  # the name the JSON records
     default = ServeAppConfig().default_policy
     names = []
     for s in systems.split(","):

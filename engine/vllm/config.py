@@ -16,6 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mpic.storage.config import StorageConfig
 
+DTYPES = {
+    "auto": "float32",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+"""vLLM's `--dtype` choices -> the weights dtype (`mpic serve --dtype`, `mpic bench online
+--dtype`; auto: float32, MPIC's default)."""
+
 
 class VllmOptions(BaseModel):
     """vLLM's engine settings (each one an `EngineArgs` field of the same name, except

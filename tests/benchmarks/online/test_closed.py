@@ -255,13 +255,13 @@ def test_cli_dtype_reaches_the_engine_and_the_json_and_a_bad_one_exits_2(
     monkeypatch.setattr(online_workload, "engine_session", session)
     base = ["bench", "online", "--closed-loop", "--models", "llava", "--systems",
             "mpic-32,prefix", "--clients", "1", "--duration-s", "0.1"]  # fmt: skip
-    for dtype, expected in (("bfloat16", {"dtype": "bfloat16"}), ("float32", {})):
-        out = tmp_path / dtype
+    for dtype, meant in (("bfloat16", "bfloat16"), ("float32", "float32"), ("half", "float16")):
+        out = tmp_path / dtype  # vLLM's names, as `mpic serve --dtype`
         result = CliRunner().invoke(app, [*base, "--dtype", dtype, "--out", str(out)])
         assert result.exit_code == 0, result.output
-        assert options[-1] == expected
-        assert json.loads((out / "online_closed.json").read_text())["meta"]["dtype"] == dtype
+        assert options[-1] == ({} if meant == "float32" else {"dtype": meant})
+        assert json.loads((out / "online_closed.json").read_text())["meta"]["dtype"] == meant
 
     result = CliRunner().invoke(app, [*base, "--dtype", "int8", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "int8" in result.output
-    assert len(options) == 2 and not (tmp_path / "x").exists()
+    assert len(options) == 3 and not (tmp_path / "x").exists()
