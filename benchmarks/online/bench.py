@@ -281,9 +281,10 @@ def command(
         write_outputs(results, meta, Path(out))
         return
     from mpic.deployments.config import ServeAppConfig
+    from mpic.engine.vllm.config import DTYPES
 
     options = engine_options(dtype)
-    dtype = options.get("dtype", "float32")  # the name the JSON records
+    dtype = DTYPES[dtype]  # the weights dtype the JSON records (vLLM's alias resolved)
     default = ServeAppConfig().default_policy
     names = []
     for s in systems.split(","):
